@@ -1,0 +1,37 @@
+"""Data that describes NVIDIA GPUs and the host to mtcore's generic implementations."""
+
+from __future__ import annotations
+
+from mtcore.backend import DeviceModuleSpec
+
+# Dense peak TFLOP/s from NVIDIA's data sheets (no sparsity), matched by name.
+_NVIDIA_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "float8": 4500.0}),
+    ("H200", {"bfloat16": 989.4, "float16": 989.4, "float8": 1978.9}),
+    ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float8": 1513.0}),
+    ("H100", {"bfloat16": 989.4, "float16": 989.4, "float8": 1978.9}),
+    ("H800", {"bfloat16": 989.4, "float16": 989.4, "float8": 1978.9}),
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
+    ("A800", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
+    ("L40S", {"bfloat16": 362.1, "float16": 362.1, "float8": 733.0}),
+    ("L4", {"bfloat16": 121.0, "float16": 121.0, "float8": 242.0}),
+)
+
+
+def nvidia_peak_tflops(name: str, capability: tuple[int, int]) -> dict[str, float]:
+    for marker, peaks in _NVIDIA_PEAKS:
+        if marker in name:
+            return dict(peaks)
+    return {}
+
+
+CUDA = DeviceModuleSpec(
+    device_type="cuda",
+    import_name=None,
+    visible_devices_env="CUDA_VISIBLE_DEVICES",
+    bf16_min_capability=(8, 0),
+    peak_tflops=nvidia_peak_tflops,
+)
+
+# torch._scaled_mm with tensor-wise and row-wise scales needs Ada (8.9) or newer.
+FP8_MIN_CAPABILITY = (8, 9)

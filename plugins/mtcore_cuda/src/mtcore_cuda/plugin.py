@@ -1,0 +1,55 @@
+"""The mtcore-cuda plugin: hook implementations for the 'cpu' and 'cuda' backends."""
+
+from __future__ import annotations
+
+from mtcore.backend import (
+    FP8,
+    BackendSpec,
+    Collective,
+    CollectiveCapabilities,
+    CpuDevice,
+    KernelImpl,
+    TorchModuleDevice,
+    fp8_unsupported_everywhere,
+    hookimpl,
+)
+from mtcore.ops import torch_native
+from mtcore_cuda.devices import CUDA, FP8_MIN_CAPABILITY
+
+# Tensor-wise and row-wise scales run in torch._scaled_mm on the CPU and on
+# capability >= 8.9 GPUs; 1x128/128x128 blocks take the dequantize fallback.
+_NATIVE_FP8 = frozenset({("tensor", "tensor"), ("row", "row")})
+
+
+@hookimpl
+def mtcore_backends():
+    cpu = BackendSpec(
+        name="cpu",
+        device=CpuDevice(),
+        collective=Collective("gloo", CollectiveCapabilities(fp8_unsupported_everywhere(), avg_supported=False)),
+        fp8=FP8(native_granularities=_NATIVE_FP8),
+        accelerator=False,
+        description="host CPU: gloo collectives, reference kernels, FP8 through torch._scaled_mm",
+    )
+    cuda_device = TorchModuleDevice(CUDA)
+    cuda = BackendSpec(
+        name="cuda",
+        device=cuda_device,
+        collective=Collective("nccl", CollectiveCapabilities()),
+        fp8=FP8.gated(_NATIVE_FP8, lambda: cuda_device.capability_at_least(FP8_MIN_CAPABILITY)),
+        priority=100,
+        description="NVIDIA GPUs: NCCL collectives, SDPA attention, fused AdamW",
+    )
+    return [cpu, cuda]
+
+
+@hookimpl
+def mtcore_kernels(backend: str, device_type: str):
+    if backend != "cuda":
+        return []
+    impls = [
+        KernelImpl("attention", torch_native.sdpa_attention, "sdpa", priority=50),
+    ]
+    if torch_native.fused_adamw_available():
+        impls.append(KernelImpl("adamw_step", torch_native.fused_adamw_step, "torch-fused", priority=50))
+    return impls

@@ -1,0 +1,68 @@
+"""The hardware-neutral contract: four interfaces, plugin discovery, backend selection.
+
+Parallel and model code reaches hardware only through a ``Backend``:
+``backend.device``, ``backend.collective``, ``backend.kernels`` and ``backend.fp8``.
+"""
+
+from mtcore.backend.collective import (
+    P2P,
+    Collective,
+    CollectiveCapabilities,
+    Handle,
+    Support,
+    fp8_unsupported_everywhere,
+)
+from mtcore.backend.device import (
+    Availability,
+    CpuDevice,
+    Device,
+    DeviceCapabilities,
+    DeviceModuleSpec,
+    TorchModuleDevice,
+)
+from mtcore.backend.fp8 import FP8, FORMATS, Quantized
+from mtcore.backend.hookspecs import ENTRY_POINT_GROUP, hookimpl
+from mtcore.backend.kernels import (
+    REFERENCE,
+    KernelImpl,
+    KernelQuery,
+    KernelRegistrationError,
+    KernelTable,
+)
+from mtcore.backend.plugins import PluginInfo, PluginRegistry, PluginWarning
+from mtcore.backend.selection import BackendError, get_backend, plugin_registry, select_backend
+from mtcore.backend.spec import Backend, BackendSpec
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "FORMATS",
+    "FP8",
+    "P2P",
+    "REFERENCE",
+    "Availability",
+    "Backend",
+    "BackendError",
+    "BackendSpec",
+    "Collective",
+    "CollectiveCapabilities",
+    "CpuDevice",
+    "Device",
+    "DeviceCapabilities",
+    "DeviceModuleSpec",
+    "Handle",
+    "KernelImpl",
+    "KernelQuery",
+    "KernelRegistrationError",
+    "KernelTable",
+    "PluginInfo",
+    "PluginRegistry",
+    "PluginWarning",
+    "Quantized",
+    "Support",
+    "TorchModuleDevice",
+    "fp8_unsupported_everywhere",
+    "get_backend",
+    "hookimpl",
+    "plugin_registry",
+    "select_backend",
+]

@@ -1,0 +1,285 @@
+"""The collective interface: every communication call parallel code makes.
+
+One implementation over ``torch.distributed`` serves gloo, NCCL, MCCL and any
+other c10d backend; what differs between them is data (the c10d name and a
+capability table). Where a backend cannot move a dtype natively the call still
+works through a stated fallback (FP8 moved as bytes, reductions in a wider
+dtype), and ``support()`` tells which path a call takes.
+
+All torch.distributed calls of the project live here, so that API moves
+between torch releases are handled in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OPS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "send_recv",
+    "barrier",
+)
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "avg": dist.ReduceOp.AVG,
+}
+_REDUCING = ("all_reduce", "reduce_scatter")
+
+
+class Support(enum.Enum):
+    NATIVE = "native"
+    FALLBACK = "fallback"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class CollectiveCapabilities:
+    """Which dtypes each op moves natively; everything else takes the fallback.
+
+    unsupported_dtypes: dtypes the backend cannot carry at all, per op. The
+    fallback moves FP8 as raw bytes (uint8) for data movement and reduces it in
+    float32; ``avg_supported`` is False where the backend lacks ReduceOp.AVG
+    (then AVG is SUM followed by a division).
+    """
+
+    unsupported_dtypes: Mapping[str, frozenset[torch.dtype]] = field(default_factory=dict)
+    avg_supported: bool = True
+
+    def support(self, op: str, dtype: torch.dtype) -> Support:
+        if op not in OPS:
+            raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+        if dtype in self.unsupported_dtypes.get(op, frozenset()):
+            return Support.FALLBACK
+        return Support.NATIVE
+
+
+def fp8_unsupported_everywhere() -> dict[str, frozenset[torch.dtype]]:
+    """Capability data for a backend that carries no FP8 dtype (gloo, most MCCL builds)."""
+    return {op: frozenset(FP8_DTYPES) for op in OPS if op != "barrier"}
+
+
+class Handle:
+    """An async collective's handle; ``wait()`` also runs any fallback's epilogue."""
+
+    def __init__(self, work, epilogue: Callable[[], None] | None = None):
+        self._work = work
+        self._epilogue = epilogue
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._epilogue is not None:
+            self._epilogue()
+            self._epilogue = None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One send or receive in a batch: ``kind`` is "send" or "recv", ``peer`` a global rank."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    group: object | None = None
+
+
+class Collective:
+    """Collectives over one c10d backend. Groups are torch ProcessGroup objects."""
+
+    def __init__(self, c10d_backend: str, capabilities: CollectiveCapabilities | None = None):
+        self.c10d_backend = c10d_backend
+        self.capabilities = capabilities or CollectiveCapabilities()
+
+    # -- groups --------------------------------------------------------------------
+    def init_process_group(
+        self,
+        rank: int | None = None,
+        world_size: int | None = None,
+        init_method: str | None = None,
+        timeout_s: float = 600.0,
+        device_id: torch.device | None = None,
+    ) -> None:
+        """Join the default group (env:// unless ``init_method`` says otherwise)."""
+        if dist.is_initialized():
+            return
+        kwargs = {"backend": self.c10d_backend, "timeout": timedelta(seconds=timeout_s)}
+        if init_method is not None:
+            kwargs["init_method"] = init_method
+        if rank is not None:
+            kwargs.update(rank=rank, world_size=world_size)
+        if device_id is not None:
+            kwargs["device_id"] = device_id
+        dist.init_process_group(**kwargs)
+
+    def is_initialized(self) -> bool:
+        return dist.is_initialized()
+
+    def new_group(self, ranks: Sequence[int]):
+        """A group over ``ranks``; every rank of the world must call this, in the same order."""
+        return dist.new_group(ranks=list(ranks), backend=self.c10d_backend)
+
+    def rank(self, group=None) -> int:
+        return dist.get_rank(group)
+
+    def world_size(self, group=None) -> int:
+        return dist.get_world_size(group)
+
+    def global_rank(self, group, group_rank: int) -> int:
+        return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def support(self, op: str, dtype: torch.dtype) -> Support:
+        return self.capabilities.support(op, dtype)
+
+    # -- reductions ----------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group=None, async_op=False):
+        """Reduce ``tensor`` in place over ``group``; returns a Handle when async."""
+        if self.support("all_reduce", tensor.dtype) is Support.FALLBACK:
+            wide = tensor.float()
+            work = self._all_reduce_native(wide, op, group, async_op)
+            return self._finish(work, lambda: tensor.copy_(wide), async_op)
+        return self._finish(self._all_reduce_native(tensor, op, group, async_op), None, async_op)
+
+    def _all_reduce_native(self, tensor, op, group, async_op):
+        if op == "avg" and not self.capabilities.avg_supported:
+            size = self.world_size(group)
+            work = dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group, async_op=async_op)
+            if async_op:
+                return _Chained(work, lambda: tensor.div_(size))
+            tensor.div_(size)
+            return None
+        return dist.all_reduce(tensor, _reduce_op(op), group=group, async_op=async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None, async_op=False
+    ):
+        """``output`` gets this rank's shard (dim 0) of the reduction of ``input``."""
+        _check_shard(output, input, self.world_size(group), "reduce_scatter")
+        epilogue = None
+        if self.support("reduce_scatter", input.dtype) is Support.FALLBACK:
+            target, output, input = output, torch.empty_like(output, dtype=torch.float32), input.float()
+            epilogue = lambda: target.copy_(output)  # noqa: E731
+        reduce_op = op
+        if op == "avg" and not self.capabilities.avg_supported:
+            reduce_op = "sum"
+            size = self.world_size(group)
+            inner, out = epilogue, output
+            epilogue = lambda: (out.div_(size), inner and inner())  # noqa: E731
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = fn(output, input, op=_reduce_op(reduce_op), group=group, async_op=async_op)
+        return self._finish(work, epilogue, async_op)
+
+    # -- data movement -------------------------------------------------------------
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):
+        """Concatenate every rank's ``input`` along dim 0 into ``output``."""
+        _check_shard(input, output, self.world_size(group), "all_gather")
+        output_v, input_v = self._as_bytes_if_needed("all_gather", output, input)
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = fn(output_v, input_v, group=group, async_op=async_op)
+        return self._finish(work, None, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op=False):
+        """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
+        (view,) = self._as_bytes_if_needed("broadcast", tensor)
+        work = dist.broadcast(view, src=src, group=group, async_op=async_op)
+        return self._finish(work, None, async_op)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None = None,
+        input_splits: Sequence[int] | None = None,
+        group=None,
+        async_op=False,
+    ):
+        """Scatter dim-0 slices of ``input`` to ranks and gather theirs into ``output``."""
+        output_v, input_v = self._as_bytes_if_needed("all_to_all", output, input)
+        work = dist.all_to_all_single(
+            output_v,
+            input_v,
+            output_split_sizes=list(output_splits) if output_splits is not None else None,
+            input_split_sizes=list(input_splits) if input_splits is not None else None,
+            group=group,
+            async_op=async_op,
+        )
+        return self._finish(work, None, async_op)
+
+    def batch_send_recv(self, ops: Iterable[P2P]) -> list[Handle]:
+        """Post sends and receives together so neighbours cannot deadlock on ordering."""
+        p2p_ops = []
+        for item in ops:
+            if item.kind not in ("send", "recv"):
+                raise ValueError(f"P2P kind must be 'send' or 'recv', got {item.kind!r}")
+            fn = dist.isend if item.kind == "send" else dist.irecv
+            (view,) = self._as_bytes_if_needed("send_recv", item.tensor)
+            p2p_ops.append(dist.P2POp(fn, view, item.peer, item.group))
+        if not p2p_ops:
+            return []
+        return [Handle(w) for w in dist.batch_isend_irecv(p2p_ops)]
+
+    def barrier(self, group=None) -> None:
+        dist.barrier(group=group)
+
+    # -- helpers -------------------------------------------------------------------
+    def _as_bytes_if_needed(self, op: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.support(op, tensors[0].dtype) is Support.FALLBACK:
+            return tuple(t.view(torch.uint8) for t in tensors)
+        return tensors
+
+    @staticmethod
+    def _finish(work, epilogue, async_op):
+        if async_op:
+            return Handle(work, epilogue)
+        if epilogue is not None:
+            epilogue()
+        return None
+
+
+class _Chained:
+    """A torch Work followed by a local step, exposed with Work's interface."""
+
+    def __init__(self, work, then: Callable[[], object]):
+        self._work, self._then = work, then
+
+    def wait(self):
+        self._work.wait()
+        self._then()
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+
+def _reduce_op(op: str):
+    try:
+        return _REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}; known: {', '.join(_REDUCE_OPS)}") from None
+
+
+def _check_shard(shard: torch.Tensor, full: torch.Tensor, size: int, op: str) -> None:
+    if full.numel() != shard.numel() * size:
+        raise ValueError(
+            f"{op}: full tensor has {full.numel()} elements, expected shard "
+            f"({shard.numel()}) x group size ({size}) = {shard.numel() * size}"
+        )

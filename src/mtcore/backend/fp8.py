@@ -1,0 +1,119 @@
+"""The FP8 interface: formats, quantize with amax, scaled matmul, granularities.
+
+Quantization runs through the backend's ``fp8_quantize`` kernel op. The scaled
+matmul uses ``torch._scaled_mm`` where the backend declares the pair of
+granularities native, and otherwise falls back honestly: dequantize both
+operands and multiply in ``out_dtype``. ``FP8.describe()`` says which path each
+granularity takes, and ``mtcore doctor`` prints it.
+
+Convention (TN GEMM, as in TransformerEngine): ``scaled_matmul(a, b)`` returns
+``a @ b.T`` for a [M, K] and b [N, K], both quantized along K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mtcore.backend.device import Availability
+from mtcore.ops import FP8_MAX, GRANULARITIES, fp8_dequantize
+
+GranularityPairs = frozenset[tuple[str, str]]
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@dataclass
+class Quantized:
+    """An FP8 tensor: ``data`` [M, K], ``scale_inv`` and ``amax`` shaped by granularity."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    amax: torch.Tensor
+    granularity: str
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return fp8_dequantize(self.data, self.scale_inv, self.granularity, out_dtype=dtype)
+
+
+class FP8:
+    """FP8 support of one backend.
+
+    native_granularities: (a, b) granularity pairs that ``torch._scaled_mm`` runs
+      natively on this backend, or a callable returning them (read on first use,
+      for backends where the answer depends on the device found); every other
+      pair takes the dequantize fallback.
+    available: returns an ``Availability``; FP8 may need a minimum device capability.
+    """
+
+    def __init__(
+        self,
+        native_granularities: GranularityPairs | Callable[[], GranularityPairs] = frozenset(),
+        available: Callable[[], Availability] | None = None,
+    ):
+        self._native_source = native_granularities
+        self._native: GranularityPairs | None = None
+        self._available = available or (lambda: Availability(True))
+        self._quantize: Callable | None = None
+
+    @property
+    def native_granularities(self) -> GranularityPairs:
+        if self._native is None:
+            source = self._native_source
+            self._native = frozenset(source() if callable(source) else source)
+        return self._native
+
+    def bind(self, quantize: Callable) -> None:
+        """Called by the backend with its ``fp8_quantize`` kernel dispatcher."""
+        self._quantize = quantize
+
+    @property
+    def formats(self) -> dict[str, torch.dtype]:
+        return dict(FORMATS)
+
+    @staticmethod
+    def max_value(dtype: torch.dtype) -> float:
+        return FP8_MAX[dtype]
+
+    @classmethod
+    def gated(cls, native: GranularityPairs, gate: Callable[[], Availability]) -> FP8:
+        """FP8 whose native pairs exist only while ``gate()`` holds (a capability rule)."""
+        return cls(lambda: native if gate() else frozenset(), available=gate)
+
+    def availability(self) -> Availability:
+        return self._available()
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        dtype: torch.dtype,
+        granularity: str = "tensor",
+        scale: torch.Tensor | None = None,
+    ) -> Quantized:
+        """Quantize a 2-D tensor; ``scale`` (delayed scaling) overrides the current amax."""
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity {granularity!r} is not one of {GRANULARITIES}")
+        quantize = self._quantize
+        if quantize is None:
+            from mtcore.ops import fp8_quantize as quantize
+        data, scale_inv, amax = quantize(x, dtype, granularity, scale)
+        return Quantized(data, scale_inv, amax, granularity)
+
+    def is_native(self, a_granularity: str, b_granularity: str) -> bool:
+        return (a_granularity, b_granularity) in self.native_granularities
+
+    def scaled_matmul(self, a: Quantized, b: Quantized, out_dtype=torch.float32) -> torch.Tensor:
+        """``a @ b.T`` in ``out_dtype``; native when the granularity pair allows it."""
+        if a.data.shape[1] != b.data.shape[1]:
+            raise ValueError(f"scaled_matmul: K differs, a {tuple(a.data.shape)} b {tuple(b.data.shape)}")
+        if self.is_native(a.granularity, b.granularity):
+            scale_b = b.scale_inv.t() if b.scale_inv.dim() == 2 else b.scale_inv
+            return torch._scaled_mm(
+                a.data, b.data.t(), scale_a=a.scale_inv, scale_b=scale_b, out_dtype=out_dtype
+            )
+        return a.dequantize(out_dtype) @ b.dequantize(out_dtype).t()
+
+    def describe(self) -> dict[str, str]:
+        """Path taken per granularity when both operands use it (for doctor)."""
+        return {g: "native" if self.is_native(g, g) else "fallback (dequantize + matmul)" for g in GRANULARITIES}

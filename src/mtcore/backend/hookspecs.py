@@ -1,0 +1,57 @@
+"""The plugin contract: the hooks an accelerator plugin implements.
+
+A plugin is any importable object (usually a module) named by an entry point in
+the group ``mtcore.plugins``::
+
+    [project.entry-points."mtcore.plugins"]
+    myaccel = "mtcore_myaccel.plugin"
+
+and implementing one or both hooks below, each marked with ``@hookimpl``.
+Hook functions run at discovery time: keep them cheap and never touch the
+hardware there (no device queries, no vendor imports that may fail). Do that
+lazily, in ``Device.availability()``.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "mtcore"
+ENTRY_POINT_GROUP = "mtcore.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class MtcoreHookSpecs:
+    @hookspec
+    def mtcore_backends(self):
+        """Contribute backends: return a list of ``mtcore.backend.BackendSpec``.
+
+        Each spec names the backend (the string users pass as
+        ``MTCORE_BACKEND``), and carries its device (``Device``), its collective
+        (``Collective``), its FP8 support (``FP8``), a ``priority`` for
+        automatic selection among available accelerators (higher first), and
+        ``notes`` that ``mtcore doctor`` prints (say there what was not tested).
+
+        A backend name must be unique across installed plugins; two plugins
+        claiming one name make that name unusable until one is removed or
+        excluded with ``MTCORE_PLUGINS``.
+        """
+
+    @hookspec
+    def mtcore_kernels(self, backend: str, device_type: str):
+        """Contribute kernel implementations to ``backend``.
+
+        Called once for every backend being built, with its name and its torch
+        device type. Return a list of ``mtcore.backend.KernelImpl`` (or an
+        empty list when none apply). Each implementation must have exactly the
+        parameter names of the reference op in ``mtcore.ops.REFERENCE_OPS``;
+        a mismatch is rejected at registration with an error naming the plugin
+        and the op. A kernel pack may be a plugin of its own that implements
+        only this hook.
+
+        Implementations must match the reference op within the tolerances of
+        the conformance kit (``pytest --pyargs mtcore.testing.conformance
+        --mtcore-backend NAME``).
+        """

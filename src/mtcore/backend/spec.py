@@ -1,0 +1,61 @@
+"""What a plugin declares (``BackendSpec``) and what the core builds from it (``Backend``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtcore.backend.collective import Collective
+from mtcore.backend.device import Availability, Device
+from mtcore.backend.fp8 import FP8
+from mtcore.backend.kernels import KernelImpl, KernelQuery, KernelTable
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend as a plugin declares it.
+
+    name: what users select (``MTCORE_BACKEND=name``).
+    device / collective / fp8: the three interface objects; the fourth, the
+      kernel table, is assembled by the core from every plugin's kernels.
+    priority: order for automatic selection among available accelerators
+      (higher first). Ignored when ``accelerator`` is False.
+    accelerator: False for host backends, which auto-selection takes last.
+    notes: lines that ``mtcore doctor`` prints (what was and was not tested).
+    """
+
+    name: str
+    device: Device
+    collective: Collective
+    fp8: FP8 = field(default_factory=FP8)
+    priority: int = 0
+    accelerator: bool = True
+    description: str = ""
+    notes: tuple[str, ...] = ()
+
+    def availability(self) -> Availability:
+        return self.device.availability()
+
+
+class Backend:
+    """A selected backend: the four interfaces, ready for parallel and model code."""
+
+    def __init__(self, spec: BackendSpec, plugin: str, kernels: list[KernelImpl]):
+        self.spec = spec
+        self.plugin = plugin
+        self.name = spec.name
+        self.device = spec.device
+        self.collective = spec.collective
+        self.kernels = KernelTable(spec.name, kernels)
+        self.fp8 = spec.fp8
+        self.fp8.bind(self.kernels.fp8_quantize)
+
+    def torch_device(self, index: int | None = None) -> torch.device:
+        return self.device.torch_device(index)
+
+    def kernel_table(self, dtype: torch.dtype = torch.float32) -> dict[str, list[KernelImpl]]:
+        return self.kernels.table(KernelQuery(self.device.type, dtype))
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, plugin={self.plugin!r}, device={self.device.type!r})"

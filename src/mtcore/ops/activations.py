@@ -1,0 +1,33 @@
+"""Reference gated activation: SwiGLU (Shazeer, 2020)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """SwiGLU on a fused gate/up projection.
+
+    ``x`` holds the gate and the up projection side by side in its last
+    dimension, ``[..., 2n] = [gate | up]`` (Megatron's fused ``linear_fc1``
+    layout, not interleaved), and ``out = silu(gate) * up`` with
+    ``silu(g) = g * sigmoid(g)``.
+
+    Args:
+        x: ``[..., 2n]``, any floating dtype.
+
+    Returns:
+        ``[..., n]`` in ``x.dtype``, computed in float32.
+
+    Raises:
+        ValueError: if the last dimension is odd.
+    """
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(
+            f"swiglu needs an even last dim [..., 2n], got shape {list(x.shape)}"
+        )
+    n = x.shape[-1] // 2
+    xf = x.float()
+    gate, up = xf[..., :n], xf[..., n:]
+    return (gate * torch.sigmoid(gate) * up).to(x.dtype)

@@ -1,0 +1,59 @@
+"""Reference grouped matrix multiply for mixture-of-experts layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def grouped_mm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    """One matmul per expert over contiguous row blocks of ``x``.
+
+    Rows of ``x`` are sorted by expert: the first ``tokens_per_expert[0]`` rows
+    belong to expert 0, the next ``tokens_per_expert[1]`` to expert 1, and so on.
+    ``out[rows of e] = x[rows of e] @ weight[e]``. An expert may have zero rows
+    (its weight then gets a zero gradient).
+
+    Args:
+        x: ``[T, k]``, floating.
+        weight: ``[E, k, n]``, same dtype as ``x``.
+        tokens_per_expert: 1-D integer tensor ``[E]``, non-negative, summing to
+            ``T``. It may live on any device; it is read once with ``.tolist()``
+            (a host sync, acceptable in a reference).
+
+    Returns:
+        ``[T, n]`` in ``x.dtype``; products are accumulated in float32 and
+        rounded once. Differentiable with respect to ``x`` and ``weight``.
+
+    Raises:
+        ValueError: on wrong ranks, ``k`` or ``E`` mismatch, negative counts, or
+            counts that do not sum to ``T``.
+    """
+    if x.dim() != 2 or weight.dim() != 3:
+        raise ValueError(
+            f"x must be [T, k] and weight [E, k, n], got {list(x.shape)} and {list(weight.shape)}"
+        )
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight dtypes differ: {x.dtype} vs {weight.dtype}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"inner dims differ: x has k={x.shape[1]}, weight has k={weight.shape[1]}")
+    if tokens_per_expert.dim() != 1 or tokens_per_expert.is_floating_point():
+        raise ValueError("tokens_per_expert must be a 1-D integer tensor [E]")
+    counts = [int(c) for c in tokens_per_expert.tolist()]
+    if len(counts) != weight.shape[0]:
+        raise ValueError(
+            f"tokens_per_expert has {len(counts)} experts, weight has {weight.shape[0]}"
+        )
+    if any(c < 0 for c in counts):
+        raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
+    if sum(counts) != x.shape[0]:
+        raise ValueError(
+            f"tokens_per_expert sums to {sum(counts)}, but x has {x.shape[0]} rows"
+        )
+
+    blocks = x.float().split(counts, dim=0)
+    wf = weight.float()
+    outs = [block @ wf[e] for e, block in enumerate(blocks)]
+    if not outs:  # E == 0 (and therefore T == 0)
+        return x.new_zeros(0, weight.shape[2])
+    return torch.cat(outs, dim=0).to(x.dtype)

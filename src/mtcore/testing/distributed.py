@@ -1,0 +1,118 @@
+"""Run a function on N local ranks, each in its own process, and collect results.
+
+Each spawn costs seconds (every rank imports torch), so tests group many checks
+into one ``run_ranks`` call. The function must be importable (module level);
+its return value must be picklable. A rank's exception comes back with its
+traceback; a rank that dies or hangs is reported, not waited on forever.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What the function receives: its rank, the world size and the backend in use."""
+
+    rank: int
+    world_size: int
+    backend: object  # mtcore.backend.Backend
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died or timed out."""
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> list:
+    """Call ``fn(ctx, *args)`` on ``world_size`` ranks; return the results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="mtcore-ranks-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, backend, init_file, env or {}, args, results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcome = _collect(results, procs, timeout_s)
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    failures = [f"rank {r}:\n{tb}" for r, (ok, tb) in sorted(outcome.items()) if not ok]
+    if failures:
+        raise RankFailure("\n".join(failures))
+    return [outcome[r][1] for r in range(world_size)]
+
+
+def _collect(results, procs, timeout_s: float) -> dict[int, tuple[bool, object]]:
+    import time
+
+    outcome: dict[int, tuple[bool, object]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outcome) < len(procs):
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+            outcome[rank] = (ok, value)
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in outcome and not p.is_alive()]
+        if dead and results.empty():
+            for r in dead:
+                outcome[r] = (False, f"process exited with code {procs[r].exitcode} before reporting")
+            for r, p in enumerate(procs):
+                if r not in outcome:
+                    p.kill()
+                    outcome[r] = (False, "killed after another rank died")
+        if time.monotonic() > deadline:
+            for r, p in enumerate(procs):
+                if r not in outcome:
+                    p.kill()
+                    outcome[r] = (False, f"timed out after {timeout_s:.0f} s")
+    return outcome
+
+
+def _rank_main(fn, rank, world_size, backend_name, init_file, env, args, results) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from mtcore.backend import select_backend
+
+        backend = select_backend(backend_name)
+        if backend.device.type != "cpu":
+            backend.device.set_device(rank % backend.device.device_count())
+        backend.collective.init_process_group(
+            rank=rank, world_size=world_size, init_method=f"file://{init_file}", timeout_s=120
+        )
+        value = fn(RankContext(rank, world_size, backend), *args)
+        backend.collective.barrier()
+        backend.collective.destroy()
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
