@@ -1,0 +1,202 @@
+"""The parallel layout: sizes, this rank's coordinates and its process groups.
+
+An explicit object, passed to the code that needs it (no module globals).
+
+Rank order is "tp-cp-dp-pp", tensor parallel fastest (Megatron's default):
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+so tensor-parallel peers are neighbours (same node) and pipeline stages are
+farthest apart. Expert parallel subdivides the dp x cp ranks of one pipeline
+stage: ``ep`` consecutive ranks of that (dp x cp) block form an expert group,
+and the ranks holding the same experts form the expert-data-parallel group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AXES = ("tp", "cp", "dp", "pp")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; raised before any process group is created."""
+
+
+class LayoutSpec(BaseModel):
+    """Sizes of each parallel dimension. ``dp=None`` takes what the world leaves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    dp: int | None = Field(None, ge=1)
+    pp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    vpp: int = Field(1, ge=1, description="virtual pipeline stages per rank (interleaved 1F1B)")
+    sequence_parallel: bool = False
+
+    @model_validator(mode="after")
+    def _sp_needs_tp(self) -> LayoutSpec:
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1 (it shards activations over tp)")
+        return self
+
+    def resolve(self, world_size: int) -> LayoutSpec:
+        """A copy with ``dp`` filled in and every product checked against ``world_size``."""
+        other = self.tp * self.cp * self.pp
+        dp = self.dp
+        if dp is None:
+            if world_size % other:
+                raise LayoutError(
+                    f"world size {world_size} is not divisible by tp*cp*pp = "
+                    f"{self.tp}*{self.cp}*{self.pp} = {other}"
+                )
+            dp = world_size // other
+        if other * dp != world_size:
+            raise LayoutError(
+                f"tp*cp*dp*pp = {self.tp}*{self.cp}*{dp}*{self.pp} = {other * dp} "
+                f"but the world has {world_size} ranks"
+            )
+        if (dp * self.cp) % self.ep:
+            raise LayoutError(f"ep={self.ep} must divide dp*cp = {dp}*{self.cp} = {dp * self.cp}")
+        return self.model_copy(update={"dp": dp})
+
+    def check_model(
+        self,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        num_layers: int | None = None,
+        num_experts: int | None = None,
+        vocab_size: int | None = None,
+        seq_len: int | None = None,
+    ) -> None:
+        """Reject a model that this layout cannot split, naming the numbers."""
+        checks = [
+            (num_heads, self.tp, "attention heads", "tp"),
+            (num_kv_heads, self.tp, "key/value heads", "tp"),
+            (num_experts, self.ep, "experts", "ep"),
+            (vocab_size, self.tp, "vocabulary entries", "tp"),
+        ]
+        if self.sequence_parallel:
+            checks.append((seq_len, self.tp * self.cp, "sequence length", "tp*cp"))
+        elif self.cp > 1:
+            checks.append((seq_len, 2 * self.cp, "sequence length", "2*cp"))
+        for count, size, what, axis in checks:
+            if count is not None and count % size:
+                raise LayoutError(f"{count} {what} are not divisible by {axis}={size}")
+
+
+@dataclass
+class ParallelLayout:
+    """A resolved layout for one rank, with its groups (None where the size is 1).
+
+    Build with ``ParallelLayout.build(spec, collective, rank, world_size)`` inside
+    an initialised process group, or ``ParallelLayout.single()`` for one process.
+    """
+
+    spec: LayoutSpec
+    rank: int
+    world_size: int
+    groups: dict[str, object] = field(default_factory=dict)
+    ranks_of: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    # -- construction --------------------------------------------------------------
+    @classmethod
+    def single(cls, spec: LayoutSpec | None = None) -> ParallelLayout:
+        spec = (spec or LayoutSpec()).resolve(1)
+        return cls(spec, 0, 1, {}, {name: (0,) for name in _GROUP_NAMES})
+
+    @classmethod
+    def build(cls, spec: LayoutSpec, collective, rank: int, world_size: int) -> ParallelLayout:
+        """Create every group. All ranks must call this with the same spec."""
+        spec = spec.resolve(world_size)
+        layout = cls(spec, rank, world_size)
+        for name, members in _all_groups(spec):
+            group = collective.new_group(members) if world_size > 1 else None
+            if rank in members:
+                layout.groups[name] = group
+                layout.ranks_of[name] = tuple(members)
+        return layout
+
+    # -- sizes and coordinates -----------------------------------------------------
+    @property
+    def tp(self) -> int:
+        return self.spec.tp
+
+    @property
+    def cp(self) -> int:
+        return self.spec.cp
+
+    @property
+    def dp(self) -> int:
+        return self.spec.dp
+
+    @property
+    def pp(self) -> int:
+        return self.spec.pp
+
+    @property
+    def ep(self) -> int:
+        return self.spec.ep
+
+    def coordinate(self, axis: str) -> int:
+        """This rank's index along ``axis`` (tp, cp, dp, pp, ep, edp)."""
+        return self.ranks_of[axis].index(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinate("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinate("pp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def group(self, name: str):
+        """The process group ``name``: tp, cp, dp, pp, dp_cp, ep, edp, mp (tp x pp)."""
+        return self.groups.get(name)
+
+    def size(self, name: str) -> int:
+        return len(self.ranks_of[name])
+
+
+_GROUP_NAMES = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp", "mp")
+
+
+def _rank(spec: LayoutSpec, tp: int, cp: int, dp: int, pp: int) -> int:
+    return tp + spec.tp * (cp + spec.cp * (dp + spec.dp * pp))
+
+
+def _all_groups(spec: LayoutSpec):
+    """Every group of every kind, in one fixed order (all ranks create all groups)."""
+    t, c, d, p = spec.tp, spec.cp, spec.dp, spec.pp
+    sizes = {"tp": t, "cp": c, "dp": d, "pp": p}
+    for axis in AXES:
+        others = [a for a in AXES if a != axis]
+        for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+            coords = dict(zip(others, fixed, strict=True))
+            yield axis, [_rank(spec, **{**coords, axis: i}) for i in range(sizes[axis])]
+    for tp_i, pp_i in itertools.product(range(t), range(p)):
+        block = [_rank(spec, tp_i, cp_i, dp_i, pp_i) for dp_i in range(d) for cp_i in range(c)]
+        yield "dp_cp", block
+        for start in range(0, len(block), spec.ep):
+            yield "ep", block[start : start + spec.ep]
+        for offset in range(spec.ep):
+            yield "edp", block[offset :: spec.ep]
+    for cp_i, dp_i in itertools.product(range(c), range(d)):
+        yield "mp", [_rank(spec, tp_i, cp_i, dp_i, pp_i) for pp_i in range(p) for tp_i in range(t)]
