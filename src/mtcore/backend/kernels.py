@@ -36,7 +36,7 @@ class KernelImpl:
 
     op: the op name (a key of ``mtcore.ops.REFERENCE_OPS``).
     fn: callable with the same parameter names as the reference op.
-    name: shown by ``mtcore doctor`` (for example "triton" or "sdpa").
+    name: shown by ``mtcore doctor`` (for example "sdpa" or "torch-fused").
     priority: higher wins among implementations whose predicate accepts.
     predicate: KernelQuery -> bool; None accepts everything.
     fallback_ok: shape guard, called with the op's arguments on every call when
@@ -59,13 +59,6 @@ class KernelImpl:
 
 class KernelRegistrationError(ValueError):
     """A plugin offered an implementation that does not fit the op's contract."""
-
-
-def _leading_tensor(op: str) -> Callable[..., torch.Tensor]:
-    if op == "adamw_step":
-        return lambda args, kwargs: (args[0] if args else kwargs["params"])[0]
-    first = next(iter(inspect.signature(REFERENCE_OPS[op]).parameters))
-    return lambda args, kwargs: args[0] if args else kwargs[first]
 
 
 def check_signature(impl: KernelImpl) -> None:
@@ -97,20 +90,27 @@ def _param_names(fn: Callable) -> tuple[str, ...]:
 class OpDispatcher:
     """Callable for one op on one backend: resolves per (device type, dtype), then caches."""
 
-    __slots__ = ("_cache", "_force_reference", "_leading", "candidates", "op")
+    __slots__ = ("_cache", "_first", "_force_reference", "_listed", "candidates", "op")
 
     def __init__(self, op: str, candidates: list[KernelImpl], force_reference: bool):
         self.op = op
         self.candidates = sorted(candidates, key=lambda c: -c.priority)
         self._force_reference = force_reference
-        self._leading = _leading_tensor(op)
-        self._cache: dict[tuple[str, torch.dtype], Callable] = {}
+        # The leading tensor decides the implementation: the first argument, or
+        # the first element of it for multi-tensor ops (adamw_step's params).
+        self._first = next(iter(inspect.signature(REFERENCE_OPS[op]).parameters))
+        self._listed = op == "adamw_step"
+        self._cache: dict[tuple[torch.device, torch.dtype], Callable] = {}
 
     def __call__(self, *args, **kwargs):
-        t = self._leading(args, kwargs)
-        fn = self._cache.get((t.device.type, t.dtype))
+        t = args[0] if args else kwargs[self._first]
+        if self._listed:
+            t = t[0]
+        # Keyed on the device object: reading ``device.type`` costs more than the look-up.
+        key = (t.device, t.dtype)
+        fn = self._cache.get(key)
         if fn is None:
-            fn = self._resolve_and_cache(KernelQuery(t.device.type, t.dtype))
+            fn = self._resolve_and_cache(key)
         return fn(*args, **kwargs)
 
     def select(self, query: KernelQuery) -> list[KernelImpl]:
@@ -125,10 +125,10 @@ class OpDispatcher:
                     break
         return chosen
 
-    def _resolve_and_cache(self, query: KernelQuery) -> Callable:
-        chain = self.select(query)
+    def _resolve_and_cache(self, key: tuple[torch.device, torch.dtype]) -> Callable:
+        chain = self.select(KernelQuery(key[0].type, key[1]))
         fn = chain[0].fn if len(chain) == 1 else _guarded_chain(chain)
-        self._cache[(query.device_type, query.dtype)] = fn
+        self._cache[key] = fn
         return fn
 
 

@@ -1,0 +1,33 @@
+# Two entry points for a newcomer: `make train` (the main job) and `make test`.
+# Both create .venv on first use, with torch pinned to the CPU build (constraints.txt).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mtcore-installed
+
+.PHONY: setup test test-all lint train doctor bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml plugins/mtcore_cuda/pyproject.toml plugins/mtcore_musa/pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]' -e 'plugins/mtcore_cuda[triton]' -e plugins/mtcore_musa
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
+	$(PY) -m pytest -m "not slow"
+
+test-all: lint
+	$(PY) -m pytest
+
+doctor: $(STAMP)
+	$(VENV)/bin/mtcore doctor
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_dispatch.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
