@@ -18,16 +18,14 @@ def swiglu(x: Tensor) -> Tensor:
         x: ``[..., 2n]``, any floating dtype.
 
     Returns:
-        ``[..., n]`` in ``x.dtype``, computed in float32.
+        ``[..., n]`` in ``x.dtype``, computed in float32 (float64 for float64 ``x``).
 
     Raises:
         ValueError: if the last dimension is odd.
     """
     if x.dim() == 0 or x.shape[-1] % 2:
-        raise ValueError(
-            f"swiglu needs an even last dim [..., 2n], got shape {list(x.shape)}"
-        )
+        raise ValueError(f"swiglu needs an even last dim [..., 2n], got shape {list(x.shape)}")
     n = x.shape[-1] // 2
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     gate, up = xf[..., :n], xf[..., n:]
     return (gate * torch.sigmoid(gate) * up).to(x.dtype)

@@ -13,7 +13,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> 
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got {list(t.shape)}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}"
+        )
     b, hq, _, d = q.shape
     bk, hkv, sk, dk = k.shape
     if bk != b or dk != d:
@@ -57,21 +59,22 @@ def attention(
 
     Returns:
         ``[batch, hq, sq, d]`` in ``q.dtype``. Logits, softmax and the product
-        with ``v`` are float32. A query row whose keys are all masked outputs
-        exactly 0 and passes zero gradient (not NaN, as a naive ``-inf`` softmax
-        would): padded or left-truncated rows must not poison the loss.
+        with ``v`` are float32 (float64 for float64 ``q``). A query row whose
+        keys are all masked outputs exactly 0 and passes zero gradient (not NaN,
+        as a naive ``-inf`` softmax would): padded rows must not poison the loss.
     """
     _check(q, k, v, key_padding_mask)
-    b, hq, sq, d = q.shape
+    _, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
 
     # Expanding kv to hq heads is the definition of GQA; kernels avoid the copy.
     group = hq // hkv
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    logits = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale  # [b, hq, sq, sk]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kf = k.to(acc).repeat_interleave(group, dim=1)
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    logits = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale  # [b, hq, sq, sk]
 
     allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     if causal:
@@ -82,8 +85,9 @@ def attention(
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask.to(q.device)[:, None, None, :]
 
-    # Rows with no allowed key get finite logits so softmax (and its backward)
-    # stays finite; their probabilities are then zeroed, which zeroes the output.
+    # Rows with no allowed key get finite logits, so no NaN appears even in
+    # intermediates (softmax of all -inf is NaN, and anomaly detection or NaN
+    # hooks would fire); their probabilities are then zeroed, and so is the row.
     has_key = allowed.any(dim=-1, keepdim=True)
     logits = logits.masked_fill(~allowed, float("-inf"))
     logits = logits.masked_fill(~has_key, 0.0)

@@ -112,7 +112,9 @@ def fp8_quantize(
         raise ValueError(f"dtype must be one of {list(FP8_MAX)}, got {dtype}")
     _unit_shape(tuple(x.shape), granularity)  # validates granularity
     if scale is not None and granularity != "tensor":
-        raise ValueError(f"a given scale is only allowed for 'tensor' granularity, not {granularity!r}")
+        raise ValueError(
+            f"a given scale is only allowed for 'tensor' granularity, not {granularity!r}"
+        )
     fmax = FP8_MAX[dtype]
 
     with torch.no_grad():

@@ -16,22 +16,21 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100) -> T
         ignore_index: target value whose position contributes nothing.
 
     Returns:
-        ``[N]`` float32 loss, unreduced: the caller chooses the normaliser
-        (tokens per micro-batch, per global batch...), which is a training
-        decision, not the kernel's. Ignored positions have loss exactly 0 and
-        give zero gradient to their logits row.
+        ``[N]`` float32 loss (float64 for float64 logits), unreduced: the
+        caller chooses the normaliser (tokens per micro-batch, per global
+        batch...), a training decision, not the kernel's. Ignored positions
+        have loss exactly 0 and give zero gradient to their logits row.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got {list(logits.shape)}")
     if target.dim() != 1 or target.shape[0] != logits.shape[0]:
-        raise ValueError(
-            f"target must be [N] with N = {logits.shape[0]}, got {list(target.shape)}"
-        )
+        raise ValueError(f"target must be [N] with N = {logits.shape[0]}, got {list(target.shape)}")
     if target.dtype != torch.int64:
         raise ValueError(f"target must be int64, got {target.dtype}")
     valid = target != ignore_index
     # Any in-range index serves for ignored rows; their loss is masked below.
     safe_target = torch.where(valid, target, torch.zeros_like(target))
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    logp = torch.log_softmax(logits.to(acc), dim=-1)
     nll = -logp.gather(1, safe_target[:, None]).squeeze(1)
     return nll.masked_fill(~valid, 0.0)

@@ -22,8 +22,8 @@ def grouped_mm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
             (a host sync, acceptable in a reference).
 
     Returns:
-        ``[T, n]`` in ``x.dtype``; products are accumulated in float32 and
-        rounded once. Differentiable with respect to ``x`` and ``weight``.
+        ``[T, n]`` in ``x.dtype``; products are accumulated in float32 (float64
+        for float64 inputs) and rounded once. Differentiable with respect to ``x`` and ``weight``.
 
     Raises:
         ValueError: on wrong ranks, ``k`` or ``E`` mismatch, negative counts, or
@@ -47,12 +47,11 @@ def grouped_mm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
     if any(c < 0 for c in counts):
         raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
     if sum(counts) != x.shape[0]:
-        raise ValueError(
-            f"tokens_per_expert sums to {sum(counts)}, but x has {x.shape[0]} rows"
-        )
+        raise ValueError(f"tokens_per_expert sums to {sum(counts)}, but x has {x.shape[0]} rows")
 
-    blocks = x.float().split(counts, dim=0)
-    wf = weight.float()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    blocks = x.to(acc).split(counts, dim=0)
+    wf = weight.to(acc)
     outs = [block @ wf[e] for e, block in enumerate(blocks)]
     if not outs:  # E == 0 (and therefore T == 0)
         return x.new_zeros(0, weight.shape[2])

@@ -1,9 +1,10 @@
 """Reference normalisation ops: RMSNorm and LayerNorm.
 
-Both normalise over the last dimension only, compute in float32 whatever the
-input dtype, and return a tensor of ``x.dtype`` and ``x.shape``. Computing in
-float32 is part of the contract: a bf16 kernel that accumulates its variance in
-bf16 is wrong even when it looks close on small hidden sizes.
+Both normalise over the last dimension only, compute in float32 (float64 for
+float64 inputs, so gradcheck works) whatever the input dtype, and return a
+tensor of ``x.dtype`` and ``x.shape``. Computing in float32 is part of the
+contract: a bf16 kernel that accumulates its variance in bf16 is wrong even when
+it looks close on small hidden sizes.
 """
 
 from __future__ import annotations
@@ -26,17 +27,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 
     Args:
         x: ``[..., hidden]``, any floating dtype.
-        weight: ``[hidden]``, any floating dtype (cast to float32 for the product).
+        weight: ``[hidden]``, any floating dtype (upcast for the product).
         eps: added to the mean square inside the square root.
 
     Returns:
-        ``[..., hidden]`` in ``x.dtype``; every intermediate is float32 and the
-        result is rounded once, at the end.
+        ``[..., hidden]`` in ``x.dtype``; every intermediate is float32 (float64
+        for float64 ``x``) and the result is rounded once, at the end.
     """
     _check_affine("weight", x, weight)
-    xf = x.float()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
     inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xf * inv_rms * weight.float()).to(x.dtype)
+    return (xf * inv_rms * weight.to(acc)).to(x.dtype)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
@@ -56,10 +58,11 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float = 1e-5
     """
     _check_affine("weight", x, weight)
     _check_affine("bias", x, bias)
-    xf = x.float()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
     mean = xf.mean(dim=-1, keepdim=True)
     var = (xf - mean).pow(2).mean(dim=-1, keepdim=True)
-    y = (xf - mean) * torch.rsqrt(var + eps) * weight.float()
+    y = (xf - mean) * torch.rsqrt(var + eps) * weight.to(acc)
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(acc)
     return y.to(x.dtype)

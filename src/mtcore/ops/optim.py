@@ -59,7 +59,7 @@ def adamw_step(
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     step_size = lr / bias_correction1
 
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         if not (p.shape == g.shape == m.shape == v.shape):
             raise ValueError(f"tensor {i}: param, grad and state shapes differ")
         if m.dtype != torch.float32 or v.dtype != torch.float32:

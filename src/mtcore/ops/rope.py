@@ -54,7 +54,8 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             broadcast over batch and heads.
 
     Returns:
-        ``[batch, seq, heads, head_dim]`` in ``x.dtype``, computed in float32.
+        ``[batch, seq, heads, head_dim]`` in ``x.dtype``, computed in float32
+        (float64 for float64 ``x``).
         Differentiable with respect to ``x`` (and the tables).
     """
     if x.dim() != 4:
@@ -65,10 +66,13 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = d // 2
     for name, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape) != (seq, half):
-            raise ValueError(f"{name} must be [{seq}, {half}] (seq, head_dim // 2), got {list(t.shape)}")
-    xf = x.float()
+            raise ValueError(
+                f"{name} must be [{seq}, {half}] (seq, head_dim // 2), got {list(t.shape)}"
+            )
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
     x1, x2 = xf[..., :half], xf[..., half:]
     # [seq, d/2] -> [1, seq, 1, d/2]: the same angle for every batch row and head.
-    c = cos.float()[None, :, None, :]
-    s = sin.float()[None, :, None, :]
+    c = cos.to(acc)[None, :, None, :]
+    s = sin.to(acc)[None, :, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

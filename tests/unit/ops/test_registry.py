@@ -17,8 +17,16 @@ EXPECTED_PARAMS = {
     "attention": ["q", "k", "v", "causal", "key_padding_mask", "scale"],
     "cross_entropy": ["logits", "target", "ignore_index"],
     "adamw_step": [
-        "params", "grads", "exp_avgs", "exp_avg_sqs",
-        "step", "lr", "beta1", "beta2", "eps", "weight_decay",
+        "params",
+        "grads",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "step",
+        "lr",
+        "beta1",
+        "beta2",
+        "eps",
+        "weight_decay",
     ],
     "grouped_mm": ["x", "weight", "tokens_per_expert"],
     "fp8_quantize": ["x", "dtype", "granularity", "scale"],
@@ -44,7 +52,7 @@ def test_signatures_match_contract():
 
 def test_helpers_exported():
     assert ops.GRANULARITIES == ("tensor", "row", "1x128", "128x128")
-    assert ops.FP8_MAX == {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+    assert dict(ops.FP8_MAX) == {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
     assert callable(ops.rope_tables) and callable(ops.fp8_dequantize)
 
 
