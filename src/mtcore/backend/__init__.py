@@ -20,7 +20,7 @@ from mtcore.backend.device import (
     DeviceModuleSpec,
     TorchModuleDevice,
 )
-from mtcore.backend.fp8 import FP8, FORMATS, Quantized
+from mtcore.backend.fp8 import FORMATS, FP8, Quantized
 from mtcore.backend.hookspecs import ENTRY_POINT_GROUP, hookimpl
 from mtcore.backend.kernels import (
     REFERENCE,

@@ -79,7 +79,8 @@ class Device:
         return contextlib.nullcontext()
 
     def event(self, enable_timing: bool = False):
-        return torch.cpu.Event(enable_timing=enable_timing) if hasattr(torch.cpu, "Event") else None
+        # torch.cpu.Event() takes no arguments: host events cannot time.
+        return torch.cpu.Event() if hasattr(torch.cpu, "Event") else None
 
     # -- memory --------------------------------------------------------------------
     def memory_allocated(self) -> int:
@@ -90,9 +91,8 @@ class Device:
 
     def reset_peak_memory_stats(self) -> None:
         # Linux resets the peak RSS (VmHWM) when "5" is written to clear_refs.
-        with contextlib.suppress(OSError):
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
 
     def empty_cache(self) -> None:
         return None

@@ -1,9 +1,13 @@
 """Run a function on N local ranks, each in its own process, and collect results.
 
-Each spawn costs seconds (every rank imports torch), so tests group many checks
-into one ``run_ranks`` call. The function must be importable (module level);
-its return value must be picklable. A rank's exception comes back with its
-traceback; a rank that dies or hangs is reported, not waited on forever.
+Ranks start from a fork server that has imported torch once, so a rank costs a
+fork, not a torch import (seconds each on a small machine); where fork servers
+do not exist, or ``MTCORE_START_METHOD=spawn``, ranks are spawned. Either way a
+rank sees the caller's current environment (the fork server's own is older)
+plus ``env``. Tests still group many checks into one ``run_ranks`` call. The
+function must be importable (module level); its return value must be
+picklable. A rank's exception comes back with its traceback; a rank that dies
+or hangs is reported, not waited on forever.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 300.0
+START_METHOD_ENV = "MTCORE_START_METHOD"
+# Imported once by the fork server; every rank inherits them already loaded.
+_PRELOAD = ["torch", "torch.distributed", "mtcore.backend", "mtcore.testing.distributed"]
 
 
 @dataclass(frozen=True)
@@ -42,14 +49,15 @@ def run_ranks(
     env: dict[str, str] | None = None,
 ) -> list:
     """Call ``fn(ctx, *args)`` on ``world_size`` ranks; return the results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
+    rank_env = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="mtcore-ranks-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, backend, init_file, env or {}, args, results),
+                args=(fn, rank, world_size, backend, init_file, rank_env, args, results),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -65,6 +73,16 @@ def run_ranks(
     if failures:
         raise RankFailure("\n".join(failures))
     return [outcome[r][1] for r in range(world_size)]
+
+
+def _context():
+    method = os.environ.get(START_METHOD_ENV, "").strip()
+    if not method:
+        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _collect(results, procs, timeout_s: float) -> dict[int, tuple[bool, object]]:
@@ -96,6 +114,7 @@ def _collect(results, procs, timeout_s: float) -> dict[int, tuple[bool, object]]
 
 
 def _rank_main(fn, rank, world_size, backend_name, init_file, env, args, results) -> None:
+    os.environ.clear()
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
