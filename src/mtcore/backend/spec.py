@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,9 @@ class BackendSpec:
       (higher first). Ignored when ``accelerator`` is False.
     accelerator: False for host backends, which auto-selection takes last.
     notes: lines that ``mtcore doctor`` prints (what was and was not tested).
+    diagnostics: optional callable returning {label: value} facts that doctor
+      prints (a detected compiler backend, a library version); it may probe
+      the machine, so it runs only when doctor asks.
     """
 
     name: str
@@ -33,6 +37,7 @@ class BackendSpec:
     accelerator: bool = True
     description: str = ""
     notes: tuple[str, ...] = ()
+    diagnostics: Callable[[], Mapping[str, str]] | None = None
 
     def availability(self) -> Availability:
         return self.device.availability()

@@ -1,0 +1,247 @@
+"""Kernel implementations for the 'musa' backend, and the probes that choose them.
+
+Every op here is reached through a public torch_musa entry point; the facts each
+adapter relies on are cited from the torch_musa source (MooreThreads/torch_musa).
+Probes run when the backend is built (``musa_kernels``), never at import: on a
+machine without torch_musa, importing this module must not touch it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+from mtcore.backend import KernelImpl, KernelQuery, TorchModuleDevice
+from mtcore.ops import torch_native
+from mtcore_musa.devices import MUDNN_MIN_CAPABILITY, TORCH_MUSA
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# -- attention ------------------------------------------------------------------------
+def flash_head_dims_ok(q, k, v, *args, **kwargs) -> bool:
+    """Head sizes muDNN flash attention takes (csrc/aten/ops/attention/mudnn/SDPUtils.h,
+    ``check_musa_attention_input``): qk and v <= 128, or (qk, v) = (192, 128) / (160, 160).
+    Other sizes would run SDPA's math path on the device; the reference serves them.
+    """
+    qk, vd = q.shape[-1], v.shape[-1]
+    return (qk <= 128 and vd <= 128) or (qk, vd) in ((192, 128), (160, 160))
+
+
+# -- RMSNorm --------------------------------------------------------------------------
+def rms_norm_weight_ok(x, weight, eps=1e-6) -> bool:
+    """torch_musa's fused RMSNorm TORCH_CHECKs that weight and input share dtype and device
+    (csrc/aten/ops/RMSNorm.cpp, ``CheckDType``/``CheckDevice``); the reference upcasts a
+    weight of another dtype, so such calls (fp32 weight, bf16 activations) go there."""
+    return weight.dtype == x.dtype and weight.device == x.device
+
+
+# -- AdamW ----------------------------------------------------------------------------
+def adamw_fast_path_ok(
+    params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay
+) -> bool:
+    """Fused multi-tensor AdamW kernels need every tensor float32 on one device.
+
+    torch_musa's kernel TORCH_CHECKs ``check_fast_path_restrictions`` (same dtype, device
+    and layout across params, grads and moments; csrc/extension/FusedAdam.mu), and the
+    reference requires float32 moments, so only all-float32 lists take it. Anything
+    else (bf16 params, bad input) goes to the reference, which also raises its errors.
+    """
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    if step < 1 or len({len(t) for t in lists}) != 1 or not params:
+        return False
+    device = params[0].device
+    for group in zip(*lists, strict=True):
+        if any(t.dtype != torch.float32 or t.device != device for t in group):
+            return False
+        if any(t.shape != group[0].shape for t in group):
+            return False
+    return True
+
+
+def musa_fused_adamw_step(
+    params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay
+):
+    """``mtcore.ops.adamw_step`` through torch_musa's ``torch.ops.musa._fused_adamw_``.
+
+    The op (torch_musa/optim/fused_adamw.py, a ``torch.library.custom_op``) takes
+    ``state_steps`` as float32 *CPU* tensors and its kernel adds 1 to each of them on
+    the host before computing the bias corrections (FusedAdam.mu,
+    ``multi_tensor_apply_for_fused_adam``). The reference's ``step`` is the count
+    after incrementing, so each tensor starts at ``step - 1``; one tensor per
+    parameter, since a shared one would be incremented once per parameter.
+    """
+    if not params:
+        return
+    state_steps = [torch.full((), float(step - 1), dtype=torch.float32) for _ in params]
+    torch.ops.musa._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],  # max_exp_avg_sqs: amsgrad is off
+        state_steps,
+        float(lr),
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+    )
+
+
+def musa_fused_adamw_available() -> bool:
+    """Whether torch_musa registered ``musa::_fused_adamw_`` (importing its optim module
+    registers it; that import may fail on a partial build, which only means 'no')."""
+    with contextlib.suppress(Exception):
+        importlib.import_module(f"{TORCH_MUSA}.optim")
+    try:
+        return hasattr(torch.ops.musa, "_fused_adamw_")
+    except Exception:
+        return False
+
+
+# -- RoPE -----------------------------------------------------------------------------
+# F.rope(input, freq_cis, rotary_interleaved=False, batch_first=False) exists only in
+# torch_musa's patched torch. Its convention, from torch_musa's own test
+# (the F.rope operator test, apply_rotary_pos_emb_bshd) and kernel
+# (csrc/aten/ops/RoPE.cpp, RopeOut):
+#   * input [seq, batch, heads, dim] when batch_first=False; only the last dim must be
+#     contiguous (others are passed strided, as the test's non-contiguous cases show);
+#   * freq_cis holds *angles* [seq, dim]; the kernel takes cos/sin of them;
+#   * rotary_interleaved=False rotates halves: out = x * cos + rotate_half(x) * sin,
+#     rotate_half(x) = cat(-x2, x1). With freq_cis = cat(theta, theta) this is exactly
+#     mtcore.ops.rope's cat(x1 cos - x2 sin, x2 cos + x1 sin).
+# Registered for float32 only: that is the only dtype torch_musa's tests run F.rope
+# with, and they pass freq_cis in the input's dtype. A float32 freq_cis beside a bf16
+# input is not covered by the source, and bf16 angles would be off by ~1e-2 rad.
+# batch_first=True would avoid the transposes, but no test in the source exercises it.
+def rope_inputs_ok(x, cos, sin) -> bool:
+    """Shapes and tables F.rope is known to take; anything else goes to the reference."""
+    if x.dim() != 4 or x.shape[-1] % 2:
+        return False
+    want = (x.shape[1], x.shape[-1] // 2)
+    return all(
+        tuple(t.shape) == want
+        and t.dtype == torch.float32
+        and t.device == x.device
+        and not t.requires_grad  # F.rope differentiates the input only
+        for t in (cos, sin)
+    )
+
+
+def musa_rope(x, cos, sin):
+    """``mtcore.ops.rope`` ([batch, seq, heads, dim]) through torch_musa's ``F.rope``."""
+    theta = torch.atan2(sin, cos)  # back to angles: cos(theta) = cos up to rounding
+    freq_cis = torch.cat((theta, theta), dim=-1)
+    out = F.rope(
+        input=x.transpose(0, 1),
+        freq_cis=freq_cis,
+        rotary_interleaved=False,
+        batch_first=False,
+    )
+    return out.transpose(0, 1).contiguous()
+
+
+# -- SwiGLU ---------------------------------------------------------------------------
+# F.swish_glu(input) exists only in torch_musa's patched torch. Its convention, from
+# torch_musa's test (its swish_glu test, swish_glu_cpu; csrc/aten/ops/SwiGlu.cpp):
+# chunk(2, dim=-1) -> silu(first) * second, compared against a float32 computation,
+# float32/float16/bfloat16, arch >= 2.2. That is mtcore.ops.swiglu's [gate | up].
+def swiglu_input_ok(x) -> bool:
+    return x.dim() > 0 and x.shape[-1] % 2 == 0
+
+
+def musa_swiglu(x):
+    """``mtcore.ops.swiglu`` through torch_musa's ``F.swish_glu``."""
+    return F.swish_glu(x)
+
+
+# -- the kernel list ------------------------------------------------------------------
+MUDNN_FUSED_MIN_VERSION = (
+    2800  # Rope and SwiGlu raise "not supported" below it (RoPE.cpp, SwiGlu.cpp)
+)
+
+
+def mudnn_version() -> int | None:
+    """``torch.backends.mudnn.version()`` (set up by torch_musa/core/mudnn.py), or None."""
+    try:
+        return int(torch.backends.mudnn.version())
+    except Exception:
+        return None
+
+
+def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
+    """The implementations to register, chosen by probing what torch_musa provides."""
+
+    def on_musa(dtypes: tuple[torch.dtype, ...], arch: bool = False):
+        def predicate(query: KernelQuery) -> bool:
+            if query.device_type != device.type or query.dtype not in dtypes:
+                return False
+            return not arch or bool(device.capability_at_least(MUDNN_MIN_CAPABILITY))
+
+        return predicate
+
+    impls = [
+        KernelImpl(
+            "attention",
+            torch_native.sdpa_attention,
+            "sdpa",
+            priority=50,
+            predicate=on_musa(_HALF, arch=True),
+            fallback_ok=flash_head_dims_ok,
+        ),
+        # torch.rms_norm on musa tensors routes to muDNN's fused RMSNorm, which keeps
+        # its inverse RMS in float32 for half inputs (RMSNorm.cpp, InferInvvarDType).
+        KernelImpl(
+            "rms_norm",
+            torch_native.fused_rms_norm,
+            "F.rms_norm",
+            priority=50,
+            predicate=on_musa(_FLOATS),
+            fallback_ok=rms_norm_weight_ok,
+        ),
+    ]
+    # Only torch_musa's own op: torch's aten::_fused_adamw_ is a stub on musa that raises
+    # "torch.optim.AdamW(fused=True) is not supported, try torch_musa.optim.FusedAdamW"
+    # (csrc/aten/ops/FusedAdam.cpp), so torch_native.fused_adamw_step is no fallback here.
+    if musa_fused_adamw_available():
+        impls.append(
+            KernelImpl(
+                "adamw_step",
+                musa_fused_adamw_step,
+                "musa-fused",
+                priority=50,
+                predicate=on_musa((torch.float32,)),
+                fallback_ok=adamw_fast_path_ok,
+            )
+        )
+    fused_mudnn = (mudnn_version() or 0) >= MUDNN_FUSED_MIN_VERSION
+    if fused_mudnn and hasattr(F, "rope"):
+        impls.append(
+            KernelImpl(
+                "rope",
+                musa_rope,
+                "F.rope",
+                priority=50,
+                predicate=on_musa((torch.float32,), arch=True),
+                fallback_ok=rope_inputs_ok,
+            )
+        )
+    if fused_mudnn and hasattr(F, "swish_glu"):
+        impls.append(
+            KernelImpl(
+                "swiglu",
+                musa_swiglu,
+                "F.swish_glu",
+                priority=50,
+                predicate=on_musa(_FLOATS, arch=True),
+                fallback_ok=swiglu_input_ok,
+            )
+        )
+    return impls
