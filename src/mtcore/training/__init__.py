@@ -1,0 +1,1 @@
+"""Training: configuration, data, the trainer loop, checkpoints, optimizers and schedules."""

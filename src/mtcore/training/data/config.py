@@ -1,0 +1,62 @@
+"""The data section of a training config, validated before any process group starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
+
+from mtcore.training.data.corpus import DEFAULT_CORPUS_BYTES
+
+
+def default_cache_dir() -> Path:
+    """``$MTCORE_DATA_CACHE``, else ``~/.cache/mtcore/data``: shared by all jobs of a user, so
+    the tokenizer and index built by the first job are reused by every later one."""
+    env = os.environ.get("MTCORE_DATA_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtcore" / "data"
+
+
+class DataConfig(BaseModel, extra="forbid"):
+    """What to train on and how to cut it into samples.
+
+    ``paths=None`` trains on the embedded default corpus (the Python standard
+    library's source). Each entry of ``paths`` (a file or a directory of
+    ``.py``/``.txt``/``.md``/``.jsonl`` files) is one dataset; several are blended by
+    ``weights`` (default: in proportion to their sizes).
+    """
+
+    paths: list[str] | None = None
+    weights: list[float] | None = None
+    text_key: str = Field("text", min_length=1, description="JSONL field that holds a document")
+    tokenizer: str | None = Field(
+        None, description="a tokenizer.json; None trains a BPE on the data"
+    )
+    vocab_size: int = Field(8192, ge=257, le=2**31 - 1, description="for a trained tokenizer")
+    seq_len: int = Field(256, ge=1)
+    valid_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="share of documents held out")
+    cache_dir: str | None = Field(
+        None, description="None: $MTCORE_DATA_CACHE or ~/.cache/mtcore/data"
+    )
+    seed: int = Field(1234, ge=0, description="sample order; the split does not depend on it")
+    default_corpus_bytes: int | None = Field(DEFAULT_CORPUS_BYTES, ge=1)
+    default_corpus_files: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_paths_and_weights(self) -> DataConfig:
+        if self.paths is not None and not self.paths:
+            raise ValueError(
+                "paths is an empty list: give data paths, or None for the default corpus"
+            )
+        if self.weights is not None:
+            n_paths = len(self.paths) if self.paths else 1
+            if len(self.weights) != n_paths:
+                raise ValueError(
+                    f"{len(self.weights)} weights for {n_paths} data path(s): give one per path"
+                )
+            if any(not w > 0 for w in self.weights):
+                raise ValueError(f"weights must be positive, got {self.weights}")
+        return self
+
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()

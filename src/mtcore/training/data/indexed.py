@@ -1,0 +1,175 @@
+"""A memory-mapped token dataset: Megatron's ``.bin``/``.idx`` pair, made simpler.
+
+The corpus is tokenized once into ``<prefix>.bin``, the token ids of every document
+back to back, each followed by the end-of-document id, and ``<prefix>.idx``:
+
+    header   magic b"MTCIDX\\0\\0" | version u32 | dtype code u32 | document count u64
+    offsets  int64[count + 1], the token offset where each document starts (last = total)
+
+Later runs map both with ``numpy.memmap``, so a start costs milliseconds and the
+token array is shared through the page cache by all ranks on a host, instead of
+each rank tokenizing and holding its own copy. Ids are ``uint16`` while the vocab
+fits (half the disk and page cache of ``int32``).
+
+Opening validates everything cheap to check (magic, version, dtype, sizes, offsets),
+because a cache truncated by a full disk or a killed job must fail with the file's
+name, not as a shape error deep inside a training step.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from mtcore.training.data.cache import DataError, atomic_write, build_lock, fingerprint
+from mtcore.training.data.corpus import batched_documents, iter_documents
+from mtcore.training.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MTCIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<8sIIQ")
+_DTYPES: dict[int, type[np.integer]] = {1: np.uint16, 2: np.int32}
+_CODES = {np.dtype(t): c for c, t in _DTYPES.items()}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size < 2**16 else np.int32)
+
+
+def _corrupt(path: Path, why: str) -> DataError:
+    return DataError(
+        f"corrupt or truncated token data file {path}: {why}; delete {path.with_suffix('.idx')} "
+        f"and {path.with_suffix('.bin')} to rebuild them"
+    )
+
+
+def read_index(idx_path: Path) -> tuple[np.ndarray, np.dtype]:
+    """Read and validate ``<prefix>.idx``; return (offsets, token dtype)."""
+    if not idx_path.is_file():
+        raise DataError(f"token index file does not exist: {idx_path}")
+    size = idx_path.stat().st_size
+    if size < _HEADER.size:
+        raise _corrupt(idx_path, f"{size} bytes is shorter than the {_HEADER.size}-byte header")
+    with open(idx_path, "rb") as f:
+        magic, version, code, count = _HEADER.unpack(f.read(_HEADER.size))
+        if magic != MAGIC:
+            raise _corrupt(idx_path, f"bad magic {magic!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise _corrupt(
+                idx_path, f"format version {version}, this mtcore reads version {VERSION}"
+            )
+        if code not in _DTYPES:
+            raise _corrupt(idx_path, f"unknown token dtype code {code}")
+        expected = _HEADER.size + 8 * (count + 1)
+        if size != expected:
+            raise _corrupt(idx_path, f"{size} bytes, expected {expected} for {count} documents")
+        offsets = np.fromfile(f, dtype="<i8", count=count + 1)
+    if count == 0:
+        raise _corrupt(idx_path, "it holds no documents")
+    if offsets[0] != 0 or np.any(np.diff(offsets) <= 0):
+        raise _corrupt(idx_path, "document offsets do not start at 0 and increase")
+    return offsets, np.dtype(_DTYPES[code])
+
+
+def write_index(idx_path: Path, offsets: np.ndarray, dtype: np.dtype) -> None:
+    with atomic_write(idx_path) as f:
+        f.write(_HEADER.pack(MAGIC, VERSION, _CODES[np.dtype(dtype)], len(offsets) - 1))
+        f.write(np.asarray(offsets, dtype="<i8").tobytes())
+
+
+class IndexedDataset:
+    """The documents of one ``.bin``/``.idx`` pair, as slices of a memory-mapped array."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = Path(prefix)
+        self.idx_path, self.bin_path = _with(self.prefix, ".idx"), _with(self.prefix, ".bin")
+        self.offsets, self.dtype = read_index(self.idx_path)
+        if not self.bin_path.is_file():
+            raise DataError(
+                f"token file does not exist: {self.bin_path} (its index {self.idx_path} does)"
+            )
+        expected = int(self.offsets[-1]) * self.dtype.itemsize
+        actual = self.bin_path.stat().st_size
+        if actual != expected:
+            where = "beyond the end of" if expected > actual else "short of the end of"
+            raise _corrupt(
+                self.bin_path,
+                f"size mismatch: {self.idx_path.name} puts the last token {where} the file "
+                f"({expected} bytes expected, {actual} found)",
+            )
+        self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def document(self, i: int) -> np.ndarray:
+        """Document ``i``'s token ids, ending with the end-of-document id."""
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+
+def build_indexed_dataset(
+    prefix: str | Path, docs: Iterable[str], tokenizer: Tokenizer
+) -> IndexedDataset:
+    """Tokenize ``docs`` into ``<prefix>.bin``/``.idx`` (batch-encoded on all cores)."""
+    prefix = Path(prefix)
+    dtype = token_dtype(tokenizer.vocab_size)
+    lengths: list[int] = []
+    with atomic_write(_with(prefix, ".bin")) as f:
+        for batch in batched_documents(docs):
+            flat: list[int] = []
+            for ids in tokenizer.encode_batch(batch):
+                flat.extend(ids)
+                flat.append(tokenizer.eod_id)
+                lengths.append(len(ids) + 1)
+            f.write(np.asarray(flat, dtype=dtype).tobytes())
+    if not lengths:
+        _with(prefix, ".bin").unlink(missing_ok=True)
+        raise DataError(f"no documents to index for {prefix}: the corpus is empty")
+    # The index goes last: its presence is what marks the pair complete.
+    write_index(_with(prefix, ".idx"), np.concatenate([[0], np.cumsum(lengths)]), dtype)
+    return IndexedDataset(prefix)
+
+
+def get_indexed_dataset(
+    files: Sequence[Path],
+    tokenizer: Tokenizer,
+    cache_dir: str | Path,
+    name: str,
+    text_key: str = "text",
+) -> IndexedDataset:
+    """The cached index of ``files`` under ``tokenizer``, built on first use only."""
+    key = fingerprint(files, tokenizer=tokenizer.fingerprint, text_key=text_key, version=VERSION)
+    prefix = Path(cache_dir).expanduser() / f"{_safe(name)}-{key}"
+    with build_lock(_with(prefix, ".idx")):
+        if not _with(prefix, ".idx").exists():
+            start = time.perf_counter()
+            ds = build_indexed_dataset(prefix, iter_documents(files, text_key), tokenizer)
+            log.info(
+                "indexed %d documents, %d tokens from %d file(s) into %s in %.1f s",
+                len(ds),
+                ds.num_tokens,
+                len(files),
+                prefix,
+                time.perf_counter() - start,
+            )
+            return ds
+    return IndexedDataset(prefix)
+
+
+def _with(prefix: Path, suffix: str) -> Path:
+    return prefix.with_name(prefix.name + suffix)  # not with_suffix: a prefix may contain dots
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:64] or "data"
