@@ -5,6 +5,7 @@ Parallel and model code reaches hardware only through a ``Backend``:
 """
 
 from mtcore.backend.collective import (
+    FP8_DTYPES,
     P2P,
     Collective,
     CollectiveCapabilities,
@@ -37,6 +38,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FORMATS",
     "FP8",
+    "FP8_DTYPES",
     "P2P",
     "REFERENCE",
     "Availability",

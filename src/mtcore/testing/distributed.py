@@ -100,7 +100,10 @@ def _collect(results, procs, timeout_s: float) -> dict[int, tuple[bool, object]]
         dead = [r for r, p in enumerate(procs) if r not in outcome and not p.is_alive()]
         if dead and results.empty():
             for r in dead:
-                outcome[r] = (False, f"process exited with code {procs[r].exitcode} before reporting")
+                outcome[r] = (
+                    False,
+                    f"process exited with code {procs[r].exitcode} before reporting",
+                )
             for r, p in enumerate(procs):
                 if r not in outcome:
                     p.kill()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from mtcore.backend import (
     FP8,
+    FP8_DTYPES,
     BackendSpec,
     Collective,
     CollectiveCapabilities,
@@ -21,6 +24,15 @@ from mtcore_cuda.devices import CUDA, FP8_MIN_CAPABILITY
 _NATIVE_FP8 = frozenset({("tensor", "tensor"), ("row", "row")})
 
 
+# ProcessGroupNCCL moves FP8 tensors but refuses to reduce them.
+_NCCL_FP8_REDUCTIONS = {op: frozenset(FP8_DTYPES) for op in ("all_reduce", "reduce_scatter")}
+
+
+def _fused_adamw_fits(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay):
+    # torch's fused kernel wants params and optimizer state in one dtype.
+    return all(p.dtype == m.dtype for p, m in zip(params, exp_avgs, strict=True))
+
+
 @hookimpl
 def mtcore_backends():
     cpu = BackendSpec(
@@ -35,7 +47,7 @@ def mtcore_backends():
     cuda = BackendSpec(
         name="cuda",
         device=cuda_device,
-        collective=Collective("nccl", CollectiveCapabilities()),
+        collective=Collective("nccl", CollectiveCapabilities(_NCCL_FP8_REDUCTIONS)),
         fp8=FP8.gated(_NATIVE_FP8, lambda: cuda_device.capability_at_least(FP8_MIN_CAPABILITY)),
         priority=100,
         description="NVIDIA GPUs: NCCL collectives, SDPA attention, fused AdamW",
@@ -51,5 +63,14 @@ def mtcore_kernels(backend: str, device_type: str):
         KernelImpl("attention", torch_native.sdpa_attention, "sdpa", priority=50),
     ]
     if torch_native.fused_adamw_available():
-        impls.append(KernelImpl("adamw_step", torch_native.fused_adamw_step, "torch-fused", priority=50))
+        impls.append(
+            KernelImpl(
+                "adamw_step",
+                torch_native.fused_adamw_step,
+                "torch-fused",
+                priority=50,
+                predicate=lambda q: q.dtype == torch.float32,
+                fallback_ok=_fused_adamw_fits,
+            )
+        )
     return impls

@@ -1,0 +1,29 @@
+"""The conformance kit: a pytest plugin a vendor runs against its backend.
+
+    pytest --pyargs mtcore.testing.conformance --mtcore-backend NAME
+
+checks the four contracts of ``mtcore.backend`` on backend NAME (default:
+``MTCORE_BACKEND``, else automatic selection):
+
+* device: placement, synchronize, streams and events, memory stats, RNG,
+  autocast, capabilities (``test_device.py``);
+* collective: every operation on 2 and 4 ranks, with exact expected values,
+  FP8 through its fallback, async handles, subgroups (``test_collective.py``,
+  ``collective_checks.py``); skipped when the backend sees fewer devices than
+  ranks;
+* kernel: every implementation the kernel table can select, forward and
+  backward, against the reference ops of ``mtcore.ops`` with stated
+  tolerances (``test_kernels.py``, ``kernel_cases.py``);
+* fp8: quantize/dequantize round trip and scaled matmul per granularity,
+  with the path (native or fallback) each takes (``test_fp8.py``).
+
+A summary titled "mtcore conformance: backend NAME" ends the run: passed,
+failed and skipped counts per area, and the reasons for skips. A skip whose
+reason starts with "capability:" is a capability the backend declares it
+lacks, not a failure.
+
+The ``--mtcore-backend`` option comes from ``mtcore.testing.conformance.plugin``,
+which the ``pytest11`` entry point of the mtcore distribution loads. With
+``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` add ``-p mtcore.testing.conformance.plugin``
+(or set ``MTCORE_BACKEND`` and leave the option out).
+"""

@@ -1,0 +1,108 @@
+"""FP8 contract: quantize/dequantize round trip and scaled matmul, per granularity.
+
+Round trip: every element within half an FP8 step of its value, the FP8
+format's bound (``2**-(m+1) * |x|`` for normals, half the smallest subnormal,
+times ``scale_inv``, below). Scaled matmul: relative Frobenius error against
+the float32 matmul of the unquantized operands within ``MATMUL_BOUND``, and
+against the float32 matmul of the dequantized operands within
+``DEQUANT_BOUND`` (which is what a correct native path computes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtcore.ops import GRANULARITIES, fp8_dequantize, fp8_quantize
+from mtcore.testing.conformance.plugin import CAPABILITY
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+_MIN_SUBNORMAL = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}
+ROUND_TRIP_SHAPES = ((37, 300), (256, 128), (1, 1))
+# (a format, b format) -> bound on |out - a @ b.T| / |a @ b.T|, Frobenius norms.
+MATMUL_BOUND = {("e4m3", "e4m3"): 0.08, ("e5m2", "e4m3"): 0.15}
+DEQUANT_BOUND = 2e-3
+M, N, K = 160, 48, 256  # multiples of 16 (native kernels' rule); blocks partial in M and N
+
+
+@pytest.fixture(autouse=True)
+def _fp8_available(backend):
+    available = backend.fp8.availability()
+    if not available:
+        pytest.skip(f"{CAPABILITY} FP8 is not available on {backend.name}: {available.reason}")
+
+
+def _randn(seed, *shape, device):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_quantize_round_trip(backend, device, granularity, fmt):
+    dtype = FORMATS[fmt]
+    half_step = 2.0 ** -(_MANTISSA[dtype] + 1)
+    for i, shape in enumerate(ROUND_TRIP_SHAPES):
+        x = _randn(500 + i, *shape, device=device) * 3.0
+        x[0, : min(5, shape[1])] *= 1e-4  # values far below amax land in the subnormals
+        q = backend.fp8.quantize(x, dtype, granularity)
+        _, ref_scale_inv, ref_amax = fp8_quantize(x.cpu(), dtype, granularity)
+        where = f"{granularity} {fmt} {list(shape)}"
+        assert q.data.dtype == dtype and tuple(q.data.shape) == shape, (
+            f"{where}: data {q.data.dtype} {list(q.data.shape)}"
+        )
+        assert q.scale_inv.shape == ref_scale_inv.shape, (
+            f"{where}: scale_inv shape {list(q.scale_inv.shape)}"
+        )
+        assert torch.equal(q.amax.float().cpu(), ref_amax), (
+            f"{where}: amax differs from max |x| per scaling unit"
+        )
+        y = q.dequantize(torch.float32).cpu()
+        xs = x.float().cpu()
+        per_elem_scale_inv = fp8_dequantize(
+            torch.ones(shape).to(dtype), q.scale_inv.float().cpu(), granularity
+        )
+        bound = (half_step * xs.abs() + 0.5 * _MIN_SUBNORMAL[dtype] * per_elem_scale_inv) * (
+            1 + 1e-6
+        ) + 1e-30
+        err = (y - xs).abs()
+        assert torch.isfinite(y).all(), f"{where}: dequantized values are not finite"
+        worst = int((err - bound).argmax())
+        assert (err <= bound).all(), (
+            f"{where}: {int((err > bound).sum())} elements beyond half an FP8 step; worst "
+            f"x={xs.flatten()[worst].item():.6g} -> {y.flatten()[worst].item():.6g}"
+        )
+
+
+@pytest.mark.parametrize("formats", list(MATMUL_BOUND), ids=lambda f: f"{f[0]}x{f[1]}")
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_scaled_matmul(backend, device, kit, granularity, formats):
+    fp8 = backend.fp8
+    path = "native" if fp8.is_native(granularity, granularity) else "fallback"
+    a = _randn(600, M, K, device=device)
+    b = _randn(601, N, K, device=device)
+    qa = fp8.quantize(a, FORMATS[formats[0]], granularity)
+    qb = fp8.quantize(b, FORMATS[formats[1]], granularity)
+    out = fp8.scaled_matmul(qa, qb, out_dtype=torch.float32)
+    where = f"scaled_matmul {granularity} {formats[0]}x{formats[1]} ({path} path)"
+    assert out.dtype == torch.float32 and tuple(out.shape) == (M, N), (
+        f"{where}: got {out.dtype} {list(out.shape)}"
+    )
+    ref = (a.float().cpu() @ b.float().cpu().t()).double()
+    deq = qa.dequantize().cpu().double() @ qb.dequantize().cpu().double().t()
+    got = out.cpu().double()
+    err = ((got - ref).norm() / ref.norm()).item()
+    err_deq = ((got - deq).norm() / deq.norm()).item()
+    bound = MATMUL_BOUND[formats]
+    kit.note(
+        "fp8",
+        f"scaled_matmul {granularity:<8} {formats[0]}x{formats[1]}: {path}, relative error {err:.3f} (bound {bound})",
+    )
+    assert err_deq <= DEQUANT_BOUND, (
+        f"{where}: relative error {err_deq:.3g} against the product of the dequantized operands "
+        f"(bound {DEQUANT_BOUND}); scales are applied wrongly"
+    )
+    assert err <= bound, (
+        f"{where}: relative error {err:.3g} against the float32 matmul (bound {bound})"
+    )

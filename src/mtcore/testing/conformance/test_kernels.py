@@ -1,0 +1,58 @@
+"""Kernel contract: every implementation the kernel table can select, against the reference ops.
+
+"Can select" means every candidate whose predicate accepts the backend's device
+type and the dtype, not only the winner: ``MTCORE_KERNELS=reference`` and the
+``fallback_ok`` guards can route a call to any of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mtcore.backend import KernelQuery
+from mtcore.testing.conformance.kernel_cases import (
+    CASES,
+    KERNEL_DTYPES,
+    check_adamw,
+    check_fp8_quantize,
+    check_op,
+    dtype_name,
+)
+from mtcore.testing.conformance.plugin import CAPABILITY, kit_backend
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "impl" not in metafunc.fixturenames:
+        return
+    backend = kit_backend(metafunc.config)
+    params, ids = [], []
+    for op in backend.kernels.ops():
+        for dtype in KERNEL_DTYPES:
+            query = KernelQuery(backend.device.type, dtype)
+            for impl in backend.kernels[op].candidates:
+                if impl.accepts(query):
+                    params.append((op, impl, dtype))
+                    ids.append(f"{op}-{impl.name}-{dtype_name(dtype)}")
+    metafunc.parametrize(("op", "impl", "dtype"), params, ids=ids)
+
+
+def test_kernel(op, impl, dtype, device):
+    try:
+        if op == "adamw_step":
+            ran = check_adamw(impl.fn, impl.fallback_ok, dtype, device)
+        elif op == "fp8_quantize":
+            ran = check_fp8_quantize(impl.fn, impl.fallback_ok, dtype, device)
+        elif op in CASES:
+            ran = check_op(op, impl.fn, impl.fallback_ok, dtype, device)
+        else:
+            pytest.fail(
+                f"the conformance kit has no cases for op {op!r}; add them to kernel_cases.py"
+            )
+    except AssertionError as exc:
+        raise AssertionError(
+            f"kernel {impl.name!r} (plugin {impl.plugin!r}) for {op}: {exc}"
+        ) from None
+    if not ran:
+        pytest.skip(
+            f"{CAPABILITY} {impl.name!r} declines every case of {op} ({dtype_name(dtype)}) in fallback_ok"
+        )
