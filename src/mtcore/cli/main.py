@@ -1,0 +1,79 @@
+"""The ``mtcore`` command: ``mtcore COMMAND [options]``.
+
+Every command is a module of ``mtcore.cli`` named in ``COMMANDS`` that defines
+``HELP`` (one line for ``mtcore --help``), ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit status). Adding a command is adding a module and
+its name here. The modules are imported to build the parser, so their top level
+stays light; heavy imports go inside ``run``.
+
+Exit status: 0 success, 1 the command failed (the message says why),
+2 bad usage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from mtcore import __version__
+
+COMMANDS = ("plugins", "doctor")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+ENVIRONMENT_HELP = """\
+environment:
+  MTCORE_BACKEND=NAME                 backend to use when code does not name one
+  MTCORE_PLUGINS=a,b                  load only these plugins (entry point or distribution names)
+  MTCORE_DISABLE_PLUGIN_AUTOLOAD=1    load no plugin unless MTCORE_PLUGINS names it
+  MTCORE_KERNELS=reference            run the reference implementation of every kernel op
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtcore",
+        description="mtcore: hardware-neutral LLM training with accelerator plugins.",
+        epilog=ENVIRONMENT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"mtcore {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name in COMMANDS:
+        module = importlib.import_module(f"mtcore.cli.{name}")
+        sub = commands.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            epilog=ENVIRONMENT_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `mtcore doctor | head`: the reader left; silence the flush at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""The `mtcore` command, run as a user runs it: in a fresh process, exit status and output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from mtcore.ops import REFERENCE_OPS
+
+MTCORE_ENV = (
+    "MTCORE_BACKEND",
+    "MTCORE_PLUGINS",
+    "MTCORE_DISABLE_PLUGIN_AUTOLOAD",
+    "MTCORE_KERNELS",
+)
+
+# A GPU, if the machine has one, must not change what these tests see.
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+TWIN_PLUGIN = """
+from mtcore.backend import BackendSpec, Collective, CpuDevice, hookimpl
+
+@hookimpl
+def mtcore_backends():
+    return [BackendSpec(name="twin", device=CpuDevice(), collective=Collective("gloo"),
+                        accelerator=False)]
+"""
+
+PROBE_PLUGIN = """
+from mtcore.backend import BackendSpec, Collective, CpuDevice, hookimpl
+
+def facts():
+    return {"compiler": "found", "runtime": 3}
+
+@hookimpl
+def mtcore_backends():
+    return [BackendSpec(name="probe", device=CpuDevice(), collective=Collective("gloo"),
+                        accelerator=False, diagnostics=facts)]
+"""
+
+
+def cli_env(env: dict[str, str] | None = None, pythonpath: Path | None = None) -> dict[str, str]:
+    full = {k: v for k, v in os.environ.items() if k not in MTCORE_ENV}
+    full.update(HIDE_GPUS)
+    full["COLUMNS"] = "120"  # doctor wraps long lines at the terminal width
+    full.update(env or {})
+    if pythonpath is not None:
+        full["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(pythonpath), full.get("PYTHONPATH")])
+        )
+    return full
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "mtcore.cli.main", *args],
+        env=cli_env(env, pythonpath),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def make_dist(root: Path, dist: str, module: str, source: str, version: str = "1.0") -> None:
+    """A pip-installed distribution as importlib.metadata sees it: module + dist-info."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[mtcore.plugins]\n{module} = {module}\n")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every command line these tests check, started at once: each one imports torch (seconds)."""
+    fakes = tmp_path_factory.mktemp("fake-plugins")
+    make_dist(
+        fakes,
+        "mtcore-broken",
+        "broken_plugin",
+        "raise ImportError('needs the vendor runtime')\n",
+        "2.0",
+    )
+    make_dist(fakes, "twin-a", "twin_a", TWIN_PLUGIN)
+    make_dist(fakes, "twin-b", "twin_b", TWIN_PLUGIN)
+    make_dist(
+        fakes,
+        "typo",
+        "typo_plugin",
+        TWIN_PLUGIN.replace("def mtcore_backends", "def mtcore_backend"),
+    )
+    make_dist(fakes, "probe", "probe_plugin", PROBE_PLUGIN)
+    reference = {"MTCORE_KERNELS": "reference"}
+    commands = {
+        "plugins": (["plugins"], {}, None),
+        "doctor": (["doctor"], {}, None),
+        "doctor_json": (["doctor", "--json"], {}, None),
+        "reference": (["doctor", "--backend", "cpu"], reference, None),
+        "nope_json": (["doctor", "--backend", "nope", "--json"], {}, None),
+        "unavailable": (["doctor", "--backend", "cuda"], {}, None),
+        "fakes": (["doctor"], {}, fakes),
+        "fakes_twin_verbose": (["doctor", "--backend", "twin", "--verbose"], {}, fakes),
+        "fakes_plugins_json": (["plugins", "--json"], {}, fakes),
+        "allowlist": (["doctor"], {"MTCORE_PLUGINS": "mtcore-cuda,no-such-plugin"}, None),
+        "no_autoload": (["doctor"], {"MTCORE_DISABLE_PLUGIN_AUTOLOAD": "1"}, None),
+    }
+
+    def run(item):
+        args, env, pythonpath = item
+        return run_cli(*args, env=env, pythonpath=pythonpath)
+
+    # A few at a time: enough to overlap the imports without crowding a small CI machine.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = dict(zip(commands, pool.map(run, commands.values()), strict=True))
+    return results
+
+
+@pytest.fixture(scope="module")
+def doctor_json(runs) -> dict:
+    result = runs["doctor_json"]
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def doctor_text(runs) -> str:
+    result = runs["doctor"]
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def backend(data: dict, name: str) -> dict:
+    return next(b for b in data["backends"] if b["name"] == name)
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).with_name("mtcore")
+    assert script.exists(), f"console script missing next to {sys.executable}; pip install -e ."
+    result = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("mtcore "), result
+
+
+def test_no_command_prints_usage_and_exits_2():
+    result = run_cli()
+    assert result.returncode == 2
+    assert "doctor" in result.stderr and "plugins" in result.stderr
+
+
+def test_plugins_lists_the_cpu_plugin_with_version_status_and_backends(runs):
+    result = runs["plugins"]
+    assert result.returncode == 0, result.stderr
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("mtcore_cuda "))
+    assert "mtcore-cuda 0.1.0" in line and " ok " in line
+    assert "backends: cpu, cuda" in line
+
+
+def test_doctor_text_reports_cpu_gloo_kernels_and_unavailable_gpu(doctor_text):
+    out = doctor_text
+    assert out.startswith("=") and "mtcore doctor" in out.splitlines()[0]
+    assert "platform " in out and "mtcore-0.1.0" in out and "torch-" in out and "Python " in out
+    assert "mtcore_cuda  mtcore-cuda 0.1.0" in out
+    assert "default cpu (automatic)" in out
+    cpu_line = next(ln for ln in out.splitlines() if ln.lstrip().startswith("cpu "))
+    assert cpu_line.rstrip().endswith("available")
+    cuda_line = next(ln for ln in out.splitlines() if ln.lstrip().startswith("cuda "))
+    assert "unavailable: no cuda device is visible" in cuda_line
+    section = out.split("- backend cpu -", 1)[1]
+    assert "c10d backend 'gloo'" in section
+    assert "peak TFLOP/s" in section and "unknown" in section
+    assert "fp8: available" in section and "1x128" in section
+    kernels = section.split("kernels:", 1)[1]
+    for op in REFERENCE_OPS:
+        assert f"    {op} " in kernels, op
+    assert "MTCORE_KERNELS=reference" in kernels
+
+
+def test_doctor_json_has_every_section(doctor_json):
+    data = doctor_json
+    assert data["schema"] == 1 and data["command"] == "doctor" and data["error"] is None
+    assert data["selection"] == {"backend": "cpu", "how": "automatic", "error": None}
+    cpu = backend(data, "cpu")
+    assert cpu["available"] and cpu["plugin"] == "mtcore_cuda" and not cpu["accelerator"]
+    details = cpu["details"]
+    caps = details["capabilities"]
+    assert (
+        caps["device_type"] == "cpu" and "float32" in caps["dtypes"] and caps["device_count"] == 1
+    )
+    assert set(caps["peak_tflops"]) >= {"float32", "bfloat16"}
+    coll = details["collective"]
+    assert coll["c10d_backend"] == "gloo" and coll["avg_native"] is False
+    assert coll["ops"]["all_reduce"] == {
+        "fp32": "native",
+        "bf16": "native",
+        "fp16": "native",
+        "fp8_e4m3": "fallback",
+        "fp8_e5m2": "fallback",
+    }
+    fp8 = details["fp8"]
+    assert fp8["available"] and set(fp8["formats"]) == {"e4m3", "e5m2"}
+    assert fp8["granularities"]["tensor"] == "native"
+    assert fp8["granularities"]["128x128"].startswith("fallback")
+    kernels = details["kernels"]
+    assert kernels["forced_reference"] is False
+    for dtype in ("float32", "bfloat16"):
+        rows = kernels["dtypes"][dtype]
+        assert set(rows) == set(REFERENCE_OPS)
+        for op, row in rows.items():
+            assert row["chosen"], (dtype, op)
+            assert row["chosen"][-1]["plugin"], (dtype, op)
+
+    cuda = backend(data, "cuda")
+    assert cuda["available"] is False and cuda["reason"] and cuda["details"] is None
+
+
+def test_kernels_reference_env_is_shown(runs):
+    result = runs["reference"]
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "environment: MTCORE_KERNELS=reference" in out
+    assert "MTCORE_KERNELS=reference forces the reference implementation" in out
+    kernels = out.split("- backend cpu -", 1)[1].split("kernels:", 1)[1]
+    for op in REFERENCE_OPS:
+        rows = [ln for ln in kernels.splitlines() if ln.startswith(f"    {op} ")]
+        assert len(rows) == 2 and all("reference [mtcore]" in r for r in rows), (op, rows)
+
+
+def test_unknown_backend_fails_naming_the_known_ones(runs):
+    result = runs["nope_json"]
+    assert result.returncode == 1
+    assert "unknown backend 'nope'" in result.stderr
+    assert "known backends:" in result.stderr and "cpu" in result.stderr
+    data = json.loads(result.stdout)  # stdout stays one JSON document
+    assert data["error"]["type"] == "BackendError" and "nope" in data["error"]["message"]
+    assert data["requested"] == "nope"
+
+
+def test_unavailable_backend_fails_with_the_reason(runs):
+    result = runs["unavailable"]
+    assert result.returncode == 1
+    assert "cannot run here: no cuda device is visible" in result.stderr
+    assert "--backend cuda failed" in result.stdout  # the report is still printed
+
+
+def test_broken_plugin_and_conflict_are_reported_not_fatal(runs):
+    result = runs["fakes"]
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    broken = next(ln for ln in out.splitlines() if "broken_plugin " in ln)
+    assert "mtcore-broken 2.0" in broken and " broken " in broken
+    assert "ImportError: needs the vendor runtime" in broken
+    assert "--verbose for the traceback of broken_plugin" in out
+    assert "Traceback" not in out
+    assert "CONFLICT: backend 'twin' is claimed by" in out and "twin-a" in out and "twin-b" in out
+    assert "PluginWarning" not in result.stderr  # doctor shows it once, in the report
+    typo = next(ln for ln in out.splitlines() if "typo_plugin " in ln)
+    assert "WARNING: unknown hooks never called: mtcore_backend" in typo
+    assert "default cpu (automatic)" in out  # the others still work
+    assert "compiler: found" in out and "runtime: 3" in out  # the probe backend's diagnostics
+
+    result = runs["fakes_twin_verbose"]
+    assert result.returncode == 1 and "claimed by several plugins" in result.stderr
+    assert "Traceback (most recent call last)" in result.stdout
+    assert "ImportError: needs the vendor runtime" in result.stdout
+
+    listing = json.loads(runs["fakes_plugins_json"].stdout)
+    by_name = {p["name"]: p for p in listing["plugins"]}
+    assert by_name["broken_plugin"]["status"] == "broken"
+    assert by_name["broken_plugin"]["error"]["type"] == "ImportError"
+    assert by_name["mtcore_cuda"]["status"] == "ok"
+    assert by_name["mtcore_cuda"]["backends"] == ["cpu", "cuda"]
+    assert by_name["twin_a"]["conflicting_backends"] == ["twin"]
+    assert by_name["typo_plugin"]["unknown_hooks"] == ["mtcore_backend"]
+
+
+def test_plugin_switches_are_explained(runs):
+    result = runs["allowlist"]
+    assert result.returncode == 0, result.stderr
+    assert "no-such-plugin  skipped: named in MTCORE_PLUGINS" in result.stdout
+
+    result = runs["no_autoload"]
+    assert result.returncode == 0, result.stderr
+    assert "mtcore_cuda  skipped: MTCORE_DISABLE_PLUGIN_AUTOLOAD is set" in result.stdout
+    assert "no default (automatic)" in result.stdout
