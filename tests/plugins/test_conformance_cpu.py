@@ -31,7 +31,7 @@ import torch
 
 from mtcore.backend import (
     FP8, BackendSpec, Collective, CollectiveCapabilities, CpuDevice, KernelImpl,
-    fp8_unsupported_everywhere, hookimpl,
+    fp8_fallback_everywhere, hookimpl,
 )
 
 
@@ -59,7 +59,7 @@ def mtcore_backends():
             name="cpu-broken",
             device=ForgetfulDevice(),
             collective=FirstRankBroadcast(
-                "gloo", CollectiveCapabilities(fp8_unsupported_everywhere(), avg_supported=False)
+                "gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=False)
             ),
             # wrong: torch._scaled_mm on the host has no 1x128 block scaling
             fp8=FP8(native_granularities=frozenset({("tensor", "tensor"), ("1x128", "1x128")})),

@@ -259,7 +259,7 @@ def test_broken_plugin_and_conflict_are_reported_not_fatal(runs):
     assert "CONFLICT: backend 'twin' is claimed by" in out and "twin-a" in out and "twin-b" in out
     assert "PluginWarning" not in result.stderr  # doctor shows it once, in the report
     typo = next(ln for ln in out.splitlines() if "typo_plugin " in ln)
-    assert "WARNING: unknown hooks never called: mtcore_backend" in typo
+    assert " broken " in typo and "unknown hook 'mtcore_backend'" in typo
     assert "default cpu (automatic)" in out  # the others still work
     assert "compiler: found" in out and "runtime: 3" in out  # the probe backend's diagnostics
 
@@ -275,7 +275,8 @@ def test_broken_plugin_and_conflict_are_reported_not_fatal(runs):
     assert by_name["mtcore_cuda"]["status"] == "ok"
     assert by_name["mtcore_cuda"]["backends"] == ["cpu", "cuda"]
     assert by_name["twin_a"]["conflicting_backends"] == ["twin"]
-    assert by_name["typo_plugin"]["unknown_hooks"] == ["mtcore_backend"]
+    assert by_name["typo_plugin"]["status"] == "broken"
+    assert "mtcore_backend" in by_name["typo_plugin"]["error"]["message"]
 
 
 def test_plugin_switches_are_explained(runs):

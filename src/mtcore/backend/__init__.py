@@ -11,7 +11,7 @@ from mtcore.backend.collective import (
     CollectiveCapabilities,
     Handle,
     Support,
-    fp8_unsupported_everywhere,
+    fp8_fallback_everywhere,
 )
 from mtcore.backend.device import (
     Availability,
@@ -62,7 +62,7 @@ __all__ = [
     "Quantized",
     "Support",
     "TorchModuleDevice",
-    "fp8_unsupported_everywhere",
+    "fp8_fallback_everywhere",
     "get_backend",
     "hookimpl",
     "plugin_registry",

@@ -47,26 +47,27 @@ class Support(enum.Enum):
 
 @dataclass(frozen=True)
 class CollectiveCapabilities:
-    """Which dtypes each op moves natively; everything else takes the fallback.
+    """Which dtypes each op moves natively; the rest take the fallback.
 
-    unsupported_dtypes: dtypes the backend cannot carry at all, per op. The
-    fallback moves FP8 as raw bytes (uint8) for data movement and reduces it in
-    float32; ``avg_supported`` is False where the backend lacks ReduceOp.AVG
-    (then AVG is SUM followed by a division).
+    fallback_dtypes: per op, the dtypes the c10d backend cannot take natively.
+    The fallback moves FP8 as raw bytes (uint8) for data movement and reduces
+    it in float32. ``avg_supported`` is False where the backend lacks
+    ReduceOp.AVG (then AVG is SUM followed by a division). ``Support.NONE`` is
+    for capability tables that subclass this one to declare an op missing.
     """
 
-    unsupported_dtypes: Mapping[str, frozenset[torch.dtype]] = field(default_factory=dict)
+    fallback_dtypes: Mapping[str, frozenset[torch.dtype]] = field(default_factory=dict)
     avg_supported: bool = True
 
     def support(self, op: str, dtype: torch.dtype) -> Support:
         if op not in OPS:
             raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
-        if dtype in self.unsupported_dtypes.get(op, frozenset()):
+        if dtype in self.fallback_dtypes.get(op, frozenset()):
             return Support.FALLBACK
         return Support.NATIVE
 
 
-def fp8_unsupported_everywhere() -> dict[str, frozenset[torch.dtype]]:
+def fp8_fallback_everywhere() -> dict[str, frozenset[torch.dtype]]:
     """Capability data for a backend that carries no FP8 dtype (gloo, most MCCL builds)."""
     return {op: frozenset(FP8_DTYPES) for op in OPS if op != "barrier"}
 

@@ -34,7 +34,12 @@ class Availability:
 
 @dataclass(frozen=True)
 class DeviceCapabilities:
-    """What a device can do. ``peak_tflops`` maps a dtype name to dense peak TFLOP/s."""
+    """What a device can do.
+
+    peak_tflops: dense (no sparsity) peak TFLOP/s keyed by torch dtype name
+    ("float32", "bfloat16", "float16") or "float8" for FP8 tensor-core peak;
+    absent keys mean unknown. MFU is computed against these.
+    """
 
     name: str
     dtypes: tuple[torch.dtype, ...]

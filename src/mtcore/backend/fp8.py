@@ -12,6 +12,7 @@ Convention (TN GEMM, as in TransformerEngine): ``scaled_matmul(a, b)`` returns
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,9 +65,11 @@ class FP8:
             self._native = frozenset(source() if callable(source) else source)
         return self._native
 
-    def bind(self, quantize: Callable) -> None:
-        """Called by the backend with its ``fp8_quantize`` kernel dispatcher."""
-        self._quantize = quantize
+    def bound_to(self, quantize: Callable) -> FP8:
+        """A copy that quantizes with ``quantize`` (a backend's kernel dispatcher)."""
+        bound = copy.copy(self)
+        bound._quantize = quantize
+        return bound
 
     @property
     def formats(self) -> dict[str, torch.dtype]:
@@ -115,5 +118,9 @@ class FP8:
         return a.dequantize(out_dtype) @ b.dequantize(out_dtype).t()
 
     def describe(self) -> dict[str, str]:
-        """Path taken per granularity when both operands use it (for doctor)."""
-        return {g: "native" if self.is_native(g, g) else "fallback (dequantize + matmul)" for g in GRANULARITIES}
+        """Path taken per operand granularity pair (for doctor); blockwise is 1x128 x 128x128."""
+        pairs = [(g, g) for g in GRANULARITIES] + [("1x128", "128x128")]
+        return {
+            f"{a} x {b}" if a != b else a: "native" if self.is_native(a, b) else "fallback (dequantize + matmul)"
+            for a, b in pairs
+        }

@@ -18,7 +18,7 @@ from importlib import metadata
 import pluggy
 
 from mtcore.backend.hookspecs import ENTRY_POINT_GROUP, PROJECT, MtcoreHookSpecs
-from mtcore.backend.kernels import KernelImpl, KernelRegistrationError
+from mtcore.backend.kernels import KernelImpl, KernelRegistrationError, check_signature
 from mtcore.backend.spec import BackendSpec
 
 PLUGINS_ENV = "MTCORE_PLUGINS"
@@ -91,7 +91,11 @@ class PluginRegistry:
             info = PluginInfo(info)
         try:
             self.manager.register(obj, name=info.name)
-        except Exception as exc:  # pluggy rejects malformed hook implementations here
+            # A misspelt hook (say ``mtcore_backend``) would otherwise never be called.
+            self.manager.check_pending()
+        except Exception as exc:  # pluggy rejects malformed or unknown hooks here
+            if self.manager.is_registered(obj):
+                self.manager.unregister(obj)
             self._mark_broken(info, exc, "was rejected by pluggy")
             return
         self.discovery.plugins[info.name] = info
@@ -132,14 +136,26 @@ class PluginRegistry:
         return self.discovery
 
     def kernels_for(self, backend: str, device_type: str) -> list[KernelImpl]:
-        """Every plugin's kernels for ``backend``, each tagged with its plugin's name."""
+        """Every plugin's kernels for ``backend``, each tagged with its plugin's name.
+
+        A plugin whose hook raises or offers a kernel that breaks the op's
+        contract contributes nothing: it is marked broken (a warning, and
+        ``mtcore doctor`` shows why) and the backend builds without it.
+        """
         impls: list[KernelImpl] = []
         for hook_impl in self.manager.hook.mtcore_kernels.get_hookimpls():
             info = self.discovery.plugins[hook_impl.plugin_name]
             if info.error is not None:
                 continue
-            for impl in hook_impl.function(backend=backend, device_type=device_type) or []:
-                impls.append(_tag(impl, info.name))
+            try:
+                offered = hook_impl.function(backend=backend, device_type=device_type) or []
+                tagged = [_tag(impl, info.name) for impl in offered]
+                for impl in tagged:
+                    check_signature(impl)
+            except Exception as exc:
+                self._mark_broken(info, exc, f"offered unusable kernels for backend {backend!r}")
+                continue
+            impls.extend(tagged)
         return impls
 
 

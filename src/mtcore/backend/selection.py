@@ -39,10 +39,10 @@ def select_backend(name: str | None = None, registry: PluginRegistry | None = No
     found = registry.backends()
     requested = name or os.environ.get(BACKEND_ENV) or None
     if requested is not None:
-        return _build(registry, requested, how="requested" if name else f"{BACKEND_ENV}")
+        return _build(registry, requested, how="requested" if name else f"requested by {BACKEND_ENV}")
     accelerators = sorted(
         (spec for spec, _ in found.backends.values() if spec.accelerator),
-        key=lambda spec: -spec.priority,
+        key=lambda spec: (-spec.priority, spec.name),  # ties break by name, not install order
     )
     for spec in accelerators:
         if spec.availability():

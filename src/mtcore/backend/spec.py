@@ -40,7 +40,11 @@ class BackendSpec:
     diagnostics: Callable[[], Mapping[str, str]] | None = None
 
     def availability(self) -> Availability:
-        return self.device.availability()
+        # A driver that raises while probing must not break selection for everyone.
+        try:
+            return self.device.availability()
+        except Exception as exc:
+            return Availability(False, f"availability check raised {exc!r}")
 
 
 class Backend:
@@ -53,8 +57,7 @@ class Backend:
         self.device = spec.device
         self.collective = spec.collective
         self.kernels = KernelTable(spec.name, kernels)
-        self.fp8 = spec.fp8
-        self.fp8.bind(self.kernels.fp8_quantize)
+        self.fp8 = spec.fp8.bound_to(self.kernels.fp8_quantize)
 
     def torch_device(self, index: int | None = None) -> torch.device:
         return self.device.torch_device(index)

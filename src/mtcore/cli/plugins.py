@@ -50,8 +50,6 @@ def plugin_lines(plugins: list[dict]) -> list[str]:
         if p["kernels"]:
             provides += "; contributes kernels"
         tail = f"backends: {provides}"
-        if p["unknown_hooks"]:
-            tail += f"; WARNING: unknown hooks never called: {', '.join(p['unknown_hooks'])}"
         if p["error"] is not None:
             tail = f"error: {p['error']['type']}: {_first_line(p['error']['message'])}"
         rows.append((p["name"], dist, p["status"], tail))

@@ -101,8 +101,6 @@ def plugin_facts(registry: PluginRegistry) -> list[dict]:
     kernel_plugins = {h.plugin_name for h in registry.manager.hook.mtcore_kernels.get_hookimpls()}
     plugins = []
     for info in found.plugins.values():
-        obj = registry.manager.get_plugin(info.name)
-        callers = (registry.manager.get_hookcallers(obj) or []) if obj is not None else []
         entry = {
             "name": info.name,
             "dist": info.dist,
@@ -111,8 +109,6 @@ def plugin_facts(registry: PluginRegistry) -> list[dict]:
             "backends": sorted(provides.get(info.name, [])),
             "conflicting_backends": sorted(contested.get(info.name, [])),
             "kernels": info.name in kernel_plugins,
-            # pluggy accepts a @hookimpl whose name matches no hook (a typo): it is never called.
-            "unknown_hooks": sorted(c.name for c in callers if c.spec is None),
             "error": None,
         }
         if info.error is not None:

@@ -142,8 +142,25 @@ def test_kernel_with_wrong_signature_rejected_naming_plugin_and_op(make_dist):
         def mtcore_kernels(backend, device_type):
             return [KernelImpl("rms_norm", my_rms_norm, "fast")] if backend == "cpu" else []
     """)
-    with pytest.raises(BackendError, match=r"plugin 'badkernel_plugin'.*'rms_norm'.*\(x, w\).*\(x, weight, eps\)"):
-        select_backend("cpu", registry())
+    reg = registry()
+    with pytest.warns(PluginWarning, match=r"plugin 'badkernel_plugin'.*'rms_norm'.*\(x, w\).*\(x, weight, eps\)"):
+        backend = select_backend("cpu", reg)
+    # The rejected kernel is not used; the plugin shows as broken; the backend still works.
+    assert [k.name for k in backend.kernel_table()["rms_norm"]] == ["reference"]
+    assert "rms_norm" in reg.discovery.plugins["badkernel_plugin"].traceback
+
+
+def test_misspelt_hook_marks_plugin_broken(make_dist):
+    make_dist("typo", "typo_plugin", """
+        from mtcore.backend import hookimpl
+
+        @hookimpl
+        def mtcore_backend():
+            return []
+    """)
+    with pytest.warns(PluginWarning, match="typo_plugin.*rejected"):
+        reg = registry()
+    assert "mtcore_backend" in reg.discovery.plugins["typo_plugin"].traceback
 
 
 def test_kernel_pack_plugin_contributes_to_another_plugins_backend(make_dist):

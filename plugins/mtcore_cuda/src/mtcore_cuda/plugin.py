@@ -13,7 +13,7 @@ from mtcore.backend import (
     CpuDevice,
     KernelImpl,
     TorchModuleDevice,
-    fp8_unsupported_everywhere,
+    fp8_fallback_everywhere,
     hookimpl,
 )
 from mtcore.ops import torch_native
@@ -38,7 +38,7 @@ def mtcore_backends():
     cpu = BackendSpec(
         name="cpu",
         device=CpuDevice(),
-        collective=Collective("gloo", CollectiveCapabilities(fp8_unsupported_everywhere(), avg_supported=False)),
+        collective=Collective("gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=False)),
         fp8=FP8(native_granularities=_NATIVE_FP8),
         accelerator=False,
         description="host CPU: gloo collectives, reference kernels, FP8 through torch._scaled_mm",

@@ -11,7 +11,7 @@ from mtcore.backend import (
     BackendSpec,
     Collective,
     CollectiveCapabilities,
-    fp8_unsupported_everywhere,
+    fp8_fallback_everywhere,
     hookimpl,
 )
 from mtcore_musa.devices import FP8_MIN_CAPABILITY, MUSA, MusaDevice
@@ -47,7 +47,7 @@ def _diagnostics() -> dict[str, str]:
 @hookimpl
 def mtcore_backends():
     # MCCL maps ReduceOp.AVG to mcclAvg (csrc/distributed/ProcessGroupMCCL.cpp).
-    capabilities = CollectiveCapabilities(fp8_unsupported_everywhere(), avg_supported=True)
+    capabilities = CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=True)
     musa = BackendSpec(
         name=BACKEND,
         device=_DEVICE,

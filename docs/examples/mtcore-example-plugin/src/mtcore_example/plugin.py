@@ -13,7 +13,7 @@ from mtcore.backend import (
     CollectiveCapabilities,
     CpuDevice,
     KernelImpl,
-    fp8_unsupported_everywhere,
+    fp8_fallback_everywhere,
     hookimpl,
 )
 from mtcore_example.kernels import floating_on_cpu, sigmoid_swiglu
@@ -30,7 +30,7 @@ def mtcore_backends():
             # gloo carries no FP8 dtype and has no ReduceOp.AVG: say so, and the
             # collective takes its fallbacks (bytes for FP8, sum-then-divide for AVG).
             collective=Collective(
-                "gloo", CollectiveCapabilities(fp8_unsupported_everywhere(), avg_supported=False)
+                "gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=False)
             ),
             # torch._scaled_mm runs tensor-wise scales on the CPU; other granularities
             # take the dequantize fallback.
