@@ -72,7 +72,7 @@ def run_ranks(
     failures = [f"rank {r}:\n{tb}" for r, (ok, tb) in sorted(outcome.items()) if not ok]
     if failures:
         raise RankFailure("\n".join(failures))
-    return [outcome[r][1] for r in range(world_size)]
+    return [_decode(outcome[r][1]) for r in range(world_size)]
 
 
 def _context():
@@ -135,6 +135,27 @@ def _rank_main(fn, rank, world_size, backend_name, init_file, env, args, results
         value = fn(RankContext(rank, world_size, backend), *args)
         backend.collective.barrier()
         backend.collective.destroy()
-        results.put((rank, True, value))
+        results.put((rank, True, _encode(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+def _encode(value) -> bytes:
+    # Tensors put on a multiprocessing queue are shared through the sender's memory,
+    # which is gone once the rank exits; serialising makes any result safe to return.
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _decode(payload: bytes):
+    import io
+
+    import torch
+
+    # Written a moment ago by our own child process: trusted, so full unpickling is fine.
+    return torch.load(io.BytesIO(payload), weights_only=False)

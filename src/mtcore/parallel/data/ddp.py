@@ -1,0 +1,223 @@
+"""Data parallelism with bucketed, overlapped gradient reduction (Megatron-Core's DDP).
+
+Gradients go into contiguous fp32 buffers (``GradBuffer``) through
+post-accumulate-grad hooks; the hook that completes a bucket launches that
+bucket's reduction asynchronously, so communication runs while backward
+computes the earlier layers. ``finish_grad_sync()`` launches what is left and
+waits. Under ``no_sync()`` (gradient accumulation) hooks only accumulate.
+
+The reduction is an fp32 average over the data-parallel group (``dp_cp``:
+replicas across data and context parallel ranks hold the same params): each
+gradient enters the buffer already divided by dp, and the buckets are summed.
+With
+``shard_optimizer`` (ZeRO-1) it is a reduce-scatter instead: each rank ends up
+with the reduced gradient of the shard of every bucket that it owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from mtcore.parallel.data.buffer import Bucket, GradBuffer
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-Core's default
+
+
+class DataParallelConfig(BaseModel):
+    """bucket_size: elements per bucket (a bucket closes once it reaches this).
+
+    shard_optimizer: reduce-scatter gradients for a ZeRO-1 optimizer instead of
+    all-reducing them. overlap_grad_reduce: launch each bucket's reduction from
+    backward as soon as it is ready (False: all at ``finish_grad_sync``).
+    average: divide by the data-parallel size (False: plain sum).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bucket_size: int = Field(DEFAULT_BUCKET_SIZE, ge=1)
+    shard_optimizer: bool = False
+    overlap_grad_reduce: bool = True
+    average: bool = True
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """One bucket reduction: which bucket, and how many param grads of the running
+    backward had not arrived yet (0 for launches from ``finish_grad_sync``)."""
+
+    bucket: int
+    pending_grads: int
+    from_backward: bool
+
+
+class DataParallel(torch.nn.Module):
+    """Wrap ``module`` for data parallelism over ``layout``'s ``dp_cp`` group.
+
+    Every trainable param becomes a view into a flat buffer of its dtype and gets
+    ``param.main_grad``, a view into the fp32 gradient buffer; ``param.grad`` is
+    left None after backward (the gradient lives in ``main_grad``, divided by dp
+    until ``finish_grad_sync()`` has summed it). Cast the module to its final
+    dtype and device before wrapping it: a later ``.to()`` would detach the
+    params from the buffers.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, layout, backend, config: DataParallelConfig | None = None
+    ):
+        super().__init__()
+        self.module = module
+        self.config = config or DataParallelConfig()
+        self.layout = layout
+        self.backend = backend
+        self.collective = backend.collective
+        self.group = layout.group("dp_cp")
+        self.dp_size = layout.size("dp_cp")
+        self.dp_rank = layout.coordinate("dp_cp")
+        # The average's 1/dp is applied as gradients enter the buffer (free inside
+        # the accumulating add) so the reduction is a plain sum: no extra pass
+        # over the bucket where a backend lacks a native average (gloo).
+        self._grad_scale = 1.0 / self.dp_size if self.config.average else 1.0
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        pad_to = self.dp_size if self.config.shard_optimizer else 1
+        self.grad_buffers: list[GradBuffer] = []
+        for group in by_dtype.values():
+            first = sum(len(b.buckets) for b in self.grad_buffers)
+            self.grad_buffers.append(GradBuffer(group, self.config.bucket_size, pad_to, first))
+        self.device = self.grad_buffers[0].device if self.grad_buffers else torch.device("cpu")
+        self.buckets: list[Bucket] = [b for buf in self.grad_buffers for b in buf.buckets]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._buffer_of = {id(p): buf for buf in self.grad_buffers for p in buf.params}
+        self._num_params = len(params)
+        # Replicated params that saw only a sequence shard under sequence
+        # parallelism: their gradient is a partial sum over tp (Megatron sums
+        # them in finalize_model_grads; here in finish_grad_sync, on main_grad).
+        self._sp_params = [p for p in params if getattr(p, "sequence_parallel", False)]
+
+        self._sync = True
+        self._synced = True
+        self._seen: set[int] = set()
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._handles: dict[int, object] = {}
+        self.launch_log: list[LaunchRecord] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # -- gradient accumulation --------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (all but the last micro-batch)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @torch.no_grad()
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if param.grad is None:
+            return
+        param.main_grad.add_(param.grad, alpha=self._grad_scale)
+        param.grad = None
+        self._synced = False
+        self._seen.add(id(param))
+        pending = self._num_params - len(self._seen)
+        if pending == 0:
+            self._seen.clear()
+        bucket = self._bucket_of[id(param)]
+        ready = self._ready[bucket.index]
+        ready.add(id(param))
+        if len(ready) == len(bucket.params):
+            ready.clear()
+            if self._sync and self.config.overlap_grad_reduce:
+                self._launch(bucket, pending, from_backward=True)
+
+    def _launch(self, bucket: Bucket, pending: int, from_backward: bool) -> None:
+        if bucket.index in self._handles:
+            return
+        self.launch_log.append(LaunchRecord(bucket.index, pending, from_backward))
+        handle = None
+        if self.dp_size > 1:
+            if self.config.shard_optimizer:
+                lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+                shard = bucket.buffer.grad[lo:hi]
+                handle = self.collective.reduce_scatter(
+                    shard, bucket.grad, op="sum", group=self.group, async_op=True
+                )
+            else:
+                handle = self.collective.all_reduce(
+                    bucket.grad, op="sum", group=self.group, async_op=True
+                )
+        self._handles[bucket.index] = handle
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets not launched yet (in bucket order) and wait for all.
+
+        Idempotent until the next backward. Buckets are launched in the same order
+        on every rank as long as every rank's backward reaches the same params.
+        """
+        if self._synced:
+            return
+        for bucket in self.buckets:
+            if bucket.index not in self._handles:
+                self._launch(bucket, 0, from_backward=False)
+        for handle in self._handles.values():
+            if handle is not None:
+                handle.wait()
+        self._handles.clear()
+        self._sum_sequence_parallel_grads()
+        self._seen.clear()
+        for ready in self._ready:
+            ready.clear()
+        self._synced = True
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        if not self._sp_params or self.layout.tp == 1:
+            return
+        grads = [p.main_grad for p in self._sp_params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.collective.all_reduce(flat, op="sum", group=self.layout.group("tp"))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero the fp32 gradients before the first micro-batch of a step."""
+        if self._handles:
+            raise RuntimeError(
+                "zero_grad_buffer() while reductions are in flight; call finish_grad_sync()"
+            )
+        for buf in self.grad_buffers:
+            buf.grad.zero_()
+            for p in buf.params:
+                p.grad = None
+        self._seen.clear()
+        for ready in self._ready:
+            ready.clear()
+        self._synced = True
+        self.launch_log.clear()
+
+    # -- queries ------------------------------------------------------------------
+    def buffer_of(self, param: torch.nn.Parameter) -> GradBuffer:
+        return self._buffer_of[id(param)]
+
+    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
+        return self._bucket_of[id(param)]
+
+    def owned_ranges(self, bucket: Bucket) -> tuple[int, int]:
+        """The ``[start, end)`` of ``bucket`` whose reduced gradient this rank holds."""
+        if self.config.shard_optimizer:
+            return bucket.shard(self.dp_rank, self.dp_size)
+        return bucket.start, bucket.end
