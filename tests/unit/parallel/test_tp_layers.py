@@ -7,6 +7,8 @@ be checked here against the one-process weight.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,14 +26,15 @@ from mtcore.parallel.tensor import (
     gather_from_sp,
     gather_from_tp,
     load_full_tensors,
+    named_tp_parameters,
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_sp,
     scatter_to_tp,
     shard_tensor,
-    tp_partition,
     unshard_tensor,
 )
+from mtcore.testing import toy_model
 from mtcore.testing.toy_model import ToyConfig, build_toy_model, gather_full_params
 
 
@@ -113,9 +116,14 @@ def test_layers_at_tp1_match_torch(backend):
 def test_each_rank_holds_its_slice_of_the_one_process_weight(backend, make):
     ref = make(TPGroup.single(backend), torch.Generator().manual_seed(3))
     ranks = [make(fake_rank(backend, r), torch.Generator().manual_seed(3)) for r in range(2)]
+    _assert_ranks_unshard_to(ref, ranks)
+
+
+def _assert_ranks_unshard_to(ref, ranks):
+    per_rank = [{n: (p.detach(), part) for n, p, part, _ in named_tp_parameters(m)} for m in ranks]
     for name, p in ref.named_parameters():
-        shards = [dict(m.named_parameters())[name].detach() for m in ranks]
-        part = tp_partition(dict(ranks[0].named_parameters())[name])
+        shards = [params[name][0] for params in per_rank]
+        part = per_rank[0][name][1]
         full = unshard_tensor(shards, part) if part is not None else shards[0]
         assert torch.equal(full, p.detach()), name
 
@@ -133,8 +141,8 @@ def test_layer_argument_checks(backend):
 
 def test_sequence_parallel_flags_only_replicated_params(backend):
     row = RowParallelLinear(8, 6, fake_rank(backend, 1), sequence_parallel=True)
-    assert getattr(row.bias, "sequence_parallel", False)
-    assert not getattr(row.weight, "sequence_parallel", False)
+    flags = {name: sp for name, _, _, sp in named_tp_parameters(row)}
+    assert flags == {"weight": False, "bias": True}
     assert not RowParallelLinear(
         8, 6, TPGroup.single(backend), sequence_parallel=True
     ).sequence_parallel
@@ -156,19 +164,33 @@ def test_full_tensors_and_load_at_tp1(backend):
 def test_toy_model_shards_like_one_process(backend):
     """A tp=2 rank's toy model holds its slice of every one-process weight."""
     cfg = ToyConfig(bias=True)
-    ref = dict(build_toy_model(cfg, ParallelLayout.single(), backend, seed=5).named_parameters())
-    from mtcore.testing import toy_model
-
+    ref = build_toy_model(cfg, ParallelLayout.single(), backend, seed=5)
     ranks = []
     for r in range(2):
         c = toy_model._Ctx(
             cfg, fake_rank(backend, r), backend, None, False, torch.Generator().manual_seed(5), None
         )
-        ranks.append(dict(toy_model.ToyModel(c).named_parameters()))
-    for name, p in ref.items():
-        part = tp_partition(ranks[0][name])
-        full = unshard_tensor([m[name].detach() for m in ranks], part) if part else ranks[0][name]
-        assert torch.equal(full, p), name
+        ranks.append(toy_model.ToyModel(c))
+    _assert_ranks_unshard_to(ref, ranks)
+
+
+def test_shard_metadata_survives_deepcopy(backend):
+    """Recorded on modules, not on Parameter objects (which deepcopy recreates bare)."""
+    cfg = ToyConfig(bias=True, sequence_parallel=True)
+    c = toy_model._Ctx(cfg, fake_rank(backend, 0), backend, None, True, torch.Generator(), None)
+    model = toy_model.ToyModel(c)
+    twin = copy.deepcopy(model)
+    meta = [(n, part, sp) for n, _, part, sp in named_tp_parameters(model)]
+    assert meta == [(n, part, sp) for n, _, part, sp in named_tp_parameters(twin)]
+    assert any(sp for *_, sp in meta) and any(part is not None for _, part, _ in meta)
+    assert twin.tp is model.tp
+
+
+def test_param_list_consumers_see_the_attributes_too(backend):
+    """Clipping and data-parallel buffers only get parameters: they read attributes."""
+    row = RowParallelLinear(8, 6, fake_rank(backend, 1), sequence_parallel=True)
+    assert row.weight.tp_partition == TPPartition(1, (8,))
+    assert row.bias.sequence_parallel and not hasattr(row.bias, "tp_partition")
 
 
 def test_toy_config_checks(backend):

@@ -1,0 +1,86 @@
+"""Cross-entropy over vocab-sharded logits, without gathering the vocabulary.
+
+Each tp rank holds ``logits [N, V/tp]`` for vocabulary rows
+``[r V/tp, (r+1) V/tp)``. The loss needs three numbers per token that span the
+whole vocabulary: the max logit (for a stable exp), the sum of exps and the
+target's logit. Each is a local reduction followed by one small collective
+over tp: an all-reduce(max) of ``[N]`` and one all-reduce(sum) of ``[N, 2]``
+(sum-exp and target logit together). The full ``[N, V]`` never exists, which
+matters at V = 128k: it would be the largest activation of the model.
+
+Backward is the softmax minus the one-hot target, both local to the shard. It
+reuses the saved softmax buffer in place (as Megatron does: that buffer is the
+size of the logits), so the graph supports one backward; a second one, with
+``retain_graph``, fails loudly on autograd's version check instead of
+returning wrong numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mtcore.parallel.tensor.mappings import TPGroup
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, tp: TPGroup, ignore_index: int):
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        x = logits.to(acc)
+        v_local = x.shape[1]
+        start = tp.rank * v_local
+
+        logit_max = x.max(dim=1).values
+        tp.collective.all_reduce(logit_max, op="max", group=tp.group)
+        x = x - logit_max[:, None]  # a new tensor: ``logits`` is untouched
+
+        valid = target != ignore_index
+        here = valid & (target >= start) & (target < start + v_local)
+        local_target = torch.where(here, target - start, torch.zeros_like(target))
+        target_logit = x.gather(1, local_target[:, None]).squeeze(1).masked_fill(~here, 0.0)
+
+        exp = x.exp_()
+        sums = torch.stack((exp.sum(dim=1), target_logit), dim=1)  # [N, 2]
+        tp.collective.all_reduce(sums, group=tp.group)
+        sum_exp, target_logit = sums.unbind(1)
+
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        softmax = exp.div_(sum_exp[:, None])
+        ctx.save_for_backward(softmax, local_target, here, valid)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        softmax, local_target, here, valid = ctx.saved_tensors
+        grad = softmax  # reused in place: backward runs once per forward
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= here.to(grad.dtype)
+        grad.mul_((grad_loss * valid).to(grad.dtype)[:, None])
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, tp: TPGroup, ignore_index: int = -100
+) -> Tensor:
+    """Per-token loss ``-log softmax(full logits)[n, target[n]]`` from a vocab shard.
+
+    Args:
+        logits: ``[N, V/tp]``, this rank's vocabulary slice (any float dtype;
+            the softmax is float32).
+        target: ``[N]`` int64 indices into the *full* vocabulary, or ``ignore_index``.
+        tp: the tensor-parallel group (``TPGroup.from_layout(layout, backend)``).
+
+    Returns:
+        ``[N]`` float32 loss (float64 for float64 logits), equal on every tp
+        rank; ignored positions have loss 0 and zero gradient. With one rank
+        this is the backend's ``cross_entropy`` kernel.
+    """
+    if logits.dim() != 2 or target.shape != logits.shape[:1]:
+        raise ValueError(
+            f"need logits [N, V/tp] and target [N], got {list(logits.shape)}, {list(target.shape)}"
+        )
+    if tp.size == 1:
+        return tp.backend.kernels.cross_entropy(logits, target, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, ignore_index)

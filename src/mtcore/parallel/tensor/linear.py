@@ -1,0 +1,74 @@
+"""The column-parallel matmul with its input-gradient collective overlapped.
+
+``y = gather_sp(x) @ W^T + b`` as one autograd function, so that backward can
+run the collective on the input gradient while it computes the weight
+gradient (Megatron-Core's ``LinearWithGradAccumulationAndAsyncCommunication``):
+
+    without sequence parallel          with sequence parallel
+    dx = dy @ W                        start all-gather of the saved x shard
+    start all-reduce(dx)               dx = dy @ W
+    dW = dy^T @ x                      x_full = wait(all-gather)
+    wait                               start reduce-scatter(dx)
+                                       dW = dy^T @ x_full
+                                       wait
+
+Under sequence parallel only the local shard ``[b, s/tp, h]`` of the input is
+kept for backward and re-gathered there (the gather hides behind ``dy @ W``):
+keeping the gathered ``[b, s, h]`` would give back most of the activation
+memory that sequence parallel saves. The collectives are async calls of the
+backend's collective interface, so this overlaps on any backend that runs
+them concurrently with compute (NCCL/MCCL streams, gloo's worker threads).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mtcore.parallel.tensor.mappings import SEQ_DIM, TPGroup
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp: TPGroup, sequence_parallel: bool):
+        total = tp.all_gather(x, SEQ_DIM) if sequence_parallel else x
+        ctx.save_for_backward(x, weight)
+        ctx.tp, ctx.sp, ctx.has_bias = tp, sequence_parallel, bias is not None
+        return torch.nn.functional.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        tp, sp = ctx.tp, ctx.sp
+        gather = tp.all_gather_async(x, SEQ_DIM) if sp else None
+        grad = grad.contiguous()
+        grad_x = finish = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight)  # [b, s, in], a partial sum over tp
+        total = gather() if sp else x
+        if grad_x is not None:
+            if sp:
+                finish = tp.reduce_scatter_async(grad_x, SEQ_DIM)
+            else:
+                handle = tp.collective.all_reduce(grad_x, group=tp.group, async_op=True)
+                finish = lambda: (handle.wait(), grad_x)[1]  # noqa: E731
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.flatten(0, -2).t().matmul(total.flatten(0, -2))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.flatten(0, -2).sum(0)
+        if finish is not None:
+            grad_x = finish()
+        return grad_x, grad_w, grad_b, None, None
+
+
+def column_parallel_matmul(
+    x: Tensor, weight: Tensor, bias: Tensor | None, tp: TPGroup, sequence_parallel: bool
+) -> Tensor:
+    """``x [b, s(/tp), in]`` -> ``[b, s, out/tp]`` with ``weight [out/tp, in]``.
+
+    With one rank it is ``F.linear``: no collective, nothing to overlap.
+    """
+    if tp.size == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _ColumnParallelMatmul.apply(x, weight, bias, tp, sequence_parallel)
