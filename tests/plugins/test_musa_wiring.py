@@ -162,10 +162,9 @@ def probe() -> dict:
     sys.meta_path.insert(0, Spy)
     triton_before = "triton" in sys.modules
     importlib.import_module("mtcore_musa.plugin")
+    from mtcore.backend import BackendError, KernelQuery, plugin_registry, select_backend
     from mtcore_musa import kernels
     from mtcore_musa.triton_backend import musa_triton_backend
-
-    from mtcore.backend import BackendError, KernelQuery, plugin_registry, select_backend
 
     found = plugin_registry(reload=True).backends()
     _, info = found.backends["musa"]
