@@ -1,0 +1,66 @@
+"""Pipeline parallelism: schedules as data, one runner, model splitting, tied weights.
+
+``schedules`` builds per-rank action lists (no pipelining, GPipe, 1F1B,
+interleaved 1F1B); ``simulate`` checks and times them on paper; ``runner``
+executes one rank's list over ``Collective.batch_send_recv``; ``split`` says
+which layers each (rank, chunk) owns and validates batch sizes; ``groups``
+holds the pipeline and tied-embedding groups.
+"""
+
+from mtcore.parallel.pipeline.groups import (
+    PipelineGroups,
+    all_pipelines,
+    allreduce_tied_grads,
+    sync_tied_weights,
+)
+from mtcore.parallel.pipeline.runner import PipelineRunner, StepStats
+from mtcore.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    no_pipelining,
+    one_f_one_b,
+)
+from mtcore.parallel.pipeline.simulate import Timeline, simulate
+from mtcore.parallel.pipeline.split import (
+    SplitError,
+    StageModule,
+    StagePlan,
+    layer_counts,
+    num_microbatches,
+    stage_plan,
+    stage_plans,
+    validate_pipeline,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "PipelineGroups",
+    "PipelineRunner",
+    "Schedule",
+    "ScheduleError",
+    "SplitError",
+    "StageModule",
+    "StagePlan",
+    "StepStats",
+    "Timeline",
+    "all_pipelines",
+    "allreduce_tied_grads",
+    "build_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "layer_counts",
+    "no_pipelining",
+    "num_microbatches",
+    "one_f_one_b",
+    "simulate",
+    "stage_plan",
+    "stage_plans",
+    "sync_tied_weights",
+    "validate_pipeline",
+]

@@ -1,0 +1,275 @@
+"""Pipeline schedules as data: one list of actions per pipeline rank.
+
+A schedule is built from each rank's *compute order*, a list of units of one
+or two compute actions (forward / backward of a (micro-batch, chunk)); the
+transfers are derived from it by one rule, Megatron-Core's: between two units
+a rank posts, as one batch, the sends of what the first unit produced and the
+receives of what the second needs. With one-action units in 1F1B that is
+Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``;
+interleaving uses (forward, backward) units, as Megatron's
+``send_forward_backward_recv_forward_backward``. Consecutive comm actions in
+a list *are* such a fused batch; the runner posts them together.
+``mtcore.parallel.pipeline.simulate`` checks any list for deadlocks and
+message mix-ups, from gloo's semantics to NCCL's worst case.
+
+Virtual stages are chunk-major (Megatron interleaving): chunk ``c`` of rank
+``r`` is virtual stage ``c * pp + r``. So activations always go to rank
+``r + 1 mod pp`` and gradients to ``r - 1 mod pp``; only the first virtual
+stage takes the micro-batch input and only the last computes the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FORWARD, BACKWARD = "forward", "backward"
+SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD = "send_fwd", "recv_fwd", "send_bwd", "recv_bwd"
+COMPUTE = (FORWARD, BACKWARD)
+COMM = (SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD)
+KINDS = COMPUTE + COMM
+_CODE = {FORWARD: "F", BACKWARD: "B", SEND_FWD: "sF", RECV_FWD: "rF", SEND_BWD: "sB", RECV_BWD: "rB"}
+SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be built or cannot run (naming the numbers)."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank: compute (``forward``/``backward``) or one transfer.
+
+    ``microbatch`` and ``chunk`` name the tensor: for a transfer, the
+    (micro-batch, chunk) *on this rank* whose activation or gradient moves.
+    """
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown action kind {self.kind!r}; known: {', '.join(KINDS)}")
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+    def label(self, chunks: bool = False) -> str:
+        text = f"{_CODE[self.kind]}{self.microbatch}"
+        return f"{text}.{self.chunk}" if chunks else text
+
+    def __str__(self) -> str:
+        return self.label(chunks=True)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank action lists of one pipeline schedule (``actions[rank]``)."""
+
+    name: str
+    pp: int
+    vpp: int
+    microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    def for_rank(self, rank: int) -> tuple[Action, ...]:
+        return self.actions[rank]
+
+    def compute_order(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.is_compute]
+
+    def steps(self, rank: int) -> list[tuple[tuple[Action, ...], Action | None]]:
+        """The rank's list as (fused comm batch before, compute) pairs; the
+        last pair holds the trailing batch and ``None``."""
+        out, batch = [], []
+        for a in self.actions[rank]:
+            if a.is_compute:
+                out.append((tuple(batch), a))
+                batch = []
+            else:
+                batch.append(a)
+        if batch:
+            out.append((tuple(batch), None))
+        return out
+
+    def max_in_flight(self, rank: int) -> int:
+        """Most (micro-batch, chunk) forwards whose backward has not run yet."""
+        live = peak = 0
+        for a in self.compute_order(rank):
+            live += 1 if a.kind == FORWARD else -1
+            peak = max(peak, live)
+        return peak
+
+    def table(self) -> str:
+        """A readable table: one row per compute step, one column per rank;
+        a cell shows the fused batch posted before the compute, then the compute."""
+        chunks = self.vpp > 1
+        cols = []
+        for r in range(self.pp):
+            cells = []
+            for batch, compute in self.steps(r):
+                comm = " ".join(a.label(chunks) for a in batch)
+                text = f"[{comm}] " if comm else ""
+                cells.append(text + (compute.label(chunks) if compute else ""))
+            cols.append(cells)
+        rows = max(len(c) for c in cols)
+        width = max(8, *(len(x) for c in cols for x in c))
+        head = f"{self.name}: pp={self.pp} vpp={self.vpp} microbatches={self.microbatches}"
+        lines = [head, "step | " + " | ".join(f"rank {r}".ljust(width) for r in range(self.pp))]
+        lines.append("-" * len(lines[1]))
+        for i in range(rows):
+            cells = [(c[i] if i < len(c) else "").ljust(width) for c in cols]
+            lines.append(f"{i:4d} | " + " | ".join(cells))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# -- compute orders ------------------------------------------------------------------
+def _check(pp: int, m: int, vpp: int = 1) -> None:
+    if pp < 1 or m < 1 or vpp < 1:
+        raise ScheduleError(f"need pp >= 1, microbatches >= 1, vpp >= 1; got pp={pp}, m={m}, vpp={vpp}")
+
+
+def no_pipelining(microbatches: int) -> Schedule:
+    """One stage, gradient accumulation: F0 B0 F1 B1 ..."""
+    _check(1, microbatches)
+    order = [(Action(FORWARD, i), Action(BACKWARD, i)) for i in range(microbatches)]
+    return _with_comm("no_pipelining", [order], 1, 1, microbatches)
+
+
+def gpipe(pp: int, microbatches: int) -> Schedule:
+    """All forwards, then all backwards (every micro-batch in flight at once)."""
+    _check(pp, microbatches)
+    order = [(Action(FORWARD, i),) for i in range(microbatches)]
+    order += [(Action(BACKWARD, i),) for i in range(microbatches)]
+    return _with_comm("gpipe", [list(order) for _ in range(pp)], pp, 1, microbatches)
+
+
+def one_f_one_b(pp: int, microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush): rank r runs min(pp - r - 1, m) warmup forwards,
+    then alternates one forward and one backward, then drains the backwards.
+    At most pp micro-batches are in flight on rank 0."""
+    _check(pp, microbatches)
+    orders = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, microbatches)
+        order = [(Action(FORWARD, i),) for i in range(warmup)]
+        for i in range(microbatches - warmup):
+            order += [(Action(FORWARD, warmup + i),), (Action(BACKWARD, i),)]
+        order += [(Action(BACKWARD, i),) for i in range(microbatches - warmup, microbatches)]
+        orders.append(order)
+    return _with_comm("1f1b", orders, pp, 1, microbatches)
+
+
+def interleaved_1f1b(pp: int, vpp: int, microbatches: int) -> Schedule:
+    """Interleaved 1F1B with ``vpp`` chunks per rank, in Megatron-Core's order.
+
+    The k-th forward of any rank runs micro-batch ``(k // (pp*v)) * pp + k % pp``
+    on chunk ``(k % (pp*v)) // pp``; backwards go through the chunks in reverse.
+    Warmup: ``2 (pp - r - 1) + (v - 1) pp`` forwards (all of them when m == pp).
+    """
+    _check(pp, microbatches, vpp)
+    if pp < 2:
+        raise ScheduleError(f"interleaving needs pp >= 2 (got pp={pp}); use 1f1b or no_pipelining")
+    if microbatches % pp:
+        raise ScheduleError(
+            f"interleaved 1F1B needs the number of micro-batches ({microbatches}) to be a "
+            f"multiple of pp ({pp})"
+        )
+    total, group = microbatches * vpp, pp * vpp
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k % group) // pp
+        return (k // group) * pp + k % pp, chunk if forward else vpp - 1 - chunk
+
+    orders = []
+    for r in range(pp):
+        warmup = total if microbatches == pp else min(2 * (pp - r - 1) + (vpp - 1) * pp, total)
+        order = [(Action(FORWARD, *unit(k, True)),) for k in range(warmup)]
+        for k in range(total - warmup):
+            # One unit: as Megatron, send F's output only after B, with B's
+            # gradient. Sending it in between deadlocks where a wait covers a
+            # whole fused call or a group's calls complete in order (NCCL):
+            # simulate modes "strict" / "ordered", tests/unit/pipeline.
+            order += [(Action(FORWARD, *unit(k + warmup, True)), Action(BACKWARD, *unit(k, False)))]
+        order += [(Action(BACKWARD, *unit(k, False)),) for k in range(total - warmup, total)]
+        orders.append(order)
+    return _with_comm("interleaved_1f1b", orders, pp, vpp, microbatches)
+
+
+def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
+    """``name`` in SCHEDULES; "1f1b" with vpp > 1 means the interleaved one."""
+    if name == "no_pipelining":
+        if pp != 1 or vpp != 1:
+            raise ScheduleError(f"no_pipelining runs one stage; got pp={pp}, vpp={vpp}")
+        return no_pipelining(microbatches)
+    if name == "gpipe" and vpp == 1:
+        return gpipe(pp, microbatches)
+    if name == "1f1b" and vpp == 1:
+        return one_f_one_b(pp, microbatches)
+    if name in ("1f1b", "interleaved_1f1b"):
+        return interleaved_1f1b(pp, vpp, microbatches)
+    raise ScheduleError(f"unknown schedule {name!r} (vpp={vpp}); known: {', '.join(SCHEDULES)}")
+
+
+# -- transfers -------------------------------------------------------------------------
+def is_first_stage(rank: int, chunk: int) -> bool:
+    return rank == 0 and chunk == 0
+
+
+def is_last_stage(rank: int, chunk: int, pp: int, vpp: int) -> bool:
+    return rank == pp - 1 and chunk == vpp - 1
+
+
+def _with_comm(name: str, orders: Sequence[Sequence[tuple[Action, ...]]], pp: int, vpp: int, m: int) -> Schedule:
+    lists = []
+    for r, order in enumerate(orders):
+
+        def recv(a: Action, r=r) -> list[Action]:
+            if a.kind == FORWARD and not is_first_stage(r, a.chunk):
+                return [Action(RECV_FWD, a.microbatch, a.chunk)]
+            if a.kind == BACKWARD and not is_last_stage(r, a.chunk, pp, vpp):
+                return [Action(RECV_BWD, a.microbatch, a.chunk)]
+            return []
+
+        def send(a: Action, r=r) -> list[Action]:
+            if a.kind == FORWARD and not is_last_stage(r, a.chunk, pp, vpp):
+                return [Action(SEND_FWD, a.microbatch, a.chunk)]
+            if a.kind == BACKWARD and not is_first_stage(r, a.chunk):
+                return [Action(SEND_BWD, a.microbatch, a.chunk)]
+            return []
+
+        out: list[Action] = []
+        previous: tuple[Action, ...] = ()
+        for unit in order:
+            out += [x for a in previous for x in send(a)]
+            out += [x for a in unit for x in recv(a)]
+            out += unit
+            previous = unit
+        out += [x for a in previous for x in send(a)]
+        lists.append(tuple(out))
+    return Schedule(name, pp, vpp, m, tuple(lists))
+
+
+def peer(action: Action, rank: int, pp: int) -> int:
+    """The pipeline rank (index in the pp group) a transfer goes to or comes from."""
+    if action.kind in (SEND_FWD, RECV_BWD):
+        return (rank + 1) % pp
+    if action.kind in (RECV_FWD, SEND_BWD):
+        return (rank - 1) % pp
+    raise ValueError(f"{action} is not a transfer")
+
+
+def counterpart(action: Action, rank: int, pp: int) -> Action:
+    """The action on ``peer(action)`` that matches this transfer."""
+    step = 1 if action.kind in (SEND_FWD, RECV_BWD) else -1
+    other = rank + step
+    chunk = action.chunk + (1 if other == pp else -1 if other == -1 else 0)
+    return Action(_OPPOSITE[action.kind], action.microbatch, chunk)
+
+
+_OPPOSITE = {SEND_FWD: RECV_FWD, RECV_FWD: SEND_FWD, SEND_BWD: RECV_BWD, RECV_BWD: SEND_BWD}
