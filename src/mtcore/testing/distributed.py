@@ -24,7 +24,15 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 300.0
 START_METHOD_ENV = "MTCORE_START_METHOD"
 # Imported once by the fork server; every rank inherits them already loaded.
-_PRELOAD = ["torch", "torch.distributed", "mtcore.backend", "mtcore.testing.distributed"]
+# torch.optim pulls in torch._dynamo on first use (seconds per rank): import it once, here.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.optim",
+    "torch._dynamo",
+    "mtcore.backend",
+    "mtcore.testing.distributed",
+]
 
 
 @dataclass(frozen=True)
