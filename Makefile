@@ -23,6 +23,9 @@ test: lint
 test-all: lint
 	$(PY) -m pytest
 
+train: $(STAMP)
+	$(VENV)/bin/mtcore train configs/default.yaml --nproc 4
+
 doctor: $(STAMP)
 	$(VENV)/bin/mtcore doctor
 

@@ -19,7 +19,7 @@ import sys
 
 from mtcore import __version__
 
-COMMANDS = ("plugins", "doctor")
+COMMANDS = ("plugins", "doctor", "train", "generate")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

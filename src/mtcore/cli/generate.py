@@ -1,0 +1,52 @@
+"""Continue a prompt with a trained GPT: `mtcore generate CHECKPOINT --prompt TEXT`.
+
+CHECKPOINT is a checkpoint directory written by `mtcore train` (a step_N
+directory, or the checkpoint root: its latest step). One process, the whole
+model, whatever layout trained it. Greedy decoding by default; `--top-k K`
+samples among the K likeliest tokens (--temperature, --seed). Prints the prompt
+and its continuation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "continue a prompt with a trained checkpoint (greedy or top-k sampling)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint directory (step_N, or the root: latest)")
+    parser.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    parser.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="sample (default: greedy)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="with --top-k (default 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="with --top-k (default 0)")
+    parser.add_argument("--backend", default=None, help="backend name (default: selected)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from mtcore.backend import select_backend
+    from mtcore.training.checkpoint import load_model
+    from mtcore.training.data import DataError, load_tokenizer
+
+    if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
+        print("mtcore generate: error: --max-new-tokens must be >= 0 and --top-k >= 1", file=sys.stderr)
+        return 2
+    backend = select_backend(args.backend)
+    try:
+        model, _step, directory = load_model(args.checkpoint, backend)
+        tokenizer = load_tokenizer(directory / "tokenizer.json")
+    except (FileNotFoundError, ValueError, DataError) as e:
+        print(f"mtcore generate: error: {e}", file=sys.stderr)
+        return 1
+    ids = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
+    device = backend.torch_device()
+    tokens = torch.tensor([ids], device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    out = model.generate(tokens, args.max_new_tokens, args.top_k, args.temperature, generator)
+    text = tokenizer.decode(out[0].tolist())
+    print(text if args.prompt else text.removeprefix(tokenizer.decode([tokenizer.eod_id])))
+    return 0

@@ -1,0 +1,160 @@
+"""The GPT model's configuration: sizes and the architecture switches, validated up front.
+
+Two families share one model, chosen by ``style``, which fills in the switches the
+user did not set:
+
+=================  =========================  ==============================
+switch             ``llama`` (default)        ``gpt2``
+=================  =========================  ==============================
+norm               RMSNorm                    LayerNorm
+activation         SwiGLU                     GELU (tanh approximation)
+position           rotary (RoPE)              learned absolute embeddings
+tie_embeddings     False                      True
+bias               False                      True
+=================  =========================  ==============================
+
+Grouped-query attention is ``num_kv_heads < num_heads`` in either style.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mtcore.distributed.layout import LayoutError, LayoutSpec
+
+STYLES: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False
+    ),
+    "gpt2": dict(
+        norm="layernorm", activation="gelu", position="learned", tie_embeddings=True, bias=True
+    ),
+}
+
+
+class ModelConfig(BaseModel):
+    """A decoder-only transformer. ``vocab_size=None`` is filled in from the tokenizer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    style: Literal["llama", "gpt2"] = "llama"
+    vocab_size: int | None = Field(None, ge=2, description="None: the tokenizer's, padded")
+    vocab_multiple: int = Field(128, ge=1, description="pad the tokenizer's vocab to this")
+    hidden_size: int = Field(256, ge=2)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int | None = Field(None, ge=1, description="None: num_heads (no GQA)")
+    ffn_hidden_size: int | None = Field(None, ge=1, description="None: 4h (gelu), ~8h/3 (swiglu)")
+    seq_len: int = Field(256, ge=1, description="longest sequence (positions, RoPE table)")
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = Field(1e-5, gt=0)
+    activation: Literal["swiglu", "gelu"] = "swiglu"
+    position: Literal["rope", "learned"] = "rope"
+    rope_theta: float = Field(10000.0, gt=0)
+    tie_embeddings: bool = False
+    bias: bool = False
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    init_std: float = Field(0.02, gt=0)
+    scaled_init: bool = Field(True, description="output projections get std / sqrt(2 layers)")
+    recompute: Literal["none", "full", "selective"] = "none"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_style(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            style = data.get("style", "llama")
+            if style in STYLES:
+                data = {**STYLES[style], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.kv_heads}"
+            )
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head size, got {self.head_dim}")
+        return self
+
+    # -- derived sizes -------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "gelu":
+            return 4 * self.hidden_size
+        # Llama: 2/3 of 4h (SwiGLU has three matrices), rounded up to a multiple of 64.
+        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+
+    def with_vocab(self, tokenizer_vocab: int) -> ModelConfig:
+        """This config with ``vocab_size`` fixed for a tokenizer of ``tokenizer_vocab`` ids.
+
+        None becomes the tokenizer's size rounded up to ``vocab_multiple`` (a vocab
+        shard per tp rank, and friendlier matmul shapes); a set size smaller than
+        the tokenizer's is an error: those token ids would have no embedding row.
+        """
+        if self.vocab_size is None:
+            padded = -(-tokenizer_vocab // self.vocab_multiple) * self.vocab_multiple
+            return self.model_copy(update={"vocab_size": padded})
+        if self.vocab_size < tokenizer_vocab:
+            raise ValueError(
+                f"the tokenizer has {tokenizer_vocab} token ids but model.vocab_size is "
+                f"{self.vocab_size}; set model.vocab_size >= {tokenizer_vocab} (or leave it "
+                "unset to take the tokenizer's)"
+            )
+        return self
+
+    def num_params(self) -> int:
+        """Parameters of the whole model (a tied output weight counted once)."""
+        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size or 0
+        qkv = h * (self.num_heads + 2 * self.kv_heads) * self.head_dim
+        fc1 = h * f * (2 if self.activation == "swiglu" else 1)
+        norms = 2 if self.norm == "layernorm" else 1
+        per_layer = qkv + h * h + fc1 + f * h + 2 * norms * h
+        if self.bias:
+            per_layer += (self.num_heads + 2 * self.kv_heads) * self.head_dim + h
+            per_layer += f * (2 if self.activation == "swiglu" else 1) + h
+        total = self.num_layers * per_layer + v * h + norms * h
+        if self.position == "learned":
+            total += self.seq_len * h
+        if not self.tie_embeddings:
+            total += v * h
+        return total
+
+    def check_layout(self, spec: LayoutSpec) -> None:
+        """Reject a layout this model cannot be split by, naming the numbers (LayoutError)."""
+        if spec.cp > 1 or spec.ep > 1:
+            raise LayoutError(
+                f"the GPT model has no context or expert parallelism yet (cp={spec.cp}, "
+                f"ep={spec.ep}); use tp, pp, vpp, dp and sequence_parallel"
+            )
+        spec.check_model(
+            num_heads=self.num_heads,
+            num_kv_heads=self.kv_heads,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+        )
+        if self.ffn_size % spec.tp:
+            raise LayoutError(f"ffn_hidden_size={self.ffn_size} is not divisible by tp={spec.tp}")
+        stages = spec.pp * spec.vpp
+        if self.num_layers % stages:
+            raise LayoutError(
+                f"{self.num_layers} layers are not divisible by pp*vpp = {spec.pp}*{spec.vpp} = "
+                f"{stages} pipeline chunks"
+            )

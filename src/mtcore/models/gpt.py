@@ -1,0 +1,210 @@
+"""GPT: a decoder-only transformer (Radford et al. 2019; Llama, Touvron et al. 2023).
+
+One class serves the whole model and each pipeline chunk of it: a ``GPT`` holds
+the layers ``layers`` (keyed by their global index) and, on the first chunk, the
+embedding, on the last, the final norm and the output layer. Parameter names are
+the whole model's at any layout (``layers.7.mlp.fc1.weight``), so checkpoints
+and comparisons need no renaming::
+
+    model = GPT(config)                     # one process: model(tokens, targets) -> loss
+    chunks = build_gpt(config, layout, backend, seed, vpp)   # this rank's chunks
+
+Every weight is drawn on the host from a generator seeded by (seed, module name),
+whole, then sliced for tp: any layout starts from the same numbers as one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mtcore.models.config import ModelConfig
+from mtcore.models.layers import Block, Context, Norm
+from mtcore.ops import rope_tables
+from mtcore.parallel.pipeline import stage_plans
+from mtcore.parallel.recompute import checkpoint
+from mtcore.parallel.tensor import (
+    ColumnParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    column_parallel_matmul,
+    mark_sequence_parallel,
+    model_parallel_seed,
+    normal_init,
+    vocab_parallel_cross_entropy,
+)
+
+IGNORE_INDEX = -100
+
+
+class Embedding(nn.Module):
+    """Token embedding (vocab split over tp), plus learned positions for GPT-2."""
+
+    def __init__(self, c: Context):
+        super().__init__()
+        cfg, g = c.config, c.generator("embed")
+        self.c = c
+        self.tok = VocabParallelEmbedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            c.tp,
+            sequence_parallel=c.sequence_parallel,
+            init_method=normal_init(cfg.init_std),
+            generator=g,
+            device=c.device,
+        )
+        self.pos = None
+        if cfg.position == "learned":
+            pos = torch.empty(cfg.seq_len, cfg.hidden_size)
+            normal_init(cfg.init_std)(pos, c.generator("embed.pos"))
+            self.pos = nn.Parameter(pos.to(c.device))
+            if c.sequence_parallel:  # each rank adds only its positions
+                mark_sequence_parallel(self, "pos")
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.tok(tokens)  # [b, s, h], or [b, s / tp, h] under sequence parallel
+        if self.pos is not None:
+            s, start = x.shape[1], 0
+            if self.c.sequence_parallel:
+                start = self.c.tp.rank * s
+            x = x + self.pos[start : start + s].to(x.dtype)
+        return self.c.dropout(x, self.training)
+
+
+class GPT(nn.Module):
+    """The whole model (default) or one pipeline chunk: ``layers`` with or without
+    the embedding (``first``) and the output layer (``last``)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        context: Context | None = None,
+        layers: range | None = None,
+        first: bool = True,
+        last: bool = True,
+    ):
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
+        c = context or single_context(config)
+        self.config, self.c, self.tp = config, c, c.tp
+        self.first, self.last = first, last
+        layers = range(config.num_layers) if layers is None else layers
+        self.embed = Embedding(c) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in layers})
+        self.norm = Norm(c) if last else None
+        # The output layer shares the token embedding's weight when tied. On a
+        # pipeline stage without the embedding it is a copy drawn from the same
+        # generator (equal at init); the trainer keeps the two copies equal by
+        # summing their gradients (``tied_copies``).
+        self.output = None
+        self.output_is_copy = last and not first and config.tie_embeddings
+        if last and not (config.tie_embeddings and first):
+            self.output = ColumnParallelLinear(
+                config.hidden_size,
+                config.vocab_size,
+                c.tp,
+                bias=False,
+                sequence_parallel=c.sequence_parallel,
+                init_method=normal_init(config.init_std),
+                generator=c.generator("embed" if config.tie_embeddings else "output"),
+                device=c.device,
+            )
+        self.rope = None
+        if config.position == "rope":  # plain tensors, not buffers: .to(bf16) must not round them
+            self.rope = rope_tables(config.seq_len, config.head_dim, config.rope_theta, device=c.device)
+
+    def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
+        """tokens ``[b, s]`` (first chunk) or hidden states -> hidden states, logits
+        ``[b, s, vocab / tp]`` (last chunk), or the mean loss when ``targets`` is given."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.layers.values():
+            if self.config.recompute == "full":
+                x = checkpoint(block, x, self.rope, backend=self.c.backend, tracker=self.c.tracker)
+            else:
+                x = block(x, self.rope)
+        if not self.last:
+            return x
+        x = self.norm(x)
+        if self.output is not None:
+            logits = self.output(x)
+        else:
+            logits = column_parallel_matmul(
+                x, self.embed.tok.weight, None, self.tp, self.c.sequence_parallel
+            )
+        return logits if targets is None else self.loss(logits, targets)
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy over the targets that are not ``IGNORE_INDEX``."""
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tp)
+        return losses.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """This chunk's halves of a tied embedding/output pair split over pipeline stages."""
+        if not self.config.tie_embeddings or (self.first and self.last):
+            return []
+        if self.first:
+            return [self.embed.tok.weight]
+        return [self.output.weight] if self.last else []
+
+    def own_parameter_names(self) -> list[str]:
+        """Names of the parameters that belong in a checkpoint (no tied copy)."""
+        names = [n for n, _ in self.named_parameters()]
+        return [n for n in names if not (self.output_is_copy and n == "output.weight")]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: Tensor,
+        max_new_tokens: int,
+        top_k: int | None = None,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Append ``max_new_tokens`` to ``tokens [b, s]`` (one process, tp=1): greedy
+        when ``top_k`` is None or 1, else sampling among the ``top_k`` likeliest."""
+        if self.tp.size != 1 or not (self.first and self.last):
+            raise ValueError("generate() runs on the whole model in one process (tp=1, pp=1)")
+        for _ in range(max_new_tokens):
+            logits = self(tokens[:, -self.config.seq_len :])[:, -1].float()
+            if top_k is None or top_k <= 1:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                values, index = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+                probs = F.softmax(values / max(temperature, 1e-6), dim=-1)
+                nxt = index.gather(-1, torch.multinomial(probs, 1, generator=generator))
+            tokens = torch.cat([tokens, nxt.to(tokens.device)], dim=1)
+        return tokens
+
+
+def single_context(config: ModelConfig, backend=None, seed: int = 0) -> Context:
+    """The context of a one-process model (tp=1) on ``backend`` (default: selected)."""
+    if backend is None:
+        from mtcore.backend import select_backend
+
+        backend = select_backend()
+    from mtcore.distributed import ParallelLayout
+
+    return make_context(config, ParallelLayout.single(), backend, seed)
+
+
+def make_context(config: ModelConfig, layout, backend, seed: int = 0) -> Context:
+    """Seed this rank's RNG streams (``model_parallel_seed``) and describe its model."""
+    tp = TPGroup.from_layout(layout, backend)
+    tracker = model_parallel_seed(seed, layout, backend)
+    sp = layout.spec.sequence_parallel and tp.size > 1
+    return Context(config, tp, backend, tracker, sp, backend.torch_device(), seed)
+
+
+def build_gpt(config: ModelConfig, layout, backend, seed: int = 0) -> list[GPT]:
+    """This rank's model chunks, chunk 0 first (one chunk unless ``layout.spec.vpp > 1``).
+
+    Chunk ``c`` of pipeline rank ``r`` is virtual stage ``c * pp + r`` and owns the
+    layers ``mtcore.parallel.pipeline.stage_plans`` gives it.
+    """
+    config.check_layout(layout.spec)
+    c = make_context(config, layout, backend, seed)
+    plans = stage_plans(config.num_layers, layout.pp, layout.pp_rank, layout.spec.vpp)
+    return [GPT(config, c, p.layers, p.has_embedding, p.has_head) for p in plans]

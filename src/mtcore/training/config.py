@@ -1,0 +1,153 @@
+"""The training job's configuration: a few small pydantic models, one per concern.
+
+``TrainConfig`` has eight sections (``model``, ``parallel``, ``precision``,
+``data``, ``optimizer``, ``training``, ``checkpoint``, ``logging``); every
+section rejects unknown keys. ``TrainConfig.check(world_size)`` rejects a layout
+or batch arithmetic that cannot work before any process group starts. Reading
+YAML/TOML files and ``--section.key value`` overrides is ``mtcore.training.overrides``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from mtcore.distributed.layout import LayoutSpec
+from mtcore.models import ModelConfig
+from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
+from mtcore.parallel.pipeline import validate_pipeline
+from mtcore.precision import MixedPrecision
+from mtcore.training.data import DataConfig
+
+
+class ConfigError(ValueError):
+    """A job that cannot run as configured, found before training starts; the message
+    names the key, file or numbers."""
+
+
+class ParallelConfig(LayoutSpec):
+    """The layout (``LayoutSpec``: tp, dp, pp, vpp, sequence_parallel; ``dp=None`` takes
+    what the world leaves) and how the trainer runs it."""
+
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
+        "1f1b", description="pipeline schedule; 1f1b with vpp > 1 is the interleaved one"
+    )
+    zero1: bool = Field(False, description="shard the optimizer state over dp (ZeRO-1)")
+    bucket_size: int = Field(DEFAULT_BUCKET_SIZE, ge=1, description="gradient bucket, elements")
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> ParallelConfig:
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"vpp={self.vpp} (interleaving) needs pp > 1")
+        if self.schedule == "interleaved_1f1b" and self.vpp == 1:
+            raise ValueError("schedule interleaved_1f1b needs vpp > 1 (chunks per pipeline rank)")
+        if self.schedule == "gpipe" and self.vpp > 1:
+            raise ValueError("schedule gpipe has no interleaved form; use 1f1b with vpp > 1")
+        return self
+
+    def layout_spec(self) -> LayoutSpec:
+        return LayoutSpec(**self.model_dump(include=set(LayoutSpec.model_fields)))
+
+
+class PrecisionConfig(BaseModel, extra="forbid"):
+    """Params and compute in ``dtype``; fp32 gradients, master weights and AdamW state."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    loss_scale: Literal["dynamic"] | float | None = Field(
+        None, description="None: dynamic for fp16, none otherwise"
+    )
+    initial_scale: float = Field(2.0**16, gt=0)
+
+    def mixed_precision(self) -> MixedPrecision:
+        return MixedPrecision(self.dtype, self.loss_scale, initial_scale=self.initial_scale)
+
+
+class OptimizerConfig(BaseModel, extra="forbid"):
+    """AdamW with linear warmup to ``lr``, then cosine decay to ``min_lr``."""
+
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(3e-5, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_steps: int = Field(100, ge=0)
+    decay_steps: int | None = Field(None, ge=1, description="None: training.steps")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="None: no clipping")
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate for optimizer step ``step`` (1-based)."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        decay = (self.decay_steps or total_steps) - self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / decay) if decay > 0 else 1.0
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+class TrainingConfig(BaseModel, extra="forbid"):
+    """Steps, batch sizes (in sequences), seeds, evaluation and failure handling."""
+
+    steps: int = Field(1000, ge=1)
+    global_batch_size: int = Field(32, ge=1)
+    micro_batch_size: int = Field(4, ge=1)
+    seed: int = Field(1234, ge=0, description="weights, dropout and sample order")
+    backend: str | None = Field(None, description="None: MTCORE_BACKEND, else the best one")
+    eval_interval: int = Field(100, ge=0, description="0: evaluate only at the end")
+    eval_batches: int = Field(4, ge=1, description="global batches per evaluation")
+    max_bad_steps: int = Field(5, ge=1, description="stop after this many NaN/inf steps in a row")
+    sample_prompt: str | None = Field("def ", description="printed continuation at the end")
+    sample_tokens: int = Field(64, ge=0)
+
+
+class CheckpointConfig(BaseModel, extra="forbid"):
+    """Model weights + config every ``interval`` steps (0: at the end only).
+
+    For now a checkpoint is the full (unsharded) model weights with the config and
+    the tokenizer, loadable with ``torch.load(weights_only=True)``; optimizer and
+    data-loader state come with the checkpoint system of a later release.
+    """
+
+    dir: str | None = Field("runs/gpt/checkpoints", description="None: save nothing")
+    interval: int = Field(0, ge=0)
+
+
+class LoggingConfig(BaseModel, extra="forbid"):
+    interval: int = Field(10, ge=1, description="steps between log lines")
+    tensorboard_dir: str | None = Field("runs/gpt/tensorboard", description="None: off")
+    progress: Literal["auto", "bar", "lines"] = Field(
+        "auto", description="auto: a progress bar on a terminal, plain lines otherwise"
+    )
+
+
+class TrainConfig(BaseModel, extra="forbid"):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _one_seq_len(self) -> TrainConfig:
+        # model.seq_len is the one source of truth; data.seq_len may only repeat it.
+        if "seq_len" in self.data.model_fields_set and self.data.seq_len != self.model.seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} differs from model.seq_len="
+                f"{self.model.seq_len}; set model.seq_len only"
+            )
+        self.data = self.data.model_copy(update={"seq_len": self.model.seq_len})
+        return self
+
+    def check(self, world_size: int) -> tuple[LayoutSpec, int]:
+        """The resolved layout and micro-batches per step, or a LayoutError/SplitError
+        naming the numbers. Runs before any process group exists."""
+        spec = self.parallel.layout_spec().resolve(world_size)
+        self.model.check_layout(spec)
+        t = self.training
+        microbatches = validate_pipeline(
+            t.global_batch_size, t.micro_batch_size, spec.dp, spec.pp, self.model.num_layers, spec.vpp
+        )
+        return spec, microbatches

@@ -1,0 +1,128 @@
+"""What the trainer reports: model FLOPs and MFU, throughput, memory, and where it goes.
+
+Model FLOPs per iteration follow Narayanan et al. 2021 (arXiv 2104.04473), the
+no-recompute count that MFU uses (recomputation is not useful work)::
+
+    F = 72 B s l h^2 (1 + s / (6 h) + V / (12 l h))
+
+with B the global batch in sequences, s the sequence length, l layers, h the
+hidden size and V the vocabulary. The formula assumes a 4h MLP and as many
+key/value heads as query heads; for SwiGLU or grouped-query models it is the
+paper's count, not an exact one. TFLOP/s are per rank (F / time / ranks); MFU
+divides them by ``backend.device.capabilities().peak_tflops`` for the training
+dtype and is "n/a" where the peak is not known (the CPU backend states none).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TextIO
+
+import torch
+
+from mtcore.models import ModelConfig
+
+
+def model_flops(config: ModelConfig, global_batch: int) -> float:
+    """Model FLOPs of one iteration (forward + backward), no recompute."""
+    s, layers, h, v = config.seq_len, config.num_layers, config.hidden_size, config.vocab_size
+    return 72.0 * global_batch * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+
+
+def peak_tflops(backend, dtype: torch.dtype) -> float | None:
+    """The device's dense peak for ``dtype`` (TFLOP/s), or None when unknown."""
+    try:
+        peaks = backend.device.capabilities().peak_tflops
+    except Exception:  # a device that cannot describe itself has no known peak
+        return None
+    return peaks.get(str(dtype).removeprefix("torch.")) or None
+
+
+def format_mfu(tflops_per_rank: float, peak: float | None) -> str:
+    return "n/a" if not peak else f"{100 * tflops_per_rank / peak:.1f}%"
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KiB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+class Progress:
+    """Rank 0's console output: a bar redrawn in place on a terminal, plain lines otherwise.
+
+    ``line`` prints a permanent line (log intervals, evaluations, warnings);
+    ``update`` redraws the bar (terminal only). The bar never hides a line: it is
+    cleared before each permanent line and drawn again after it.
+    """
+
+    def __init__(self, total: int, mode: str = "auto", stream: TextIO | None = None):
+        self.stream = stream or sys.stdout
+        self.total = total
+        tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.bar = mode == "bar" or (mode == "auto" and tty)
+        self._last = ""
+        self._start = time.perf_counter()
+
+    def update(self, step: int, text: str) -> None:
+        if not self.bar:
+            return
+        width = 24
+        done = int(width * step / max(self.total, 1))
+        elapsed = time.perf_counter() - self._start
+        eta = elapsed / max(step, 1) * (self.total - step)
+        self._last = (
+            f"[{'#' * done}{'.' * (width - done)}] {step}/{self.total} {text} | "
+            f"eta {_clock(eta)}"
+        )
+        self.stream.write("\r\033[K" + self._last)
+        self.stream.flush()
+
+    def line(self, text: str) -> None:
+        if self.bar and self._last:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        if self.bar and self._last:
+            self.stream.write(self._last)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar and self._last:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._last = ""
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class Scalars:
+    """TensorBoard event files (``torch.utils.tensorboard``) or nothing when ``log_dir`` is None."""
+
+    def __init__(self, log_dir: str | None):
+        self.writer = None
+        if log_dir:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            self.writer = SummaryWriter(log_dir)
+
+    def add(self, step: int, values: dict[str, float | None]) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,143 @@
+"""Reading a ``TrainConfig``: a YAML or TOML file, then ``--section.key value`` overrides.
+
+Override values are parsed as YAML scalars (``2`` is an int, ``true`` a bool,
+``null`` None, ``[a, b]`` a list); a plain word stays a string. Every key is
+checked against the config's schema before anything else happens, so a typo
+stops the job with a message that names the key and the keys that exist there.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from mtcore.training.config import ConfigError, TrainConfig
+
+__all__ = ["ConfigError", "load_config", "parse_overrides", "read_file", "set_key", "validate"]
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config in ``path`` (YAML or TOML; None: the defaults) with ``overrides`` applied."""
+    data = read_file(path) if path is not None else {}
+    for key, value in parse_overrides(overrides):
+        set_key(data, key, value)
+    return validate(data, source=str(path) if path else "the defaults")
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif path.suffix == ".toml":
+            data = _toml().loads(text)
+        else:
+            raise ConfigError(f"config file {path} must end in .yaml, .yml or .toml")
+    except (yaml.YAMLError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"cannot parse {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, not a {type(data).__name__}")
+    return data
+
+
+def _toml():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """``["--a.b", "2", "--c.d=x"]`` -> ``[("a.b", 2), ("c.d", "x")]``."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like --section.key VALUE "
+                "(for example --parallel.tp 2)"
+            )
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value")
+            value, i = args[i + 1], i + 1
+        out.append((key, _parse_value(value)))
+        i += 1
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else text
+    except yaml.YAMLError:
+        return text
+
+
+def set_key(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` in ``data``, after checking it against ``TrainConfig``'s fields."""
+    parts = key.split(".")
+    model: type[BaseModel] | None = TrainConfig
+    node = data
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the config"
+        if model is None:
+            raise ConfigError(f"unknown config key {key!r}: {where} has no sub-keys")
+        if part not in model.model_fields:
+            known = ", ".join(model.model_fields)
+            raise ConfigError(f"unknown config key {key!r}: {where} has no {part!r} (known: {known})")
+        annotation = model.model_fields[part].annotation
+        if depth == len(parts) - 1:
+            if isinstance(value, str) and _is_list(annotation):
+                value = [value]  # --data.paths FILE: a one-element list
+            node[part] = value
+            return
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[: depth + 1])} is not a section")
+        node, model = child, _section(annotation)
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _is_list(annotation: Any) -> bool:
+    if typing.get_origin(annotation) is list:
+        return True
+    return any(typing.get_origin(a) is list for a in typing.get_args(annotation))
+
+
+def validate(data: dict[str, Any], source: str = "the config") -> TrainConfig:
+    """``TrainConfig`` from ``data``; a ConfigError lists every problem by its dotted key."""
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [_describe(err) for err in e.errors()]
+        raise ConfigError(f"invalid config ({source}):\n  " + "\n  ".join(lines)) from None
+
+
+def _describe(err: dict) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        model: type[BaseModel] | None = TrainConfig
+        for part in loc[:-1]:
+            field = model.model_fields.get(part) if model else None
+            model = _section(field.annotation) if field else None
+        known = f" (known: {', '.join(model.model_fields)})" if model else ""
+        return f"unknown config key {key!r}{known}"
+    return f"{key}: {err['msg']} (got {err.get('input')!r})"

@@ -1,0 +1,283 @@
+"""The training loop: one call per rank, ``train(config)``.
+
+Ranks come from the environment that ``torchrun`` (``torch.distributed.run``)
+sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); without it the job is one
+process. Everything that can be checked is checked before the process group
+starts (``prepare``): the layout against the number of processes, the batch
+arithmetic, the data paths, the tokenizer's vocabulary against the model's.
+Rank 0 prints and writes TensorBoard events; every rank holds the agreed loss.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, TextIO
+
+import torch
+
+from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
+from mtcore.models import GPT, ModelConfig, single_context
+from mtcore.parallel.pipeline import SplitError
+from mtcore.precision import DynamicLossScaler
+from mtcore.training.checkpoint import save_checkpoint
+from mtcore.training.config import ConfigError, TrainConfig
+from mtcore.training.data import DataError, Datasets, TokenLoader, build_datasets
+from mtcore.training.engine import Engine, StepOutcome
+from mtcore.training.metrics import (
+    Progress,
+    Scalars,
+    format_bytes,
+    format_mfu,
+    model_flops,
+    peak_tflops,
+    perplexity,
+)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (too many bad steps in a row); the message says why."""
+
+
+class Prepared(NamedTuple):
+    spec: LayoutSpec
+    microbatches: int
+    data: Datasets
+    model: ModelConfig
+
+
+def prepare(config: TrainConfig, world_size: int) -> Prepared:
+    """Validate the job for ``world_size`` processes and build (or map) its data.
+
+    Raises ConfigError for every problem with the input: a layout that does not
+    fit the processes or the model, batch sizes that do not divide, a missing or
+    empty data path, a tokenizer with more ids than the model's vocabulary.
+    """
+    try:
+        spec, microbatches = config.check(world_size)
+        data = build_datasets(config.data)
+        model = config.model.with_vocab(data.tokenizer.vocab_size)
+        model.check_layout(spec)
+    except (LayoutError, SplitError, DataError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    return Prepared(spec, microbatches, data, model)
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # per step (NaN for skipped ones)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    checkpoint: Path | None = None
+    sample: str | None = None
+    wall_s: float = 0.0
+
+
+class BadStepGuard:
+    """Counts consecutive bad steps; a skipped fp16 step whose loss scale can still
+    back off is the scaler doing its job, not a bad step."""
+
+    def __init__(self, max_bad: int, scaler):
+        self.max_bad, self.scaler, self.run = max_bad, scaler, 0
+
+    def observe(self, step: int, out: StepOutcome) -> str | None:
+        """A message for a skipped step (None when it stepped); raises after too many."""
+        if not out.skipped:
+            self.run = 0
+            return None
+        what = "loss" if out.skipped == "loss" else "gradients"
+        backs_off = isinstance(self.scaler, DynamicLossScaler) and out.skipped == "grad"
+        if backs_off and out.loss_scale is not None and out.loss_scale > self.scaler.min_scale:
+            return f"step {step}: fp16 gradient overflow, loss scale {out.loss_scale:g} -> {self.scaler.scale:g}, step skipped"
+        self.run += 1
+        msg = f"step {step}: non-finite {what} (loss {out.loss}), step skipped ({self.run} in a row)"
+        if self.run >= self.max_bad:
+            raise TrainingError(
+                f"{msg}; stopping after {self.run} consecutive bad steps "
+                "(training.max_bad_steps). Lower optimizer.lr, check the data, or use bf16/fp32."
+            )
+        return msg
+
+
+def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
+    """Run the whole job on this rank; returns what rank 0 observed (all ranks agree on losses)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    from mtcore.backend import select_backend
+
+    backend = select_backend(config.training.backend)
+    prep = prepare(config, world)
+    if backend.device.type != "cpu":
+        backend.device.set_device(int(os.environ.get("LOCAL_RANK", 0)) % backend.device.device_count())
+    if world > 1:
+        backend.collective.init_process_group()
+        layout = ParallelLayout.build(prep.spec, backend.collective, rank, world)
+    else:
+        layout = ParallelLayout.single(prep.spec)
+    try:
+        return _Loop(config, prep, layout, backend, rank == 0, stream).run()
+    finally:
+        if world > 1:
+            backend.collective.destroy()
+
+
+class _Loop:
+    def __init__(self, config, prep: Prepared, layout, backend, is_main: bool, stream):
+        self.config, self.prep, self.layout, self.backend = config, prep, layout, backend
+        self.is_main, self.t = is_main, config.training
+        self.model = prep.model
+        self.device = backend.torch_device()
+        mp = config.precision.mixed_precision()
+        self.engine = Engine(
+            self.model,
+            layout,
+            backend,
+            micro_batch_size=self.t.micro_batch_size,
+            num_microbatches=prep.microbatches,
+            optimizer=config.optimizer,
+            precision=mp,
+            seed=self.t.seed,
+            schedule=config.parallel.schedule,
+            zero1=config.parallel.zero1,
+            bucket_size=config.parallel.bucket_size,
+        )
+        self.guard = BadStepGuard(self.t.max_bad_steps, self.engine.optimizer.loss_scaler)
+        self.progress = Progress(self.t.steps, config.logging.progress, stream)
+        self.scalars = Scalars(config.logging.tensorboard_dir if is_main else None)
+        self.flops = model_flops(self.model, self.t.global_batch_size)
+        self.peak = peak_tflops(backend, mp.param_dtype)
+        dp, dp_rank = layout.size("dp_cp"), layout.coordinate("dp_cp")
+        self.loader_args = dict(
+            micro_batch_size=self.t.micro_batch_size,
+            global_batch_size=self.t.global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp,
+            seed=self.t.seed,
+        )
+        self.train_loader = TokenLoader(prep.data.train, **self.loader_args)
+        self.result = TrainResult()
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            self.progress.line(text)
+
+    def run(self) -> TrainResult:
+        start = time.perf_counter()
+        s, tokens_per_step = self.layout.spec, self.t.global_batch_size * self.model.seq_len
+        self.say(
+            f"mtcore train: GPT ({self.model.style}) {self.model.num_params() / 1e6:.2f}M params, "
+            f"{self.model.num_layers} layers, hidden {self.model.hidden_size}, vocab "
+            f"{self.model.vocab_size}, seq {self.model.seq_len} | {self.layout.world_size} ranks: "
+            f"tp={s.tp} pp={s.pp} vpp={s.vpp} dp={s.dp} sp={s.sequence_parallel} "
+            f"zero1={self.config.parallel.zero1} | {self.config.precision.dtype} on "
+            f"{self.backend.name} | {self.prep.microbatches} micro-batches x "
+            f"{self.t.micro_batch_size} per dp rank, {tokens_per_step} tokens/step"
+        )
+        window_t, window_steps = 0.0, 0
+        for step in range(1, self.t.steps + 1):
+            t0 = time.perf_counter()
+            self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.t.steps))
+            out = self.engine.train_step(*self._batch(self.train_loader))
+            window_t += time.perf_counter() - t0
+            window_steps += 1
+            self.result.losses.append(out.loss)
+            message = self.guard.observe(step, out)
+            if message:
+                self.result.skipped_steps.append(step)
+                self.say(message)
+            if step % self.config.logging.interval == 0 or step in (1, self.t.steps):
+                self._log(step, out, lr, window_t / window_steps)
+                window_t, window_steps = 0.0, 0
+            elif self.is_main:
+                self.progress.update(step, f"loss {out.loss:.4f}")
+            if self._due(step, self.t.eval_interval):
+                self._evaluate(step)
+            if self._due(step, self.config.checkpoint.interval) and step != self.t.steps:
+                self._save(step)
+        self._save(self.t.steps, final=True)
+        self.progress.close()
+        self.scalars.close()
+        self.result.wall_s = time.perf_counter() - start
+        self.say(f"done: {self.t.steps} steps in {self.result.wall_s:.1f} s")
+        return self.result
+
+    def _due(self, step: int, interval: int) -> bool:
+        return (interval > 0 and step % interval == 0) or step == self.t.steps
+
+    def _batch(self, loader) -> tuple[list, list]:
+        pairs = [next(loader) for _ in range(self.prep.microbatches)]
+        return [x.to(self.device) for x, _ in pairs], [y.to(self.device) for _, y in pairs]
+
+    def _log(self, step: int, out: StepOutcome, lr: float, step_s: float) -> None:
+        memory = self._peak_memory()
+        tokens_s = self.t.global_batch_size * self.model.seq_len / step_s
+        tflops = self.flops / step_s / self.layout.world_size / 1e12
+        norm = f"{out.grad_norm:.3f}" if out.grad_norm is not None else "n/a"
+        self.say(
+            f"step {step}/{self.t.steps} | loss {out.loss:.4f} | lr {lr:.2e} | grad norm {norm} | "
+            f"{tokens_s:,.0f} tokens/s | {tflops:.3f} TFLOP/s/rank | MFU "
+            f"{format_mfu(tflops, self.peak)} | mem {format_bytes(memory)} | {step_s:.2f} s/step"
+        )
+        fp16 = self.config.precision.dtype == "fp16"
+        scalars = {
+            "train/loss": out.loss,
+            "train/lr": lr,
+            "train/grad_norm": out.grad_norm,
+            "train/tokens_per_s": tokens_s,
+            "train/tflops_per_rank": tflops,
+            "train/mfu": tflops / self.peak if self.peak else None,
+            "train/memory_bytes": float(memory),
+            "train/step_s": step_s,
+            "train/loss_scale": out.loss_scale if fp16 else None,
+        }
+        self.scalars.add(step, scalars)
+
+    def _peak_memory(self) -> int:
+        t = torch.tensor([float(self.backend.device.max_memory_allocated())], device=self.device)
+        if self.layout.world_size > 1:
+            self.backend.collective.all_reduce(t, op="max")
+        return int(t.item())
+
+    def _evaluate(self, step: int) -> None:
+        if self.prep.data.valid is None:
+            return
+        # A fresh loader with a fixed seed: the same batches at every evaluation, drawn
+        # from the whole validation split (in order, they would be its first file or two).
+        loader = TokenLoader(self.prep.data.valid, **self.loader_args)
+        losses = [self.engine.eval_loss(*self._batch(loader)) for _ in range(self.t.eval_batches)]
+        loss = sum(losses) / len(losses)
+        self.result.val_losses.append((step, loss))
+        self.say(f"eval step {step} | val loss {loss:.4f} | val ppl {perplexity(loss):.2f}")
+        self.scalars.add(step, {"val/loss": loss, "val/ppl": perplexity(loss)})
+
+    def _save(self, step: int, final: bool = False) -> None:
+        root = self.config.checkpoint.dir
+        want_sample = final and self.t.sample_prompt is not None and self.t.sample_tokens > 0
+        if root is None and not want_sample:
+            return
+        weights = self.engine.full_state_dict()  # collective: every rank
+        if not self.is_main:
+            return
+        if root is not None:
+            self.result.checkpoint = save_checkpoint(
+                root, step, weights, self.model, self.config, self.prep.data.tokenizer
+            )
+            self.say(f"checkpoint: {self.result.checkpoint}")
+        if want_sample:
+            tok, prompt = self.prep.data.tokenizer, self.t.sample_prompt
+            self.result.sample = sample(self.model, weights, tok, prompt, self.t.sample_tokens, self.backend)
+            self.say(f"sample ({self.t.sample_tokens} tokens after {self.t.sample_prompt!r}):")
+            self.say(self.result.sample)
+
+
+def sample(config: ModelConfig, weights, tokenizer, prompt: str, n: int, backend, top_k=20) -> str:
+    """A continuation of ``prompt`` by the one-process model with ``weights`` (seeded top-k)."""
+    model = GPT(config, single_context(config, backend))
+    model.load_state_dict(weights, strict=True)
+    model.train(False)
+    ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
+    tokens = torch.tensor([ids], device=backend.torch_device())
+    generator = torch.Generator(device=tokens.device).manual_seed(0)
+    out = model.generate(tokens, n, top_k=top_k, generator=generator)
+    return tokenizer.decode(out[0].tolist())
