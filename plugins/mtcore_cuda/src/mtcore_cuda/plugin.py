@@ -41,7 +41,7 @@ def mtcore_backends():
         collective=Collective("gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=False)),
         fp8=FP8(native_granularities=_NATIVE_FP8),
         accelerator=False,
-        description="host CPU: gloo collectives, reference kernels, FP8 through torch._scaled_mm",
+        description="host CPU: gloo collectives, torch fused SDPA/RMSNorm/AdamW kernels, FP8 through torch._scaled_mm",
     )
     cuda_device = TorchModuleDevice(CUDA)
     cuda = BackendSpec(
@@ -57,11 +57,15 @@ def mtcore_backends():
 
 @hookimpl
 def mtcore_kernels(backend: str, device_type: str):
-    if backend != "cuda":
+    # torch's own fused CPU kernels serve the cpu backend as well: the reference
+    # ops stay the spec (MTCORE_KERNELS=reference forces them), not the hot path.
+    if backend not in ("cpu", "cuda"):
         return []
     impls = [
         KernelImpl("attention", torch_native.sdpa_attention, "sdpa", priority=50),
     ]
+    if backend == "cpu":
+        impls.append(KernelImpl("rms_norm", torch_native.fused_rms_norm, "torch-fused", priority=50))
     if torch_native.fused_adamw_available():
         impls.append(
             KernelImpl(
