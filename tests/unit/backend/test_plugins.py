@@ -173,7 +173,7 @@ def test_kernel_pack_plugin_contributes_to_another_plugins_backend(make_dist):
 
         @hookimpl
         def mtcore_kernels(backend, device_type):
-            return [KernelImpl("swiglu", pack_swiglu, "kpack", priority=5)]
+            return [KernelImpl("swiglu", pack_swiglu, "kpack", priority=99)]
     """)
     backend = select_backend("cpu", registry())
     chosen = backend.kernel_table()["swiglu"]

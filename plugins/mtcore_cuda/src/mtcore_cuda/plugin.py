@@ -66,6 +66,16 @@ def mtcore_kernels(backend: str, device_type: str):
     ]
     if backend == "cpu":
         impls.append(KernelImpl("rms_norm", torch_native.fused_rms_norm, "torch-fused", priority=50))
+        # In float32 only: the reference computes bf16 inputs in fp32, F.silu would not.
+        impls.append(
+            KernelImpl(
+                "swiglu",
+                torch_native.silu_glu,
+                "torch-silu",
+                priority=50,
+                predicate=lambda q: q.dtype == torch.float32,
+            )
+        )
     if torch_native.fused_adamw_available():
         impls.append(
             KernelImpl(
