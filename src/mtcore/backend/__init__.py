@@ -20,6 +20,7 @@ from mtcore.backend.device import (
     DeviceCapabilities,
     DeviceModuleSpec,
     TorchModuleDevice,
+    peaks_by_name,
 )
 from mtcore.backend.fp8 import FORMATS, FP8, Quantized
 from mtcore.backend.hookspecs import ENTRY_POINT_GROUP, hookimpl
@@ -65,6 +66,7 @@ __all__ = [
     "fp8_fallback_everywhere",
     "get_backend",
     "hookimpl",
+    "peaks_by_name",
     "plugin_registry",
     "select_backend",
 ]

@@ -142,6 +142,15 @@ class CpuDevice(Device):
 PeakRule = Callable[[str, tuple[int, int]], Mapping[str, float]]
 
 
+def peaks_by_name(table: tuple[tuple[str, Mapping[str, float]], ...]) -> PeakRule:
+    """A peak rule from (name marker, {dtype: TFLOP/s}) rows; the first marker in the name wins."""
+
+    def rule(name: str, capability: tuple[int, int]) -> dict[str, float]:
+        return next((dict(peaks) for marker, peaks in table if marker in name), {})
+
+    return rule
+
+
 @dataclass(frozen=True)
 class DeviceModuleSpec:
     """Data that turns ``TorchModuleDevice`` into one vendor's device.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mtcore.backend import DeviceModuleSpec
+from mtcore.backend import DeviceModuleSpec, peaks_by_name
 
 # Dense peak TFLOP/s from NVIDIA's data sheets (no sparsity), matched by name.
 _NVIDIA_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
@@ -18,19 +18,13 @@ _NVIDIA_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
-def nvidia_peak_tflops(name: str, capability: tuple[int, int]) -> dict[str, float]:
-    for marker, peaks in _NVIDIA_PEAKS:
-        if marker in name:
-            return dict(peaks)
-    return {}
-
 
 CUDA = DeviceModuleSpec(
     device_type="cuda",
     import_name=None,
     visible_devices_env="CUDA_VISIBLE_DEVICES",
     bf16_min_capability=(8, 0),
-    peak_tflops=nvidia_peak_tflops,
+    peak_tflops=peaks_by_name(_NVIDIA_PEAKS),
 )
 
 # torch._scaled_mm with tensor-wise and row-wise scales needs Ada (8.9) or newer.

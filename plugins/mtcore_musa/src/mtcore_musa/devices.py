@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from mtcore.backend import Availability, DeviceModuleSpec, TorchModuleDevice
+from mtcore.backend import Availability, DeviceModuleSpec, TorchModuleDevice, peaks_by_name
 
 TORCH_MUSA = "torch_musa"
 
@@ -18,12 +18,6 @@ _MUSA_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
-def musa_peak_tflops(name: str, capability: tuple[int, int]) -> dict[str, float]:
-    for marker, peaks in _MUSA_PEAKS:
-        if marker in name:
-            return dict(peaks)
-    return {}
-
 
 MUSA = DeviceModuleSpec(
     device_type="musa",
@@ -31,7 +25,7 @@ MUSA = DeviceModuleSpec(
     visible_devices_env="MUSA_VISIBLE_DEVICES",
     # torch_musa: is_bf16_supported() is true from MUSA arch 2.2 (S4000, "QY2").
     bf16_min_capability=(2, 2),
-    peak_tflops=musa_peak_tflops,
+    peak_tflops=peaks_by_name(_MUSA_PEAKS),
 )
 
 # muDNN flash attention, F.rope and F.swish_glu need arch >= 2.2 (S4000);
