@@ -111,6 +111,8 @@ class GPT(nn.Module):
                 generator=c.generator("embed" if config.tie_embeddings else "output"),
                 device=c.device,
             )
+            # The gradient norm counts a tied weight once, on the embedding's stage.
+            self.output.weight.pipeline_copy = self.output_is_copy
         self.rope = None
         if config.position == "rope":  # plain tensors, not buffers: .to(bf16) must not round them
             self.rope = rope_tables(config.seq_len, config.head_dim, config.rope_theta, device=c.device)

@@ -30,9 +30,15 @@ def is_tensor_parallel(param: Tensor) -> bool:
     return getattr(param, "tp_partition", None) is not None
 
 
+def is_pipeline_copy(param: Tensor) -> bool:
+    """Whether ``param`` is another stage's parameter held again here (a tied output
+    weight on the last stage): its gradient is counted once, on the owning stage."""
+    return bool(getattr(param, "pipeline_copy", False))
+
+
 def counts_for_norm(param: Tensor, tp_rank: int) -> bool:
     """Whether this rank adds ``param``'s gradient to the global norm."""
-    return tp_rank == 0 or is_tensor_parallel(param)
+    return (tp_rank == 0 or is_tensor_parallel(param)) and not is_pipeline_copy(param)
 
 
 @torch.no_grad()

@@ -106,7 +106,9 @@ class AdamW:
         self._found_inf_groups = [dp_group, mp_group]
         self._norm_groups = [dp_group, mp_group] if self.sharded else [mp_group]
         tp_rank = self.layout.tp_rank
-        self._norm_segments = [s for s in self.segments if tp_rank == 0 or s.tensor_parallel]
+        self._norm_segments = [
+            s for s in self.segments if (tp_rank == 0 or s.tensor_parallel) and not s.pipeline_copy
+        ]
 
     # -- the training-loop API ----------------------------------------------------
     def scale_loss(self, loss: Tensor) -> Tensor:

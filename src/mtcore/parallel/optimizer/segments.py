@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtcore.parallel.clip import is_tensor_parallel
+from mtcore.parallel.clip import is_pipeline_copy, is_tensor_parallel
 
 
 def default_no_decay(name: str, param: Tensor) -> bool:
@@ -52,6 +52,7 @@ class Segment:
     end: int
     group: int
     tensor_parallel: bool
+    pipeline_copy: bool
     state_offset: int = 0
     master: Tensor | None = None
     exp_avg: Tensor | None = None
@@ -82,13 +83,13 @@ def owned_segments(ddp, group_of: dict[int, int]) -> list[Segment]:
                 start, end = max(start, lo), min(end, hi)
                 if start >= end:
                     continue
-                key = (group_of[id(p)], is_tensor_parallel(p))
+                key = (group_of[id(p)], is_tensor_parallel(p), is_pipeline_copy(p))
                 last = segments[-1] if segments else None
                 if (
                     last is not None
                     and last.buffer is buf
                     and last.end == start
-                    and (last.group, last.tensor_parallel) == key
+                    and (last.group, last.tensor_parallel, last.pipeline_copy) == key
                 ):
                     last.end = end
                 else:
