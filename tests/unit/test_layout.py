@@ -24,9 +24,17 @@ def test_rank_order_is_tp_fastest_then_cp_dp_pp():
     assert sorted(g["mp"]) == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
+def test_embedding_group_joins_first_and_last_stage_of_each_pipeline():
+    g = groups(LayoutSpec(tp=2, pp=4), 8)
+    assert sorted(g["embed"]) == [[0, 6], [1, 7]]
+    assert "embed" not in groups(LayoutSpec(tp=2), 4)
+
+
 def test_every_rank_is_in_exactly_one_group_of_each_kind():
     spec = LayoutSpec(tp=2, cp=2, pp=2, ep=2)
     for name, members in groups(spec, 16).items():
+        if name == "embed":
+            continue
         flat = sorted(r for m in members for r in m)
         assert flat == list(range(16)), name
 

@@ -168,7 +168,8 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
     def group(self, name: str):
-        """The process group ``name``: tp, cp, dp, pp, dp_cp, ep, edp, mp (tp x pp)."""
+        """The process group ``name``: tp, cp, dp, pp, dp_cp, ep, edp, mp (tp x pp), and
+        embed (first + last pipeline stage; only on those stages, only when pp > 1)."""
         return self.groups.get(name)
 
     def size(self, name: str) -> int:
@@ -200,3 +201,6 @@ def _all_groups(spec: LayoutSpec):
             yield "edp", block[offset :: spec.ep]
     for cp_i, dp_i in itertools.product(range(c), range(d)):
         yield "mp", [_rank(spec, tp_i, cp_i, dp_i, pp_i) for pp_i in range(p) for tp_i in range(t)]
+    if p > 1:  # first and last stage of each pipeline: the two copies of a tied embedding
+        for cp_i, dp_i, tp_i in itertools.product(range(c), range(d), range(t)):
+            yield "embed", [_rank(spec, tp_i, cp_i, dp_i, 0), _rank(spec, tp_i, cp_i, dp_i, p - 1)]

@@ -11,7 +11,6 @@ from mtcore.parallel.pipeline import (
     PipelineGroups,
     SplitError,
     StageModule,
-    all_pipelines,
     layer_counts,
     num_microbatches,
     stage_plan,
@@ -79,7 +78,6 @@ class _FakeCollective:
 
 def test_groups_follow_the_layout_on_every_rank():
     spec = LayoutSpec(tp=2, pp=2)  # 8 ranks: dp = 2
-    assert all_pipelines(spec.resolve(8)) == [(0, 4), (1, 5), (2, 6), (3, 7)]
     created = None
     for rank in range(8):
         coll = _FakeCollective()
@@ -92,7 +90,8 @@ def test_groups_follow_the_layout_on_every_rank():
         assert groups.ranks == layout.ranks_of["pp"] and groups.pp_rank == layout.pp_rank
         assert groups.embedding_ranks == (rank % 4, rank % 4 + 4)
         assert groups.embedding_group == f"group{groups.embedding_ranks}"
-    assert created == ["barrier", (0, 4), (1, 5), (2, 6), (3, 7)]
+    # The embedding groups are the layout's; the pipeline itself only adds a barrier.
+    assert created == ["barrier"]
 
 
 def test_single_stage_has_no_embedding_group():

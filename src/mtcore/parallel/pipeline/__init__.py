@@ -9,7 +9,6 @@ holds the pipeline and tied-embedding groups.
 
 from mtcore.parallel.pipeline.groups import (
     PipelineGroups,
-    all_pipelines,
     allreduce_tied_grads,
     sync_tied_weights,
 )
@@ -49,7 +48,6 @@ __all__ = [
     "StagePlan",
     "StepStats",
     "Timeline",
-    "all_pipelines",
     "allreduce_tied_grads",
     "build_schedule",
     "gpipe",

@@ -1,10 +1,7 @@
-"""Pipeline process groups: the stage-to-stage group and the (tied) embedding group.
+"""This rank's pipeline: its stage-to-stage group and the (tied) embedding group.
 
-``ParallelLayout`` has the pp group but no embedding group (Megatron's
-``_EMBEDDING_GROUP``: the first and last stage of each pipeline, which hold
-the two copies of a shared embedding / output weight). It is built here from
-the layout, through the collective interface; every rank creates every
-pipeline's group in the same order, as ``new_group`` requires.
+Both groups come from ``ParallelLayout`` ("pp" and "embed"); this module only
+gathers what a pipeline stage needs from it.
 """
 
 from __future__ import annotations
@@ -13,16 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-
-def all_pipelines(spec) -> list[tuple[int, ...]]:
-    """Global ranks of every pipeline (stage order) of a resolved LayoutSpec.
-
-    Rank order is tp-cp-dp-pp (``mtcore.distributed.layout``), so stage ``i``
-    of the pipeline starting at ``base`` is ``base + i * tp * cp * dp``.
-    """
-    stride = spec.tp * spec.cp * spec.dp
-    return [tuple(base + i * stride for i in range(spec.pp)) for base in range(stride)]
 
 
 @dataclass
@@ -52,22 +39,14 @@ class PipelineGroups:
     def build(cls, layout, collective) -> PipelineGroups:
         """All ranks call this together (it creates the embedding groups)."""
         mine = tuple(layout.ranks_of["pp"])
-        pipelines = all_pipelines(layout.spec)
-        if mine not in pipelines:
-            raise RuntimeError(
-                f"layout's pp group {mine} is not one of the pipelines {pipelines} derived from "
-                "the tp-cp-dp-pp rank order; mtcore.distributed.layout changed its order"
-            )
         out = cls(mine, mine.index(layout.rank), layout.group("pp"))
         if layout.pp > 1:
             # NCCL-style backends set a communicator up on its first call, which
             # must involve every member; a pipeline's first transfers do not.
             collective.barrier(out.group)
-            for ranks in pipelines:
-                members = (ranks[0], ranks[-1])
-                group = collective.new_group(members)
-                if layout.rank in members:
-                    out.embedding_ranks, out.embedding_group = members, group
+            if "embed" in layout.ranks_of:
+                out.embedding_ranks = layout.ranks_of["embed"]
+                out.embedding_group = layout.group("embed")
         return out
 
 
