@@ -92,7 +92,11 @@ class LayoutSpec(BaseModel):
 
 @dataclass
 class ParallelLayout:
-    """A resolved layout for one rank, with its groups (None where the size is 1).
+    """A resolved layout for one rank, with its groups.
+
+    In a multi-rank world every group exists, size-1 groups included: a
+    collective on ``group=None`` would mean the whole world, never "just me".
+    Groups are None only in a single process (``single()``).
 
     Build with ``ParallelLayout.build(spec, collective, rank, world_size)`` inside
     an initialised process group, or ``ParallelLayout.single()`` for one process.
