@@ -174,6 +174,9 @@ class ParallelLayout:
     def group(self, name: str):
         """The process group ``name``: tp, cp, dp, pp, dp_cp, ep, edp, mp (tp x pp), and
         embed (first + last pipeline stage; only on those stages, only when pp > 1)."""
+        if name not in self.ranks_of:
+            # Returning None here would let a caller reduce over the whole world by mistake.
+            raise KeyError(f"rank {self.rank} belongs to no {name!r} group in this layout")
         return self.groups.get(name)
 
     def size(self, name: str) -> int:
