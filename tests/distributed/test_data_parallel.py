@@ -9,7 +9,6 @@ parameter after the last step.
 from __future__ import annotations
 
 import contextlib
-import io
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch
 from mtcore.distributed.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.data import DataParallel, DataParallelConfig
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW
+from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 from mtcore.testing.toy_model import ToyConfig, build_toy_model
 
@@ -32,10 +32,6 @@ def _batches(seed: int = 1):
     return torch.randint(0, CONFIG.vocab, shape, generator=g), torch.randint(
         0, CONFIG.vocab, shape, generator=g
     )
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _reference(backend_name: str = "cpu"):
@@ -113,24 +109,13 @@ def _rank_main(ctx, tokens, targets):
         "zero": _train(ctx, layout, tokens, targets, shard=True),
         "accum": _train(ctx, layout, tokens, targets, shard=False, micro_batches=2),
     }
-    return _pack(out)
-
-
-def _pack(obj) -> bytes:
-    """Tensors as bytes: torch's queue would share them through the (exiting) rank's memory."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpack(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs():
     tokens, targets = _batches()
-    ranks = [_unpack(r) for r in run_ranks(_rank_main, DP, tokens, targets)]
+    ranks = run_ranks(_rank_main, DP, tokens, targets)
     return ranks, _reference()
 
 
@@ -144,11 +129,11 @@ def _check_equal_to_reference(ranks, ref):
         )
         for rank, r in enumerate(ranks):
             for name, want in ref["grads"][step].items():
-                err = _rel(r["grads"][step][name], want)
+                err = rel_error(r["grads"][step][name], want)
                 assert err < TOL, f"step {step} rank {rank} grad {name}: rel err {err:.2e}"
     for rank, r in enumerate(ranks):
         for name, want in ref["params"].items():
-            err = _rel(r["params"][name], want)
+            err = rel_error(r["params"][name], want)
             assert err < TOL, f"rank {rank} param {name} after {STEPS} steps: rel err {err:.2e}"
 
 

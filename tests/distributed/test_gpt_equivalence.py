@@ -20,6 +20,7 @@ import torch
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models import ModelConfig
+from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.engine import Engine
@@ -129,10 +130,6 @@ def runs():
     return out
 
 
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_layout_matches_one_process(runs, case):
     ranks, ref = runs[case]
@@ -146,7 +143,7 @@ def test_layout_matches_one_process(runs, case):
     weights = ranks[0]["weights"]
     assert weights is not None and set(weights) == set(ref["weights"]), case
     for name, want in ref["weights"].items():
-        err = rel(weights[name], want)
+        err = rel_error(weights[name], want)
         assert err <= RTOL, f"{case}: {name} after {STEPS} steps: rel err {err:.2e}"
     assert all(r["weights"] is None for r in ranks[1:]), "only rank 0 gathers the weights"
 

@@ -34,6 +34,7 @@ from mtcore.parallel.pipeline import (
     stage_plans,
     sync_tied_weights,
 )
+from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 
 V, H, FF, L, SEQ, BATCH, MB, STEPS, TOL = 32, 16, 32, 4, 8, 8, 2, 3, 1e-5
@@ -285,10 +286,6 @@ def _ref_name(name: str) -> str:
     return "embed.weight" if name == "head.weight" else name  # the tiny model's tied head
 
 
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
-
-
 @pytest.fixture(scope="module")
 def runs():
     tokens, targets = _batches()
@@ -308,11 +305,11 @@ def test_matches_one_process(runs, case):
             losses.append(r["loss"])
         for step in range(STEPS):
             for name, got in r["grads"][step].items():
-                err = rel(got, ref["grads"][step][_ref_name(name)])
+                err = rel_error(got, ref["grads"][step][_ref_name(name)])
                 assert err <= TOL, f"{case} rank {rank} step {step} grad {name}: rel err {err:.2e}"
                 seen.add(_ref_name(name))
         for name, got in r["params"].items():
-            err = rel(got, ref["params"][_ref_name(name)])
+            err = rel_error(got, ref["params"][_ref_name(name)])
             assert err <= TOL, f"{case} rank {rank} param {name} after {STEPS} steps: rel err {err:.2e}"
     assert seen == set(ref["grads"][0]), f"{case}: params never checked: {set(ref['grads'][0]) - seen}"
     if case == "pp2_dp2":  # each dp rank's loss is the mean over its half of the batch

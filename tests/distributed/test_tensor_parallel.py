@@ -31,6 +31,7 @@ from mtcore.parallel.tensor import (
     scatter_to_tp,
     vocab_parallel_cross_entropy,
 )
+from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 from mtcore.testing.toy_model import ToyConfig, build_toy_model, gather_full_params
 
@@ -50,10 +51,6 @@ CASES = {  # name: (config overrides, dtype); float64 shows the code is exact, n
 RTOL_OF = {torch.float32: RTOL, torch.float64: 1e-12}
 STEPS = 3
 LR = 0.1
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
 # -- rank side ---------------------------------------------------------------------------
@@ -97,16 +94,16 @@ def _equivalence(layout, backend):
         init, losses, grads, params = _train(cfg, layout, backend, dtype)
         worst_grad = max(
             (
-                (rel(g[k], rg[k]), f"step {i} {k}")
+                (rel_error(g[k], rg[k]), f"step {i} {k}")
                 for i, (g, rg) in enumerate(zip(grads, ref_grads, strict=True))
                 for k in rg
             ),
         )
         out[name] = {
-            "init": max(rel(init[k], ref_init[k]) for k in ref_init),
-            "loss": max(rel(a, b) for a, b in zip(losses, ref_losses, strict=True)),
+            "init": max(rel_error(init[k], ref_init[k]) for k in ref_init),
+            "loss": max(rel_error(a, b) for a, b in zip(losses, ref_losses, strict=True)),
             "grad": worst_grad,
-            "params": max(rel(params[k], ref_params[k]) for k in ref_params),
+            "params": max(rel_error(params[k], ref_params[k]) for k in ref_params),
             "grad_names": sorted(ref_grads[0]) == sorted(grads[0]),
         }
     return out
@@ -127,33 +124,33 @@ def _mappings(tp: TPGroup):
 
     # copy: fwd identity, bwd sum of every rank's grad
     y, gx = run(lambda x: copy_to_tp(x, tp), x_all[r], grad_all[r])
-    errs["copy_to_tp"] = max(rel(y, x_all[r]), rel(gx, grad_all.sum(0)))
+    errs["copy_to_tp"] = max(rel_error(y, x_all[r]), rel_error(gx, grad_all.sum(0)))
     # reduce: fwd sum, bwd identity
     y, gx = run(lambda x: reduce_from_tp(x, tp), x_all[r], grad_all[0])
-    errs["reduce_from_tp"] = max(rel(y, x_all.sum(0)), rel(gx, grad_all[0]))
+    errs["reduce_from_tp"] = max(rel_error(y, x_all.sum(0)), rel_error(gx, grad_all[0]))
     # scatter last dim: fwd slice of a replicated tensor, bwd gather
     grad_full = torch.cat(list(grad_all[:, :, :, :3]), dim=-1)  # what the gather builds
     y, gx = run(lambda x: scatter_to_tp(x, tp), x_all[0], grad_all[r, :, :, :3])
-    errs["scatter_to_tp"] = max(rel(y, x_all[0].chunk(tp.size, -1)[r]), rel(gx, grad_full))
+    errs["scatter_to_tp"] = max(rel_error(y, x_all[0].chunk(tp.size, -1)[r]), rel_error(gx, grad_full))
     # gather last dim: fwd concat, bwd slice
     y, gx = run(lambda x: gather_from_tp(x, tp), x_all[r], torch.cat([grad_all[0]] * tp.size, -1))
-    errs["gather_from_tp"] = max(rel(y, torch.cat(list(x_all), -1)), rel(gx, grad_all[0]))
+    errs["gather_from_tp"] = max(rel_error(y, torch.cat(list(x_all), -1)), rel_error(gx, grad_all[0]))
     # sp scatter: fwd seq shard, bwd all-gather on seq
     y, gx = run(lambda x: scatter_to_sp(x, tp), x_all[0], grad_all[r, :, :2])
     seq_full = torch.cat(list(grad_all[:, :, :2]), dim=1)
-    errs["scatter_to_sp"] = max(rel(y, x_all[0].chunk(tp.size, 1)[r]), rel(gx, seq_full))
+    errs["scatter_to_sp"] = max(rel_error(y, x_all[0].chunk(tp.size, 1)[r]), rel_error(gx, seq_full))
     # sp gather: fwd concat on seq, bwd reduce-scatter (sum of grads, this rank's shard)
     y, gx = run(lambda x: gather_from_sp(x, tp), x_all[r], torch.cat([grad_all[r]] * tp.size, 1))
     expect = torch.cat([grad_all.sum(0)] * tp.size, 1).chunk(tp.size, 1)[r]
-    errs["gather_from_sp"] = max(rel(y, torch.cat(list(x_all), 1)), rel(gx, expect))
+    errs["gather_from_sp"] = max(rel_error(y, torch.cat(list(x_all), 1)), rel_error(gx, expect))
     # sp gather without grad reduction: bwd keeps this rank's shard
     y, gx = run(
         lambda x: gather_from_sp(x, tp, reduce_grad=False), x_all[r], torch.cat(list(grad_all), 1)
     )
-    errs["gather_from_sp(no reduce)"] = rel(gx, grad_all[r])
+    errs["gather_from_sp(no reduce)"] = rel_error(gx, grad_all[r])
     # sp reduce-scatter: fwd sum then shard, bwd all-gather
     y, gx = run(lambda x: reduce_scatter_to_sp(x, tp), x_all[r], grad_all[r, :, :2])
-    errs["reduce_scatter_to_sp"] = max(rel(y, x_all.sum(0).chunk(tp.size, 1)[r]), rel(gx, seq_full))
+    errs["reduce_scatter_to_sp"] = max(rel_error(y, x_all.sum(0).chunk(tp.size, 1)[r]), rel_error(gx, seq_full))
     return errs
 
 
@@ -171,8 +168,8 @@ def _cross_entropy(tp: TPGroup):
     (loss * weights).sum().backward()
     ignored = target == -100
     return {
-        "loss": rel(loss, ref),
-        "grad": rel(shard.grad, full.grad.chunk(tp.size, 1)[tp.rank]),
+        "loss": rel_error(loss, ref),
+        "grad": rel_error(shard.grad, full.grad.chunk(tp.size, 1)[tp.rank]),
         "ignored_zero": bool((loss[ignored] == 0).all() and (shard.grad[ignored] == 0).all()),
         "dtype": str(loss.dtype),
     }
@@ -204,14 +201,14 @@ def _layers(tp: TPGroup, single: TPGroup):
             (y * torch.arange(y.numel()).view_as(y)).sum().backward()
             outs.append((y.detach(), xi.grad, full_tensors(m, m.tp, grads=True)))
         (y0, gx0, gw0), (y1, gx1, gw1) = outs
-        errs[name] = max([rel(y1, y0), rel(gx1, gx0)] + [rel(gw1[k], gw0[k]) for k in gw0])
+        errs[name] = max([rel_error(y1, y0), rel_error(gx1, gx0)] + [rel_error(gw1[k], gw0[k]) for k in gw0])
     # Resharding: a model built from another seed takes the reference's full weights.
     cfg = BASE
     ref = build_toy_model(cfg, ParallelLayout.single(), single.backend, seed=1)
     other = build_toy_model(cfg, _LAYOUT[0], tp.backend, seed=2)
     load_full_tensors(other, gather_full_params(ref), tp)
     loaded, want = gather_full_params(other), gather_full_params(ref)
-    errs["load_full_tensors"] = max(rel(loaded[k], want[k]) for k in want)
+    errs["load_full_tensors"] = max(rel_error(loaded[k], want[k]) for k in want)
     return errs
 
 

@@ -6,7 +6,6 @@ torch.nn.utils.clip_grad_norm_), fp32, relative 1e-5 on ||a - b|| / ||b||.
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -17,6 +16,7 @@ from mtcore.parallel.clip import clip_grad_norm_
 from mtcore.parallel.data import DataParallel, DataParallelConfig
 from mtcore.parallel.optimizer import DistributedAdamW
 from mtcore.precision import DynamicLossScaler
+from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 from mtcore.testing.toy_model import ToyConfig, build_toy_model, gather_full_params
 
@@ -34,21 +34,6 @@ def _batches(config, seed: int = 1):
     return torch.randint(0, config.vocab, shape, generator=g), torch.randint(
         0, config.vocab, shape, generator=g
     )
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _pack(obj) -> bytes:
-    """Tensors as bytes: torch's queue would share them through the (exiting) rank's memory."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpack(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _torch_reference(config):
@@ -138,13 +123,13 @@ def _tp_dp_rank_main(ctx, tokens, targets):
         torch.equal(a, b.param_data) for a, b in zip(before, ddp.grad_buffers, strict=True)
     )
     out["skip"] = (result.stepped, scaler.scale, opt.step_count, unchanged)
-    return _pack(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def tp_dp():
     tokens, targets = _batches(TP_CONFIG)
-    ranks = [_unpack(r) for r in run_ranks(_tp_dp_rank_main, 4, tokens, targets)]
+    ranks = run_ranks(_tp_dp_rank_main, 4, tokens, targets)
     return ranks, _torch_reference(TP_CONFIG)
 
 
@@ -158,11 +143,11 @@ def test_tp2_dp2_zero_matches_one_process(tp_dp):
             assert abs(r["norm"][step] - ref["norm"][step]) <= TOL * ref["norm"][step], (rank, step)
             assert abs(r["clip_fn_norm"][step] - ref["norm"][step]) <= TOL * ref["norm"][step]
             for name, want in ref["grads"][step].items():
-                err = _rel(r["grads"][step][name], want)
+                err = rel_error(r["grads"][step][name], want)
                 assert err < TOL, f"step {step} rank {rank} grad {name}: rel err {err:.2e}"
     for rank, r in enumerate(ranks):
         for name, want in ref["params"].items():
-            err = _rel(r["params"][name], want)
+            err = rel_error(r["params"][name], want)
             assert err < TOL, f"rank {rank} param {name}: rel err {err:.2e}"
 
 

@@ -5,7 +5,6 @@ One 2-rank spawn; the one-process references run in the test process.
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -15,6 +14,7 @@ from mtcore.distributed.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.data import DataParallel, DataParallelConfig
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW
 from mtcore.precision import DynamicLossScaler, found_non_finite
+from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 from mtcore.testing.toy_model import ToyConfig, build_toy_model
 
@@ -30,21 +30,6 @@ def _batches(config, seed: int = 1):
     return torch.randint(0, config.vocab, shape, generator=g), torch.randint(
         0, config.vocab, shape, generator=g
     )
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _pack(obj) -> bytes:
-    """Tensors as bytes: torch's queue would share them through the (exiting) rank's memory."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpack(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _gather_shards(ddp) -> None:
@@ -128,7 +113,7 @@ def _dp_rank_main(ctx, tokens, targets):
         changed = not torch.equal(before, ddp.grad_buffers[0].param_data)
         steps.append((local_inf, result.stepped, scaler.scale, opt.step_count, changed))
     out["fp16"] = steps
-    return _pack(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +121,7 @@ def dp2():
     from mtcore.backend import select_backend
 
     tokens, targets = _batches(CONFIG)
-    ranks = [_unpack(r) for r in run_ranks(_dp_rank_main, 2, tokens, targets)]
+    ranks = run_ranks(_dp_rank_main, 2, tokens, targets)
     single = {
         dtype: _low_precision_run(
             select_backend("cpu"), ParallelLayout.single(), dtype, False, tokens, targets
@@ -170,20 +155,20 @@ def test_bf16_zero_matches_one_process(dp2):
     for step in range(STEPS):
         loss = (ranks[0]["bf16"]["loss"][step] + ranks[1]["bf16"]["loss"][step]) / 2
         assert abs(loss - bf16["loss"][step]) <= 1e-3 * bf16["loss"][step]
-        bf16_noise = _rel(_flat(bf16["grads"][step]), _flat(fp32["grads"][step]))
+        bf16_noise = rel_error(_flat(bf16["grads"][step]), _flat(fp32["grads"][step]))
         for rank, r in enumerate(ranks):
             grads = r["bf16"]["grads"][step]
-            err = _rel(_flat(grads), _flat(bf16["grads"][step]))
+            err = rel_error(_flat(grads), _flat(bf16["grads"][step]))
             assert err < bf16_noise, (
                 f"step {step} rank {rank}: {err:.2e} vs bf16 noise {bf16_noise:.2e}"
             )
             if step == 0:
                 for name, want in bf16["grads"][0].items():
-                    err = _rel(grads[name], want)
+                    err = rel_error(grads[name], want)
                     assert err < 1e-2, f"rank {rank} grad {name}: rel err {err:.2e}"
-    bf16_noise = _rel(_flat(bf16["params"]), _flat(fp32["params"]))
+    bf16_noise = rel_error(_flat(bf16["params"]), _flat(fp32["params"]))
     for r in ranks:
-        assert _rel(_flat(r["bf16"]["params"]), _flat(bf16["params"])) < bf16_noise
+        assert rel_error(_flat(r["bf16"]["params"]), _flat(bf16["params"])) < bf16_noise
 
 
 def test_zero_state_is_one_dp_th_of_the_replicated_state(dp2):
