@@ -22,14 +22,12 @@ from torch.nn import Parameter
 
 
 @dataclass
-class Bucket:
-    """A range ``[start, end)`` of one ``GradBuffer``; ``end`` includes the padding."""
+class BufferRange:
+    """A range ``[start, end)`` of one ``GradBuffer``, with views of its params and grads."""
 
-    index: int
     buffer: GradBuffer
     start: int
     end: int
-    params: list[Parameter] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -42,6 +40,14 @@ class Bucket:
     @property
     def param_data(self) -> Tensor:
         return self.buffer.param_data[self.start : self.end]
+
+
+@dataclass
+class Bucket(BufferRange):
+    """A bucket of one ``GradBuffer``; ``end`` includes the padding."""
+
+    index: int = 0
+    params: list[Parameter] = field(default_factory=list)
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """Buffer coordinates of the contiguous shard that ``rank`` of ``size`` owns."""
@@ -86,7 +92,7 @@ class GradBuffer:
             # it is): matrices first, then vectors, so params that usually share
             # optimizer hyper-parameters (weight decay) are contiguous.
             group = sorted(group, key=lambda p: p.dim() < 2)
-            bucket = Bucket(first_bucket_index + len(self.buckets), self, offset, offset, group)
+            bucket = Bucket(self, offset, offset, first_bucket_index + len(self.buckets), group)
             for p in group:
                 self.ranges[id(p)] = (offset, offset + p.numel())
                 offset += p.numel()

@@ -159,8 +159,8 @@ class AdamW:
                 weight_decay=group["weight_decay"],
             )
         for s in self.segments:
-            if s.master.data_ptr() != s.param.data_ptr():
-                s.param.copy_(s.master)
+            if s.master.data_ptr() != s.param_data.data_ptr():
+                s.param_data.copy_(s.master)
         self._gather_params()
         return StepResult(True, norm, scale)
 
@@ -203,8 +203,8 @@ class AdamW:
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         for s in self.segments:
-            if s.master.data_ptr() != s.param.data_ptr():
-                s.param.copy_(s.master)
+            if s.master.data_ptr() != s.param_data.data_ptr():
+                s.param_data.copy_(s.master)
         self._gather_params()
 
 

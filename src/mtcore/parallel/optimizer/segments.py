@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from mtcore.parallel.clip import is_pipeline_copy, is_tensor_parallel
+from mtcore.parallel.data.buffer import BufferRange
 
 
 def default_no_decay(name: str, param: Tensor) -> bool:
@@ -41,34 +42,19 @@ def build_param_groups(
 
 
 @dataclass
-class Segment:
-    """Buffer range ``[start, end)`` of one param group, with views of the state.
+class Segment(BufferRange):
+    """One param group's run of a buffer range, with views of the optimizer state.
 
     state_offset: where the range starts in this buffer's flat optimizer state.
     """
 
-    buffer: object  # GradBuffer
-    start: int
-    end: int
-    group: int
-    tensor_parallel: bool
-    pipeline_copy: bool
+    group: int = 0
+    tensor_parallel: bool = False
+    pipeline_copy: bool = False
     state_offset: int = 0
     master: Tensor | None = None
     exp_avg: Tensor | None = None
     exp_avg_sq: Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-    @property
-    def grad(self) -> Tensor:
-        return self.buffer.grad[self.start : self.end]
-
-    @property
-    def param(self) -> Tensor:
-        return self.buffer.param_data[self.start : self.end]
 
 
 def owned_segments(ddp, group_of: dict[int, int]) -> list[Segment]:
@@ -120,8 +106,8 @@ def allocate_state(segments: list[Segment]) -> dict[str, list[Tensor]]:
             lo, hi = seg.state_offset, seg.state_offset + seg.numel
             seg.exp_avg, seg.exp_avg_sq = m[lo:hi], v[lo:hi]
             if master is None:
-                seg.master = seg.param
+                seg.master = seg.param_data
             else:
                 seg.master = master[lo:hi]
-                seg.master.copy_(seg.param)
+                seg.master.copy_(seg.param_data)
     return storage
