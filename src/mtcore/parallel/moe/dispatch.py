@@ -1,0 +1,167 @@
+"""Moving routed tokens to the ranks that hold their experts, and back.
+
+Two dispatchers over the expert-parallel (ep) group, both through
+``backend.collective``; each is used as ``dispatch`` (tokens -> rows sorted by
+this rank's local experts, plus the row count of each) then ``combine``
+(expert outputs -> ``[T, h]`` in the original token order, each token the sum
+of its kept assignments weighted by their router probabilities).
+
+* ``AllToAllDispatcher``: every rank sends each assignment only to the rank of
+  its expert (two all-to-alls with variable split sizes, after a small
+  all-to-all of the counts). Traffic ~ ``T * k * h`` per rank.
+* ``AllGatherDispatcher``: every rank gathers all ranks' tokens and routing,
+  runs the ones its experts chose, and a reduce-scatter sums the weighted
+  outputs back to their owners. Traffic ~ ``ep * T * h``; no count exchange, so
+  it suits small ep or high top-k. Needs the same token count on every ep rank.
+
+With ``ep == 1`` both skip every collective. Rows are sorted stably by expert,
+so each expert sees its tokens in source-rank, then token order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mtcore.parallel.tensor.mappings import TPGroup
+
+
+class _AllToAll(torch.autograd.Function):
+    """Variable-split all-to-all of rows; the backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: TPGroup, out_splits: list[int], in_splits: list[int]):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return _all_to_all(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def _all_to_all(x: Tensor, group: TPGroup, out_splits: list[int], in_splits: list[int]) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    group.collective.all_to_all(out, x, out_splits, in_splits, group=group.group)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0; the backward sums the grads and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: TPGroup):
+        ctx.group = group
+        return group.all_gather(x, 0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.group.reduce_scatter(grad, 0), None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Sum over ranks, keep this rank's rows; the backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: TPGroup):
+        ctx.group = group
+        return group.reduce_scatter(x, 0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.group.all_gather(grad, 0), None
+
+
+def _assignments(experts: Tensor, probs: Tensor, keep: Tensor | None):
+    """Flat kept assignments: (token index, expert id, weight), in token-major order."""
+    tokens, k = experts.shape
+    token = torch.arange(tokens, device=experts.device).repeat_interleave(k)
+    expert, weight = experts.reshape(-1), probs.reshape(-1)
+    if keep is not None:
+        kept = keep.reshape(-1).nonzero().squeeze(1)
+        token, expert, weight = token[kept], expert[kept], weight.index_select(0, kept)
+    return token, expert, weight
+
+
+class Dispatcher:
+    """Common state: the ep group and this rank's slice of the experts."""
+
+    def __init__(self, num_experts: int, ep: TPGroup):
+        if num_experts % ep.size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep={ep.size}")
+        self.num_experts, self.ep = num_experts, ep
+        self.local = num_experts // ep.size
+        self.first = ep.rank * self.local  # first global expert id on this rank
+
+    def dispatch(self, x: Tensor, experts: Tensor, probs: Tensor, keep: Tensor | None):
+        """``x [T, h]``, ``experts/probs/keep [T, k]`` -> (rows ``[M, h]`` sorted by
+        local expert, ``[E_local]`` int64 row counts)."""
+        raise NotImplementedError
+
+    def combine(self, out: Tensor) -> Tensor:
+        """Expert outputs (rows as ``dispatch`` returned them) -> ``[T, h]``."""
+        raise NotImplementedError
+
+
+class AllToAllDispatcher(Dispatcher):
+    def dispatch(self, x, experts, probs, keep):
+        self.tokens = x.shape[0]
+        token, expert, weight = _assignments(experts, probs, keep)
+        order = torch.argsort(expert, stable=True)
+        self.token, self.weight = token[order], weight.index_select(0, order)
+        counts = torch.bincount(expert, minlength=self.num_experts)  # [E], by global expert
+        rows = x.index_select(0, self.token)  # sorted by global expert = by destination rank
+        if self.ep.size == 1:
+            return rows, counts
+        p, e = self.ep.size, self.local
+        received = _all_to_all(counts, self.ep, [e] * p, [e] * p).view(p, e)  # [src, local e]
+        self.in_splits = counts.view(p, e).sum(1).tolist()
+        self.out_splits = received.sum(1).tolist()
+        rows = _AllToAll.apply(rows, self.ep, self.out_splits, self.in_splits)
+        # rows arrive grouped by (source rank, local expert); regroup by (local expert, source).
+        sizes = received.reshape(-1).tolist()
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        chunks = [
+            torch.arange(starts[s * e + j], starts[s * e + j] + sizes[s * e + j])
+            for j in range(e)
+            for s in range(p)
+        ]
+        self.regroup = torch.cat(chunks).to(x.device)
+        return rows.index_select(0, self.regroup), received.sum(0)
+
+    def combine(self, out):
+        if self.ep.size > 1:
+            back = torch.empty_like(self.regroup)
+            back[self.regroup] = torch.arange(len(self.regroup), device=back.device)
+            out = _AllToAll.apply(
+                out.index_select(0, back), self.ep, self.in_splits, self.out_splits
+            )
+        weighted = out * self.weight.to(out.dtype).unsqueeze(1)
+        y = out.new_zeros((self.tokens, out.shape[1]))
+        return y.index_add(0, self.token, weighted)
+
+
+class AllGatherDispatcher(Dispatcher):
+    def dispatch(self, x, experts, probs, keep):
+        self.tokens = x.shape[0]
+        if self.ep.size > 1:
+            x = _GatherRows.apply(x, self.ep)
+            probs = _GatherRows.apply(probs, self.ep)
+            experts = self.ep.all_gather(experts, 0)
+            keep = None if keep is None else self.ep.all_gather(keep.to(torch.uint8), 0).bool()
+        token, expert, weight = _assignments(experts, probs, keep)
+        mine = ((expert >= self.first) & (expert < self.first + self.local)).nonzero().squeeze(1)
+        local = expert[mine] - self.first
+        order = torch.argsort(local, stable=True)
+        pick = mine[order]
+        self.token, self.weight = token[pick], weight.index_select(0, pick)
+        self.gathered = x.shape[0]
+        return x.index_select(0, self.token), torch.bincount(local, minlength=self.local)
+
+    def combine(self, out):
+        weighted = out * self.weight.to(out.dtype).unsqueeze(1)
+        y = out.new_zeros((self.gathered, out.shape[1])).index_add(0, self.token, weighted)
+        return _ReduceScatterRows.apply(y, self.ep) if self.ep.size > 1 else y
+
+
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

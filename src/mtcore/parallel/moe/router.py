@@ -1,0 +1,141 @@
+"""Top-k routing: scores, the k chosen experts and their weights, balancing losses.
+
+Everything here is a pure function of the router logits of one micro-batch, so
+a single process and any expert/tensor-parallel layout that sees the same
+micro-batch make exactly the same choices (and drop the same tokens). Routing
+runs in float32 whatever the activation dtype.
+
+Losses (both returned unscaled; the layer multiplies by the coefficients):
+
+* load balancing (Switch / GShard): ``E * sum_i f_i * P_i`` with ``f_i`` the
+  fraction of the ``T * k`` assignments that chose expert ``i`` (not
+  differentiable) and ``P_i`` the mean over tokens of expert ``i``'s score over
+  *all* experts (sigmoid scores are first normalised to sum 1 per token, as in
+  DeepSeek-V3's sequence-wise loss). It is 1 for a perfectly balanced router.
+  "seq" computes it per sequence and averages over the sequences.
+* z-loss (ST-MoE): ``mean_t logsumexp(logits_t)^2``, keeps logits small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mtcore.parallel.moe.spec import MoESpec
+
+
+@dataclass
+class Routing:
+    """One micro-batch's routing decision over ``T`` tokens.
+
+    probs: ``[T, k]`` combine weights (differentiable w.r.t. the logits).
+    experts: ``[T, k]`` int64 expert ids, the top-k choice.
+    scores: ``[T, E]`` scores over all experts (what the balancing loss averages).
+    """
+
+    probs: Tensor
+    experts: Tensor
+    scores: Tensor
+
+
+def route(logits: Tensor, spec: MoESpec, bias: Tensor | None = None) -> Routing:
+    """Choose ``spec.top_k`` experts per row of ``logits [T, E]``.
+
+    bias: ``[E]`` aux-loss-free balancing bias, added to the scores for the
+      choice only; the weights come from the unbiased scores (DeepSeek-V3).
+    """
+    logits = logits.float()
+    k = spec.top_k
+    if spec.score == "sigmoid":
+        raw = torch.sigmoid(logits)
+        scores = raw / raw.sum(-1, keepdim=True).clamp(min=1e-20)
+        chooser = raw
+    else:
+        scores = torch.softmax(logits, dim=-1)
+        chooser = logits if spec.topk_then_softmax else scores
+    if bias is not None:
+        chooser = chooser + bias.float()
+    experts = torch.topk(chooser.detach(), k, dim=-1).indices
+    if spec.topk_then_softmax:
+        probs = torch.softmax(logits.gather(-1, experts), dim=-1)
+    else:
+        probs = (raw if spec.score == "sigmoid" else scores).gather(-1, experts)
+        if spec.norm_topk:
+            probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-20)
+    return Routing(probs, experts, scores)
+
+
+def tokens_per_expert(experts: Tensor, num_experts: int) -> Tensor:
+    """``[E]`` int64: how many of the assignments ``experts [..., k]`` chose each expert."""
+    return torch.bincount(experts.reshape(-1), minlength=num_experts)
+
+
+def load_balancing_loss(scores: Tensor, experts: Tensor, num_experts: int) -> Tensor:
+    """``E * sum_i f_i * P_i`` over the tokens of ``scores [T, E]`` / ``experts [T, k]``."""
+    tokens, k = experts.shape
+    f = tokens_per_expert(experts, num_experts).to(scores.dtype) / (tokens * k)
+    p = scores.mean(0)
+    return num_experts * (f * p).sum()
+
+
+def sequence_load_balancing_loss(
+    scores: Tensor, experts: Tensor, num_experts: int, batch: int
+) -> Tensor:
+    """The balancing loss of each of ``batch`` sequences (rows are ``[b, s]`` flattened), averaged."""
+    tokens, k = experts.shape
+    seq = tokens // batch
+    one_hot = torch.zeros(batch, seq * k, num_experts, dtype=scores.dtype, device=scores.device)
+    one_hot.scatter_(2, experts.reshape(batch, seq * k, 1), 1.0)
+    f = one_hot.sum(1) / (seq * k)  # [b, E]
+    p = scores.reshape(batch, seq, num_experts).mean(1)  # [b, E]
+    return num_experts * (f * p).sum(-1).mean()
+
+
+def z_loss(logits: Tensor) -> Tensor:
+    """ST-MoE router z-loss: mean over tokens of ``logsumexp(logits)^2``."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def capacity_keep_mask(experts: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """``[T, k]`` bool: which assignments fit in ``capacity`` slots per expert.
+
+    Priority is deterministic and needs nothing but ``experts``: all first
+    choices before any second choice (GShard), and within one choice rank,
+    earlier tokens first. So any layout that routes the same micro-batch keeps
+    the same assignments.
+    """
+    order = experts.t().reshape(-1)  # choice-major: slot 0 of every token, then slot 1, ...
+    one_hot = torch.nn.functional.one_hot(order, num_experts)
+    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # 0-based arrival index at its expert
+    return (position < capacity).reshape(experts.t().shape).t().contiguous()
+
+
+@torch.no_grad()
+def update_bias(bias: Tensor, load: Tensor, rate: float) -> None:
+    """Aux-loss-free step: raise the bias of under-loaded experts, lower overloaded ones.
+
+    ``bias += rate * sign(mean(load) - load)`` (DeepSeek-V3, section 2.1.2).
+    """
+    load = load.to(device=bias.device, dtype=torch.float64)
+    bias.add_(rate * torch.sign(load.mean() - load).to(bias.dtype))
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Returns ``x`` unchanged; in backward feeds ``scale`` as the gradient of ``loss``.
+
+    This puts an auxiliary loss into the backward pass without adding it to the
+    model's returned loss (Megatron's MoEAuxLossAutoScaler): ``d(total)/d(loss) = scale``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, loss: Tensor, scale: float):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None

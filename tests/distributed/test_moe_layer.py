@@ -1,0 +1,207 @@
+"""The MoE layer under expert (and expert-tensor) parallelism equals one process.
+
+One 4-rank gloo spawn runs every layout: ep=4 (dp=4), ep=2 (dp=4: two expert
+groups), ep=2 x tp=2 with and without sequence parallel; each with both
+dispatchers, dropless and with a capacity factor.
+
+What equals what. Data-parallel rank ``d`` feeds micro-batch ``d`` (its tp
+ranks share it; under SP each holds a sequence shard). The reference is one
+process (ep=tp=1, same generator) that runs every micro-batch in turn and
+accumulates gradients of ``sum_d <y_d, g_d> + aux/z losses of each micro-batch``
+(the balancing loss belongs to one micro-batch, so it is the same in both).
+Then, on each rank:
+
+* output and input grad = the reference's for that micro-batch (our shard);
+* router and shared-expert grads (dense, each rank saw only its micro-batch):
+  summed over tp under SP (``allreduce_sequence_parallel_grads``), unsharded
+  over tp, summed over dp = the reference's accumulated grad;
+* expert grads: an expert's grad already sums the micro-batches of its ep
+  group (their tokens came to it), so summed over the expert-data-parallel
+  group (``edp``), unsharded over tp and gathered over ep = the reference's.
+
+With a capacity factor the kept (token, choice) pairs must be identical.
+Tolerance: fp32, relative error 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.parallel.moe import MoELayer, MoESpec, named_expert_parameters
+from mtcore.parallel.tensor import (
+    TPGroup,
+    allreduce_sequence_parallel_grads,
+    full_tensor,
+    named_tp_parameters,
+)
+from mtcore.testing.compare import rel_error
+from mtcore.testing.distributed import run_ranks
+
+RTOL = 1e-5
+HIDDEN, BATCH, SEQ = 16, 2, 8
+LAYOUTS = {
+    "ep4": LayoutSpec(ep=4),
+    "ep2_dp4": LayoutSpec(ep=2),
+    "ep2_tp2": LayoutSpec(ep=2, tp=2),
+    "ep2_tp2_sp": LayoutSpec(ep=2, tp=2, sequence_parallel=True),
+}
+SPECS = {  # each runs with both dispatchers; variants spread over router options
+    "dropless": dict(num_experts=8, top_k=2, ffn_size=8, z_loss_coeff=1e-2, aux_loss_coeff=0.1),
+    "sigmoid_seq_shared": dict(
+        num_experts=8,
+        top_k=3,
+        ffn_size=8,
+        score="sigmoid",
+        aux_loss="seq",
+        aux_loss_coeff=0.1,
+        shared_ffn_size=8,
+        activation="gelu",
+    ),
+    "capacity": dict(
+        num_experts=8, top_k=2, ffn_size=8, capacity_factor=0.75, topk_then_softmax=True
+    ),
+}
+
+
+def _data(micro_batches: int):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(micro_batches, BATCH, SEQ, HIDDEN, generator=g)
+    grad = torch.randn(micro_batches, BATCH, SEQ, HIDDEN, generator=g)
+    return x, grad
+
+
+def _build(spec, layout, backend, tp, sp):
+    return MoELayer(
+        HIDDEN,
+        spec,
+        tp=tp,
+        layout=layout,
+        backend=backend,
+        sequence_parallel=sp,
+        generator=torch.Generator().manual_seed(5),
+        init_std=0.3,
+        out_std=0.2,
+        bias=True,
+    )
+
+
+def _reference(spec, backend, x, grad):
+    """One process, every micro-batch in turn: outputs, input grads, keeps, summed param grads."""
+    layer = _build(spec, ParallelLayout.single(), backend, TPGroup.single(backend), False)
+    outs, gins, keeps = [], [], []
+    for xi, gi in zip(x, grad, strict=True):
+        xi = xi.clone().requires_grad_(True)
+        y = layer(xi)
+        (y * gi).sum().backward()
+        outs.append(y.detach())
+        gins.append(xi.grad)
+        keeps.append(layer.last_keep)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return outs, gins, keeps, grads, layer.pop_stats()
+
+
+def _full_grads(layer, layout, backend, tp):
+    """Every parameter's grad as the reference holds it (see the module docstring)."""
+    allreduce_sequence_parallel_grads(layer, tp)
+    collective = backend.collective
+    experts = {name: dim for name, _, (dim, _) in named_expert_parameters(layer)}
+    out = {}
+    for name, p, partition, _ in named_tp_parameters(layer):
+        g = p.grad.clone()
+        if name in experts:
+            collective.all_reduce(g, group=layout.group("edp"))
+            g = full_tensor(g, tp, partition)
+            ep = layout.ep
+            if ep > 1:
+                gathered = g.new_empty((ep, *g.shape))
+                collective.all_gather(gathered.flatten(0, 1), g, group=layout.group("ep"))
+                g = gathered.flatten(0, 1)
+        else:
+            g = full_tensor(g, tp, partition)
+            collective.all_reduce(g, group=layout.group("dp"))
+        out[name] = g
+    return out
+
+
+def _check_layout(ctx, name, layout_spec):
+    backend = ctx.backend
+    layout = ParallelLayout.build(layout_spec, backend.collective, ctx.rank, ctx.world_size)
+    tp = TPGroup.from_layout(layout, backend)
+    sp = layout_spec.sequence_parallel
+    x, grad = _data(layout.dp)
+    d = layout.dp_rank
+    shard = slice(tp.rank * SEQ // tp.size, (tp.rank + 1) * SEQ // tp.size) if sp else slice(None)
+    results = {}
+    for spec_name, kwargs in SPECS.items():
+        for dispatcher in ("alltoall", "allgather"):
+            spec = MoESpec(**kwargs, dispatcher=dispatcher)
+            ref_out, ref_gin, ref_keep, ref_grads, ref_stats = _reference(spec, backend, x, grad)
+            layer = _build(spec, layout, backend, tp, sp)
+            xi = x[d][:, shard].clone().requires_grad_(True)
+            y = layer(xi)
+            (y * grad[d][:, shard]).sum().backward()
+            grads = _full_grads(layer, layout, backend, tp)
+            keep_same = True
+            if spec.capacity_factor is not None:
+                keep_same = bool(torch.equal(layer.last_keep, ref_keep[d]))
+            stats = layer.pop_stats()
+            results[f"{name}/{spec_name}/{dispatcher}"] = {
+                "out": rel_error(y.detach(), ref_out[d][:, shard]),
+                "grad_in": rel_error(xi.grad, ref_gin[d][:, shard]),
+                "grads": max((rel_error(grads[k], ref_grads[k]), k) for k in ref_grads),
+                "names": sorted(grads) == sorted(ref_grads),
+                "keep_same": keep_same,
+                "dropped_some": ref_stats.dropped > 0 if spec.capacity_factor else True,
+                "tokens_per_expert": torch.equal(
+                    stats.tokens_per_expert, _ref_counts(spec, backend, x[d])
+                ),
+            }
+    return results
+
+
+def _ref_counts(spec, backend, x):
+    layer = _build(spec, ParallelLayout.single(), backend, TPGroup.single(backend), False)
+    with torch.no_grad():
+        layer(x)
+    return layer.pop_stats().tokens_per_expert
+
+
+def _all_layouts(ctx):
+    out = {}
+    for name, layout_spec in LAYOUTS.items():
+        out.update(_check_layout(ctx, name, layout_spec))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_all_layouts, 4)
+
+
+CASES = [
+    f"{lay}/{spec}/{disp}"
+    for lay in LAYOUTS
+    for spec in SPECS
+    for disp in ("alltoall", "allgather")
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_layer_matches_one_process(results, case):
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["names"], f"rank {rank}: parameter names differ from the reference"
+        assert r["out"] <= RTOL, f"rank {rank} output rel error {r['out']:.2e}"
+        assert r["grad_in"] <= RTOL, f"rank {rank} input grad rel error {r['grad_in']:.2e}"
+        err, name = r["grads"]
+        assert err <= RTOL, f"rank {rank} grad of {name} rel error {err:.2e}"
+        assert r["tokens_per_expert"], f"rank {rank}: load statistics differ"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "/capacity/" in c])
+def test_capacity_drops_the_same_tokens(results, case):
+    for rank, res in enumerate(results):
+        assert res[case]["dropped_some"], "the capacity case must actually drop tokens"
+        assert res[case]["keep_same"], f"rank {rank}: kept assignments differ from one process"
