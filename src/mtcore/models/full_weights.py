@@ -1,0 +1,97 @@
+"""Full (unsharded, one-process) GPT weights: their names and shapes, and loading them into
+any layout.
+
+"Full weights" are the tensors of ``GPT(config).state_dict()``: whole, named as in one
+process (``layers.3.attn.qkv.weight``), with no output copy of a tied embedding. They are
+the common currency between checkpoints, HuggingFace import/export and any layout::
+
+    model.load_state_dict(weights)                  # one process
+    load_full_weights(build_gpt(config, layout, backend), weights)   # any rank's chunks
+
+The shapes come from the config alone, so a file can be checked before any model is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from torch import Tensor
+
+from mtcore.models.config import ModelConfig
+from mtcore.parallel.tensor import load_full_tensors
+
+
+def full_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of ``GPT(config).state_dict()`` (vocab_size set)."""
+    if config.vocab_size is None:
+        raise ValueError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
+    if getattr(config, "moe", None) is not None:
+        raise ValueError("full_weight_shapes covers dense models only (model.moe is set)")
+    h, f, v, d = config.hidden_size, config.ffn_size, config.vocab_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.kv_heads) * d
+    fc1 = 2 * f if config.activation == "swiglu" else f
+    norm = ("weight",) if config.norm == "rmsnorm" else ("weight", "bias")
+    shapes: dict[str, tuple[int, ...]] = {"embed.tok.weight": (v, h)}
+    if config.position == "learned":
+        shapes["embed.pos"] = (config.seq_len, h)
+    for i in range(config.num_layers):
+        p = f"layers.{i}"
+        linears = {
+            "attn.qkv": (qkv, h),
+            "attn.proj": (h, config.num_heads * d),
+            "mlp.fc1": (fc1, h),
+            "mlp.fc2": (h, f),
+        }
+        for name in ("attn_norm", "mlp_norm"):
+            shapes.update({f"{p}.{name}.{t}": (h,) for t in norm})
+        for name, shape in linears.items():
+            shapes[f"{p}.{name}.weight"] = shape
+            if config.bias:
+                shapes[f"{p}.{name}.bias"] = (shape[0],)
+    shapes.update({f"norm.{t}": (h,) for t in norm})
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (v, h)
+    return shapes
+
+
+def check_full_weights(config: ModelConfig, weights: Mapping[str, Tensor], what: str) -> None:
+    """Raise ValueError naming every missing, unexpected or misshapen tensor of ``weights``."""
+    shapes = full_weight_shapes(config)
+    missing = sorted(set(shapes) - set(weights))
+    unexpected = sorted(set(weights) - set(shapes))
+    wrong = [
+        f"{name} is {list(weights[name].shape)}, expected {list(shape)}"
+        for name, shape in shapes.items()
+        if name in weights and tuple(weights[name].shape) != shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_few(unexpected)}")
+    problems += wrong
+    if problems:
+        raise ValueError(f"{what} do not fit the model config: " + "; ".join(problems))
+
+
+def load_full_weights(chunks: Iterable, weights: Mapping[str, Tensor]) -> None:
+    """Copy this rank's shard of the full ``weights`` into each of its chunks.
+
+    ``chunks``: what ``build_gpt`` returned on this rank (or ``[GPT(config)]``). A
+    pipeline stage without the embedding holds the output copy of a tied embedding;
+    it gets ``embed.tok.weight``. Call it on every rank; there is no communication.
+    """
+    for chunk in chunks:
+        needed = {name for name, _ in chunk.named_parameters()}
+        source = dict(weights)
+        if chunk.output_is_copy and "output.weight" not in source:
+            source["output.weight"] = weights["embed.tok.weight"]
+        missing = sorted(needed - set(source))
+        if missing:
+            raise ValueError(f"the full weights lack {_few(missing)} for this chunk")
+        load_full_tensors(chunk, {name: source[name] for name in needed}, chunk.tp)
+
+
+def _few(names: list[str], limit: int = 6) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
