@@ -34,6 +34,7 @@ from mtcore.parallel.tensor import (
     normal_init,
     vocab_parallel_cross_entropy,
 )
+from mtcore.precision.fp8 import FP8Recipe
 
 IGNORE_INDEX = -100
 
@@ -192,21 +193,28 @@ def single_context(config: ModelConfig, backend=None, seed: int = 0) -> Context:
     return make_context(config, ParallelLayout.single(), backend, seed)
 
 
-def make_context(config: ModelConfig, layout, backend, seed: int = 0) -> Context:
-    """Seed this rank's RNG streams (``model_parallel_seed``) and describe its model."""
+def make_context(
+    config: ModelConfig, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None
+) -> Context:
+    """Seed this rank's RNG streams (``model_parallel_seed``) and describe its model.
+
+    fp8: run the transformer blocks' linears in FP8 under this recipe.
+    """
     tp = TPGroup.from_layout(layout, backend)
     tracker = model_parallel_seed(seed, layout, backend)
     sp = layout.spec.sequence_parallel and tp.size > 1
-    return Context(config, tp, backend, tracker, sp, backend.torch_device(), seed)
+    return Context(config, tp, backend, tracker, sp, backend.torch_device(), seed, fp8)
 
 
-def build_gpt(config: ModelConfig, layout, backend, seed: int = 0) -> list[GPT]:
+def build_gpt(
+    config: ModelConfig, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None
+) -> list[GPT]:
     """This rank's model chunks, chunk 0 first (one chunk unless ``layout.spec.vpp > 1``).
 
     Chunk ``c`` of pipeline rank ``r`` is virtual stage ``c * pp + r`` and owns the
     layers ``mtcore.parallel.pipeline.stage_plans`` gives it.
     """
     config.check_layout(layout.spec)
-    c = make_context(config, layout, backend, seed)
+    c = make_context(config, layout, backend, seed, fp8)
     plans = stage_plans(config.num_layers, layout.pp, layout.pp_rank, layout.spec.vpp)
     return [GPT(config, c, p.layers, p.has_embedding, p.has_head) for p in plans]

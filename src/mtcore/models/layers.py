@@ -10,6 +10,7 @@ no kernel op of its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from mtcore.parallel.tensor import (
     mark_sequence_parallel,
     normal_init,
 )
+from mtcore.precision.fp8 import FP8Recipe
 
 
 @dataclass
@@ -41,6 +43,14 @@ class Context:
     sequence_parallel: bool
     device: torch.device
     seed: int
+    fp8: FP8Recipe | None = None  # the block linears run FP8 under this recipe
+
+    def for_block(self, index: int) -> Context:
+        """The context of transformer block ``index``: without FP8 where the recipe
+        keeps the first/last blocks in the model dtype."""
+        if self.fp8 is None or self.fp8.applies_to_block(index, self.config.num_layers):
+            return self
+        return dataclasses.replace(self, fp8=None)
 
     @property
     def kernels(self):
@@ -87,13 +97,16 @@ class Norm(nn.Module):
 
 
 def _linear_kwargs(c: Context, generator: torch.Generator, std: float) -> dict:
-    return dict(
+    kwargs = dict(
         bias=c.config.bias,
         sequence_parallel=c.sequence_parallel,
         init_method=normal_init(std),
         generator=generator,
         device=c.device,
     )
+    if c.fp8 is not None:
+        kwargs["fp8"] = c.fp8
+    return kwargs
 
 
 def _out_std(cfg: ModelConfig) -> float:
@@ -161,7 +174,7 @@ class Block(nn.Module):
 
     def __init__(self, c: Context, index: int):
         super().__init__()
-        self.c = c
+        self.c = c = c.for_block(index)
         g = c.generator(f"layers.{index}")
         self.attn_norm, self.attn = Norm(c), Attention(c, g)
         self.mlp_norm, self.mlp = Norm(c), MLP(c, g)

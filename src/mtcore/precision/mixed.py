@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtcore.precision.fp8 import FP8Recipe
 from mtcore.precision.loss_scaler import DynamicLossScaler, LossScaler
 
 DTYPES = {
@@ -42,6 +43,8 @@ class MixedPrecision:
 
     loss_scale: "dynamic", a constant, or None for the default (dynamic for
     fp16, none otherwise). The remaining fields configure the dynamic scaler.
+    fp8: an ``FP8Recipe`` for the transformer blocks' linears (None: no FP8); it
+    runs on top of fp32 or bf16 params, not fp16.
     """
 
     param_dtype: torch.dtype | str = torch.float32
@@ -52,9 +55,14 @@ class MixedPrecision:
     backoff_factor: float = 0.5
     hysteresis: int = 1
     min_scale: float = 1.0
+    fp8: FP8Recipe | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
+        if self.fp8 is not None and self.param_dtype == torch.float16:
+            raise ValueError(
+                "fp8 needs param dtype bf16 or fp32, not fp16 (FP8 scaling replaces loss scaling)"
+            )
         if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
             raise ValueError(
                 f"loss_scale must be 'dynamic', a number or None, got {self.loss_scale!r}"

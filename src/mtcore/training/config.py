@@ -19,6 +19,7 @@ from mtcore.models import ModelConfig
 from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
 from mtcore.parallel.pipeline import validate_pipeline
 from mtcore.precision import MixedPrecision
+from mtcore.precision.fp8 import FP8Recipe, check_backend_fp8
 from mtcore.training.data import DataConfig
 
 
@@ -52,16 +53,63 @@ class ParallelConfig(LayoutSpec):
 
 
 class PrecisionConfig(BaseModel, extra="forbid"):
-    """Params and compute in ``dtype``; fp32 gradients, master weights and AdamW state."""
+    """Params and compute in ``dtype``; fp32 gradients, master weights and AdamW state.
+
+    ``fp8`` runs the transformer blocks' linears in FP8 (docs/fp8.md); the embedding
+    and the output layer stay in ``dtype``.
+    """
 
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
     loss_scale: Literal["dynamic"] | float | None = Field(
         None, description="None: dynamic for fp16, none otherwise"
     )
     initial_scale: float = Field(2.0**16, gt=0)
+    fp8: Literal["e4m3", "hybrid"] | None = Field(
+        None, description="None: no FP8; e4m3 everywhere; hybrid: E4M3 forward, E5M2 gradients"
+    )
+    fp8_recipe: Literal["delayed", "current", "blockwise"] = Field(
+        "delayed", description="per-tensor scale from an amax history, per-tensor just in "
+        "time, or 1x128 activation/gradient and 128x128 weight blocks"
+    )
+    fp8_amax_history_len: int = Field(16, ge=1, description="delayed: amaxes the scale looks at")
+    fp8_margin: int = Field(0, ge=0, description="delayed: scale = fp8_max / (amax * 2**margin)")
+    fp8_first_last_high_precision: int = Field(
+        0, ge=0, description="the first and the last N transformer blocks stay in dtype"
+    )
+
+    @model_validator(mode="after")
+    def _check_fp8(self) -> PrecisionConfig:
+        if self.fp8 is not None and self.dtype == "fp16":
+            raise ValueError(
+                "precision.fp8 needs precision.dtype bf16 or fp32, not fp16 (FP8 scaling "
+                "replaces loss scaling)"
+            )
+        return self
+
+    def fp8_config(self) -> FP8Recipe | None:
+        if self.fp8 is None:
+            return None
+        return FP8Recipe(
+            format=self.fp8,
+            scaling=self.fp8_recipe,
+            amax_history_len=self.fp8_amax_history_len,
+            margin=self.fp8_margin,
+            first_last_high_precision=self.fp8_first_last_high_precision,
+        )
+
+    def check_backend(self, backend) -> None:
+        """ConfigError when FP8 is asked for and ``backend`` cannot run it."""
+        recipe = self.fp8_config()
+        if recipe is not None:
+            try:
+                check_backend_fp8(recipe, backend.fp8)
+            except ValueError as e:
+                raise ConfigError(f"{e} (backend {backend.name!r})") from None
 
     def mixed_precision(self) -> MixedPrecision:
-        return MixedPrecision(self.dtype, self.loss_scale, initial_scale=self.initial_scale)
+        return MixedPrecision(
+            self.dtype, self.loss_scale, initial_scale=self.initial_scale, fp8=self.fp8_config()
+        )
 
 
 class OptimizerConfig(BaseModel, extra="forbid"):
@@ -101,15 +149,25 @@ class TrainingConfig(BaseModel, extra="forbid"):
 
 
 class CheckpointConfig(BaseModel, extra="forbid"):
-    """Model weights + config every ``interval`` steps (0: at the end only).
+    """The whole training state every ``interval`` steps and at the end (docs/checkpoints.md).
 
-    For now a checkpoint is the full (unsharded) model weights with the config and
-    the tokenizer, loadable with ``torch.load(weights_only=True)``; optimizer and
-    data-loader state come with the checkpoint system of a later release.
+    Sharded through torch.distributed.checkpoint, committed atomically under
+    ``dir/step_<N>/``; it resumes exactly and loads under any other layout.
     """
 
     dir: str | None = Field("runs/gpt/checkpoints", description="None: save nothing")
-    interval: int = Field(0, ge=0)
+    interval: int = Field(0, ge=0, description="steps between saves (0: at the end only)")
+    keep_last: int = Field(0, ge=0, description="keep the newest K checkpoints (0: all)")
+    async_save: bool = Field(False, description="write in the background while training goes on")
+    load: str | None = Field(
+        None, description="checkpoint to start from: a step directory or a root (its latest)"
+    )
+    resume: bool = Field(
+        False, description="continue from dir's latest checkpoint when there is one (restarts)"
+    )
+    finetune: bool = Field(
+        False, description="take only the model weights from the loaded checkpoint (step 0)"
+    )
 
 
 class LoggingConfig(BaseModel, extra="forbid"):

@@ -79,7 +79,7 @@ class Engine:
         precision = precision or MixedPrecision("fp32")
         self.config, self.layout, self.backend = config, layout, backend
         self.collective = backend.collective
-        self.chunks: list[GPT] = build_gpt(config, layout, backend, seed)
+        self.chunks: list[GPT] = build_gpt(config, layout, backend, seed, fp8=precision.fp8)
         for chunk in self.chunks:
             precision.cast_module(chunk)
         self.dtype = precision.param_dtype

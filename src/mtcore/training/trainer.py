@@ -108,6 +108,7 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
 
     backend = select_backend(config.training.backend)
     prep = prepare(config, world)
+    config.precision.check_backend(backend)  # before any process group starts
     if backend.device.type != "cpu":
         backend.device.set_device(int(os.environ.get("LOCAL_RANK", 0)) % backend.device.device_count())
     if world > 1:

@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from mtcore.parallel.tensor.linear import column_parallel_matmul
 from mtcore.parallel.tensor.mappings import (
     TPGroup,
+    copy_to_tp,
+    gather_from_sp,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
@@ -35,6 +37,7 @@ from mtcore.parallel.tensor.sharding import (
     set_tp_partition,
     shard_tensor,
 )
+from mtcore.precision.fp8 import FP8Recipe, FP8Scaling, fp8_linear
 
 InitMethod = Callable[[Tensor, torch.Generator | None], None]
 
@@ -81,6 +84,8 @@ class ColumnParallelLinear(nn.Module):
     sections: for a fused weight, the sizes of its parts along ``out`` (q, k, v
       or gate, up); each part is split over tp separately, so the local output
       is ``[part0_r | part1_r | ...]`` and splits like the full one.
+    fp8: an ``FP8Recipe``: the three matmuls run in FP8 (``mtcore.precision.fp8``)
+      and the recipe's state is the submodule ``fp8``; None: the model dtype.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class ColumnParallelLinear(nn.Module):
         generator: torch.Generator | None = None,
         device=None,
         dtype=None,
+        fp8: FP8Recipe | None = None,
     ):
         super().__init__()
         sections = tuple(sections or (out_features,))
@@ -114,9 +120,15 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if bias:
             _add_sharded_param(self, "bias", (out_features,), rows, _zeros, None, device, dtype)
+        self.fp8 = _fp8_scaling(fp8, tp, device)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
+        if self.fp8 is not None:  # FP8: the collectives around the matmul, not overlapped
+            tp = self.tp
+            total = gather_from_sp(x, tp) if self.sequence_parallel else copy_to_tp(x, tp)
+            y = fp8_linear(total, self.weight, self.bias, self.fp8)
+        else:
+            y = column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -135,6 +147,7 @@ class RowParallelLinear(nn.Module):
     reduce-scattered to the sequence shard ``[b, s/tp, out]`` under sequence
     parallel. The bias is replicated and added after the reduction; under
     sequence parallel its grad is flagged for ``allreduce_sequence_parallel_grads``.
+    fp8: as for ``ColumnParallelLinear``.
     """
 
     def __init__(
@@ -150,6 +163,7 @@ class RowParallelLinear(nn.Module):
         generator: torch.Generator | None = None,
         device=None,
         dtype=None,
+        fp8: FP8Recipe | None = None,
     ):
         super().__init__()
         self.tp = tp
@@ -168,11 +182,15 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
             if self.sequence_parallel:
                 mark_sequence_parallel(self, "bias")
+        self.fp8 = _fp8_scaling(fp8, tp, device)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp)
-        y = F.linear(x, self.weight)
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.weight, None, self.fp8)
+        else:
+            y = F.linear(x, self.weight)
         # y is the fresh matmul output: reduce it in place (no copy).
         y = (
             reduce_scatter_to_sp(y, self.tp)
@@ -235,6 +253,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, sp={self.sequence_parallel}"
+
+
+def _fp8_scaling(recipe: FP8Recipe | None, tp: TPGroup, device) -> FP8Scaling | None:
+    """The FP8 state of a linear (None: high precision); delayed scales agree over tp."""
+    if recipe is None:
+        return None
+    group = (tp.collective, tp.group) if tp.size > 1 else None
+    return FP8Scaling(recipe, tp.backend.fp8, amax_group=group, device=device)
 
 
 def _zeros(t: Tensor, generator: torch.Generator | None) -> None:

@@ -1,0 +1,112 @@
+"""Per-layer FP8 state: the quantizer of each role, and the delayed-scaling buffers.
+
+``FP8Scaling`` is an ``nn.Module`` so that the amax history and the scales are
+buffers of the layer that owns it: persistent (a checkpoint carries them), moved
+with the model, and kept in float32 when the model is cast to bf16 (a rounded
+amax would push the largest values past the format's maximum).
+
+Delayed scaling, per role (input, weight, grad), on every quantization:
+
+1. quantize with ``scale`` (computed from the history before this call);
+2. all-reduce (max) this call's amax over ``amax_group`` (the tensor-parallel
+   group), so every rank records the amax of the whole logical tensor;
+3. roll the history by one, write the amax into slot 0;
+4. ``scale = fp8_max / (max(history) * 2**margin)`` for the next call.
+
+The first call of a role (empty history) has no past to go on: it is scaled
+just in time from its own (reduced) amax instead of saturating at scale 1.
+Forward passes replayed by activation recomputation inside backward reuse the
+latest scale and record nothing, so a recomputed step does not advance the
+history twice. Forward passes without autograd (evaluation) record nothing
+either: evaluating must not change how training quantizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mtcore.precision.fp8.recipes import ROLES, FP8Recipe
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. a checkpoint recomputing forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class FP8Scaling(nn.Module):
+    """Quantizes the roles of one FP8 linear according to ``recipe``.
+
+    fp8: the backend's FP8 interface (``backend.fp8``).
+    amax_group: ``(collective, group)`` whose ranks must agree on the delayed
+      scales (the tensor-parallel group), or None in one process.
+    """
+
+    def __init__(self, recipe: FP8Recipe, fp8, amax_group=None, device=None):
+        super().__init__()
+        self.recipe, self.fp8, self.amax_group = recipe, fp8, amax_group
+        self._fresh = [True] * len(ROLES)
+        if recipe.delayed:
+            n = len(ROLES)
+            history = torch.zeros(n, recipe.amax_history_len, device=device)
+            self.register_buffer("amax_history", history, persistent=True)
+            self.register_buffer("scale", torch.ones(n, device=device), persistent=True)
+
+    def quantize(self, x: Tensor, role: str):
+        """``x`` [M, K] quantized along K as ``role`` ("input", "weight" or "grad")."""
+        recipe = self.recipe
+        dtype, granularity = recipe.dtype(role), recipe.granularity(role)
+        if not recipe.delayed:
+            return self.fp8.quantize(x, dtype, granularity)
+        i = ROLES.index(role)
+        record = torch.is_grad_enabled() and not _in_backward()
+        if role == "grad":
+            record = True  # a gradient only exists in backward
+        if self._fresh[i]:
+            amax = self._reduce(x.detach().abs().amax().float())
+            scale = self._scale_from(amax, self.fp8.max_value(dtype))
+            q = self.fp8.quantize(x, dtype, granularity, scale=scale)
+        else:
+            q = self.fp8.quantize(x, dtype, granularity, scale=self.scale[i])
+            amax = self._reduce(q.amax) if record else None
+        if record:
+            self._record(i, amax, self.fp8.max_value(dtype))
+        return q
+
+    def _reduce(self, amax: Tensor) -> Tensor:
+        amax = amax.detach().float().reshape(()).clone()
+        if self.amax_group is not None:
+            collective, group = self.amax_group
+            collective.all_reduce(amax, op="max", group=group)
+        # A non-finite amax (an overflowing step the trainer will skip) must not
+        # poison the history for the next amax_history_len steps.
+        return torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+
+    def _scale_from(self, amax: Tensor, fp8_max: float) -> Tensor:
+        top = amax * 2.0**self.recipe.margin
+        return torch.where(top > 0, fp8_max / top, torch.ones_like(top))
+
+    @torch.no_grad()
+    def _record(self, i: int, amax: Tensor, fp8_max: float) -> None:
+        row = self.amax_history[i]
+        row.copy_(torch.roll(row, 1))
+        row[0] = amax
+        self.scale[i] = self._scale_from(row.max(), fp8_max)
+        self._fresh[i] = False
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.recipe.delayed:  # a loaded history is the past to go on (one sync, at load)
+            self._fresh = [not bool(row.any()) for row in self.amax_history]
+
+    def _apply(self, fn, recurse=True):
+        """Move the buffers with the model but keep them float32 under a dtype cast."""
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                device = fn(torch.empty(0, device=buf.device)).device
+                self._buffers[name] = buf.to(device=device, dtype=torch.float32)
+        return self
+
+    def extra_repr(self) -> str:
+        return self.recipe.describe()
