@@ -129,3 +129,22 @@ def test_expert_bias_update_and_parameter_flags():
     off = _layer()
     off.update_expert_bias(torch.tensor([9, 1, 1, 1, 3]))
     assert off.expert_bias.abs().sum() == 0
+
+
+def test_recompute_gives_the_same_grads_and_counts_once():
+    from mtcore.parallel.recompute import checkpoint
+
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(6))
+    grads, stats = [], []
+    for recompute in (False, True):
+        layer = _layer(z_loss_coeff=0.1, capacity_factor=0.8)
+        xi = x.clone().requires_grad_(True)
+        y = checkpoint(layer, xi, backend=BACKEND) if recompute else layer(xi)
+        y.sum().backward()
+        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+        stats.append(layer.pop_stats())
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+    assert stats[1].forwards == 1 and stats[1].z_loss == stats[0].z_loss
+    assert torch.equal(stats[1].tokens_per_expert, stats[0].tokens_per_expert)
+    assert stats[1].dropped == stats[0].dropped > 0

@@ -118,15 +118,12 @@ class AllToAllDispatcher(Dispatcher):
         self.in_splits = counts.view(p, e).sum(1).tolist()
         self.out_splits = received.sum(1).tolist()
         rows = _AllToAll.apply(rows, self.ep, self.out_splits, self.in_splits)
-        # rows arrive grouped by (source rank, local expert); regroup by (local expert, source).
-        sizes = received.reshape(-1).tolist()
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        chunks = [
-            torch.arange(starts[s * e + j], starts[s * e + j] + sizes[s * e + j])
-            for j in range(e)
-            for s in range(p)
-        ]
-        self.regroup = torch.cat(chunks).to(x.device)
+        # rows arrive grouped by (source rank, local expert); a stable sort on
+        # (local expert, source rank) regroups them by expert.
+        source = torch.arange(p, device=x.device).repeat_interleave(e)
+        local = torch.arange(e, device=x.device).repeat(p)
+        row_key = (local * p + source).repeat_interleave(received.reshape(-1))
+        self.regroup = torch.argsort(row_key, stable=True)
         return rows.index_select(0, self.regroup), received.sum(0)
 
     def combine(self, out):

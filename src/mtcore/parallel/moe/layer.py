@@ -57,6 +57,12 @@ def ep_group(layout, backend) -> TPGroup:
     return TPGroup(backend, layout.group("ep"), layout.ep, layout.coordinate("ep"))
 
 
+def _in_backward() -> bool:
+    """True while the autograd engine runs (activation recompute calls forward from there)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 class Router(nn.Module):
     """``weight [E, h]``, replicated; ``expert_bias [E]`` buffer for aux-loss-free balancing."""
 
@@ -187,7 +193,8 @@ class MoELayer(nn.Module):
         if capacity is not None:
             keep = capacity_keep_mask(r.experts, spec.num_experts, capacity)
         self.last_keep = keep
-        aux = self._losses(logits, r, b)
+        recomputing = _in_backward()  # a checkpointed forward run again: count it once
+        aux = self._losses(logits, r, b, record=not recomputing)
 
         tokens = gather_from_sp(x, tp) if sp else copy_to_tp(x, tp)
         probs = copy_to_tp(r.probs, tp).to(x.dtype)
@@ -198,10 +205,11 @@ class MoELayer(nn.Module):
             y = y + self.shared(x)
         if aux is not None and torch.is_grad_enabled():
             y = AttachAuxLoss.apply(y, aux, float(self.aux_loss_scale))
-        self._record(r.experts, keep)
+        if not recomputing:
+            self._record(r.experts, keep)
         return y
 
-    def _losses(self, logits: Tensor, r, batch: int) -> Tensor | None:
+    def _losses(self, logits: Tensor, r, batch: int, record: bool) -> Tensor | None:
         """Coefficient-weighted sum of the balancing and z losses (None if both are off)."""
         spec, total = self.spec, None
         if spec.aux_loss != "none":
@@ -209,12 +217,14 @@ class MoELayer(nn.Module):
                 aux = sequence_load_balancing_loss(r.scores, r.experts, spec.num_experts, batch)
             else:
                 aux = load_balancing_loss(r.scores, r.experts, spec.num_experts)
-            self._stats.aux_loss += aux.item()
+            if record:
+                self._stats.aux_loss += aux.item()
             if spec.aux_loss_coeff > 0:
                 total = spec.aux_loss_coeff * aux
         if spec.z_loss_coeff > 0:
             z = z_loss(logits)
-            self._stats.z_loss += z.item()
+            if record:
+                self._stats.z_loss += z.item()
             total = spec.z_loss_coeff * z if total is None else total + spec.z_loss_coeff * z
         return total
 
