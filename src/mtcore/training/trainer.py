@@ -22,7 +22,7 @@ from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
 from mtcore.models import GPT, ModelConfig, single_context
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
-from mtcore.training.checkpoint import save_checkpoint
+from mtcore.training.checkpoint.trainer_io import TrainerCheckpoints
 from mtcore.training.config import ConfigError, TrainConfig
 from mtcore.training.data import DataError, Datasets, TokenLoader, build_datasets
 from mtcore.training.engine import Engine, StepOutcome
@@ -73,6 +73,7 @@ class TrainResult:
     checkpoint: Path | None = None
     sample: str | None = None
     wall_s: float = 0.0
+    start_step: int = 0  # a resumed run's first step is start_step + 1
 
 
 class BadStepGuard:
@@ -158,6 +159,8 @@ class _Loop:
         )
         self.train_loader = TokenLoader(prep.data.train, **self.loader_args)
         self.result = TrainResult()
+        self.checkpoints = TrainerCheckpoints(config, self.engine, prep, self.say)
+        self.result.start_step = self.checkpoints.restore(self.train_loader)  # collective
 
     def say(self, text: str) -> None:
         if self.is_main:
@@ -176,7 +179,7 @@ class _Loop:
             f"{self.t.micro_batch_size} per dp rank, {tokens_per_step} tokens/step"
         )
         window_t, window_steps = 0.0, 0
-        for step in range(1, self.t.steps + 1):
+        for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0 = time.perf_counter()
             self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.t.steps))
             out = self.engine.train_step(*self._batch(self.train_loader))
@@ -196,6 +199,7 @@ class _Loop:
                 self._evaluate(step)
             if self._due(step, self.config.checkpoint.interval) and step != self.t.steps:
                 self._save(step)
+            self.checkpoints.poll()  # commits a finished asynchronous save
         self._save(self.t.steps, final=True)
         self.progress.close()
         self.scalars.close()
@@ -255,17 +259,12 @@ class _Loop:
     def _save(self, step: int, final: bool = False) -> None:
         root = self.config.checkpoint.dir
         want_sample = final and self.t.sample_prompt is not None and self.t.sample_tokens > 0
-        if root is None and not want_sample:
+        if root is not None and step > self.result.start_step:  # collective: every rank
+            self.result.checkpoint = self.checkpoints.save(step, self.train_loader, final)
+        if not want_sample:
             return
         weights = self.engine.full_state_dict()  # collective: every rank
-        if not self.is_main:
-            return
-        if root is not None:
-            self.result.checkpoint = save_checkpoint(
-                root, step, weights, self.model, self.config, self.prep.data.tokenizer
-            )
-            self.say(f"checkpoint: {self.result.checkpoint}")
-        if want_sample:
+        if self.is_main:
             tok, prompt = self.prep.data.tokenizer, self.t.sample_prompt
             self.result.sample = sample(self.model, weights, tok, prompt, self.t.sample_tokens, self.backend)
             self.say(f"sample ({self.t.sample_tokens} tokens after {self.t.sample_prompt!r}):")

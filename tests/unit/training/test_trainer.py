@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import torch
@@ -31,8 +32,8 @@ def test_one_process_job_learns_and_writes_everything(tiny, tmp_path):
 
     directory = resolve_checkpoint(tmp_path / "checkpoints")
     assert directory == result.checkpoint and directory.name == "step_000008"
-    payload = torch.load(directory / "model.pt", weights_only=True)
-    assert payload["step"] == 8 and payload["model_config"]["vocab_size"] == 384
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["step"] == 8 and manifest["model_config"]["vocab_size"] == 384
     assert {"tokenizer.json", "config.yaml"} <= {p.name for p in directory.iterdir()}
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 

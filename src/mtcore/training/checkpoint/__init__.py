@@ -1,10 +1,30 @@
-"""Checkpoints (transitional: the weights-only format while the DCP system lands)."""
+"""Checkpoints: sharded save/load through torch.distributed.checkpoint, exact resume,
+resharding across layouts, atomic commit, verified and pickle-free loading (docs/checkpoints.md).
 
-from mtcore.training.checkpoint._old import (
+* ``Checkpointer``: the trainer's save/load of the whole training state, every rank;
+* ``read_model_weights`` / ``write_model_weights`` / ``load_model``: one process, full weights;
+* ``resolve_checkpoint``: a committed step directory from a root or step path.
+"""
+
+from mtcore.training.checkpoint.checkpointer import Checkpointer, Loaded
+from mtcore.training.checkpoint.manifest import (
     FORMAT,
-    load_model,
+    CheckpointError,
+    IncompleteCheckpointWarning,
+    has_checkpoint,
     resolve_checkpoint,
-    save_checkpoint,
 )
+from mtcore.training.checkpoint.weights import load_model, read_model_weights, write_model_weights
 
-__all__ = ["FORMAT", "load_model", "resolve_checkpoint", "save_checkpoint"]
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "Checkpointer",
+    "IncompleteCheckpointWarning",
+    "Loaded",
+    "has_checkpoint",
+    "load_model",
+    "read_model_weights",
+    "resolve_checkpoint",
+    "write_model_weights",
+]

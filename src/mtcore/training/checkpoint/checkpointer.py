@@ -1,0 +1,262 @@
+"""Save and load the whole training state of every rank through torch.distributed.checkpoint.
+
+What a training checkpoint ``<root>/step_<N>/`` holds:
+
+* DCP files (``.metadata``, ``__<rank>_0.distcp``): the logical tensors of
+  ``EngineState`` (model, optimizer, buffers) and every rank's RNG states
+  (``rng.rank<r>.host``/``.device``/``.tracker.<stream>``);
+* ``trainer_state.json``: step, optimizer step count and hyper-parameters, loss
+  scaler, data loader position, plus whatever the trainer adds (plain JSON:
+  nothing here is unpickled on load);
+* ``manifest.json`` (written last, see ``manifest``), and the trainer's extra
+  files (``tokenizer.json``, ``config.yaml``).
+
+Asynchronous save (``async_save=True``): the state is copied to host memory
+(DCP's stager) during the call, then written by a background thread over a
+separate gloo process group, so it never interleaves with the training
+collectives; rank 0 commits it when it finishes (``poll`` at each step,
+``wait`` at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mtcore.training.checkpoint import manifest as mf
+from mtcore.training.checkpoint.engine_state import EngineState
+from mtcore.training.checkpoint.safe_reader import dcp_load, dcp_save, tensor_shapes
+
+TRAINER_STATE = "trainer_state.json"
+# Fault injection for the kill test: rank 0 sleeps this long between writing a save and
+# committing it, so a test can kill the job while the .partial directory exists.
+COMMIT_DELAY_ENV = "MTCORE_CHECKPOINT_COMMIT_DELAY_S"
+
+
+@dataclass
+class Loaded:
+    """What ``Checkpointer.load`` restored. step: where training continues (0 for a
+    weights-only or finetune load); trainer_state: the JSON the trainer saved (None
+    without one); rng: whether every RNG stream was restored (same layout only)."""
+
+    directory: Path
+    step: int
+    trainer_state: dict | None
+    rng: bool
+    kind: str
+
+
+class Checkpointer:
+    """One per rank. ``save``/``load`` are collective: call them on every rank."""
+
+    def __init__(self, engine, *, keep_last: int = 0, async_save: bool = False):
+        self.engine, self.layout = engine, engine.layout
+        self.backend, self.collective = engine.backend, engine.collective
+        self.rank, self.world = self.layout.rank, self.layout.world_size
+        self.state = EngineState(engine)
+        self.keep_last, self.async_save = keep_last, async_save
+        self.layout_record = {
+            **self.layout.spec.model_dump(mode="json"),
+            "world_size": self.world,
+            "zero1": bool(engine.optimizer.sharded),
+        }
+        self._sections: dict | None = None
+        self._pending = None  # (future, staging, header) of an asynchronous save
+        self._group = None
+        if async_save and self.world > 1:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")  # every rank, now, in the same order
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- save ---------------------------------------------------------------------------
+    def save(
+        self,
+        root: str | Path,
+        step: int,
+        trainer_state: dict,
+        files: dict[str, bytes] | None = None,
+        model_config=None,
+    ) -> Path | None:
+        """Write step ``step``; returns the committed directory (None on other ranks, or
+        while an asynchronous save is still being written)."""
+        root = Path(root)
+        self.wait()  # one save in flight at a time
+        sections = self._gathered_sections()
+        tensors = self.state.save_tensors(optimizer=True)  # collective under ZeRO-1
+        tensors.update(self._rng_tensors())
+        staging = root / (mf.step_dir_name(step) + mf.PARTIAL_SUFFIX)
+        if self.is_main:
+            staging = mf.begin(root, step)
+            opt = self.engine.optimizer
+            state = {
+                "step": step,
+                "optimizer": {
+                    "step_count": opt.step_count,
+                    "param_groups": [
+                        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+                    ],
+                },
+                "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None,
+                **trainer_state,
+            }
+            mf.write_json_atomic(staging / TRAINER_STATE, state)
+            for name, data in (files or {}).items():
+                (staging / name).write_bytes(data)
+        self._barrier()
+        header = {
+            "step": step,
+            "kind": "training",
+            "layout": self.layout_record,
+            "model_config": model_config.model_dump(mode="json") if model_config else None,
+            "sections": sections,
+        }
+        if self.async_save:
+            future = dcp_save(
+                tensors, staging, self.world, run_async=True, process_group=self._group
+            )
+            self._pending = (future, staging, header)
+            return None
+        dcp_save(tensors, staging, self.world)
+        return self._commit(staging, header)
+
+    def poll(self) -> Path | None:
+        """Commit an asynchronous save that has finished; its directory (rank 0) or None."""
+        if self._pending is None or not self._pending[0].done():
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Finish and commit the asynchronous save in flight, if any."""
+        if self._pending is None:
+            return None
+        future, staging, header = self._pending
+        self._pending = None
+        future.result()  # re-raises a failed write
+        return self._commit(staging, header)
+
+    def _commit(self, staging: Path, header: dict) -> Path | None:
+        if not self.is_main:
+            return None
+        delay = float(os.environ.get(COMMIT_DELAY_ENV, "0") or 0)
+        if delay > 0:
+            time.sleep(delay)
+        return mf.commit(staging, header, self.keep_last)
+
+    def _rng_tensors(self) -> dict[str, torch.Tensor]:
+        prefix = f"rng.rank{self.rank}"
+        out = {f"{prefix}.host": torch.get_rng_state()}
+        device = self.backend.device
+        if device.type != "cpu":
+            out[f"{prefix}.device"] = device.get_rng_state().cpu()
+        tracker = self.engine.chunks[0].c.tracker
+        for name, state in tracker.get_states().items():
+            out[f"{prefix}.tracker.{name}"] = state.cpu()
+        return out
+
+    def _gathered_sections(self) -> dict:
+        if self._sections is None:
+            self._sections = gather_json(
+                self.state.sections(), self.collective, self.world, self.engine.ddp.device
+            )
+        return self._sections
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            self.collective.barrier()
+
+    # -- load ---------------------------------------------------------------------------
+    def load(self, path: str | Path, finetune: bool = False) -> Loaded:
+        """Restore from ``path`` (a root: its latest committed step). A weights-only
+        checkpoint, or ``finetune``, loads the model only: fresh optimizer, step 0."""
+        directory = mf.resolve_checkpoint(path)
+        self._verify_on_rank0(directory)
+        manifest = mf.read_manifest(directory)
+        available = tensor_shapes(directory)
+        full = manifest.get("kind") == "training" and not finetune
+        targets, apply = self.state.load_targets(available, optimizer=full)
+        rng_targets = {}
+        same_layout = manifest.get("layout") == self.layout_record
+        if full and same_layout:
+            rng_targets = {k: v.clone() for k, v in self._rng_tensors().items()}
+            if not all(k in available for k in rng_targets):
+                rng_targets = {}
+        dcp_load({**targets, **rng_targets}, directory, self.world)
+        apply()
+        trainer_state = None
+        step = 0
+        if full:
+            trainer_state = json.loads((directory / TRAINER_STATE).read_text())
+            step = int(trainer_state["step"])
+            self._restore_optimizer_scalars(trainer_state)
+            if rng_targets:
+                self._restore_rng(rng_targets)
+        return Loaded(directory, step, trainer_state, bool(rng_targets), manifest.get("kind", "?"))
+
+    def _verify_on_rank0(self, directory: Path) -> None:
+        """Rank 0 checks every checksum; the others wait for its verdict."""
+        error = None
+        if self.is_main:
+            try:
+                mf.verify_files(directory, mf.read_manifest(directory))
+            except mf.CheckpointError as e:
+                error = e
+        if self.world > 1:
+            flag = torch.tensor([1.0 if error else 0.0], device=self.engine.ddp.device)
+            self.collective.broadcast(flag, src=0)
+            if flag.item() and error is None:
+                raise mf.CheckpointError(f"rank 0 rejected checkpoint {directory} (see its error)")
+        if error is not None:
+            raise error
+
+    def _restore_optimizer_scalars(self, state: dict) -> None:
+        opt = self.engine.optimizer
+        opt.step_count = int(state["optimizer"]["step_count"])
+        for group, saved in zip(opt.param_groups, state["optimizer"]["param_groups"], strict=False):
+            group.update({k: v for k, v in saved.items() if k in ("lr", "weight_decay")})
+        if opt.loss_scaler is not None and state.get("loss_scaler"):
+            opt.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def _restore_rng(self, states: dict[str, torch.Tensor]) -> None:
+        prefix = f"rng.rank{self.rank}"
+        torch.set_rng_state(states[f"{prefix}.host"])
+        if f"{prefix}.device" in states:
+            self.backend.device.set_rng_state(states[f"{prefix}.device"])
+        tracker = self.engine.chunks[0].c.tracker
+        tracker.set_states(
+            {
+                k.removeprefix(f"{prefix}.tracker."): v
+                for k, v in states.items()
+                if k.startswith(f"{prefix}.tracker.")
+            }
+        )
+
+
+def gather_json(obj: dict, collective, world: int, device) -> dict:
+    """The union of every rank's dict (plain JSON), on every rank: an all-gather of bytes."""
+    if world == 1:
+        return dict(obj)
+    data = json.dumps(obj, sort_keys=True).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    collective.all_gather(sizes, size)
+    sizes = sizes.cpu()
+    longest = int(sizes.max())
+    mine = torch.zeros(longest, dtype=torch.int32)
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.int32)
+    every = torch.zeros(world * longest, dtype=torch.int32, device=device)
+    collective.all_gather(every, mine.to(device))
+    every = every.cpu()
+    out: dict = {}
+    for r in range(world):
+        raw = bytes(every[r * longest : r * longest + int(sizes[r])].tolist())
+        out.update(json.loads(raw.decode()))
+    return out

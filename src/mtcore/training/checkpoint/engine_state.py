@@ -1,0 +1,248 @@
+"""An ``Engine``'s model and optimizer state as logical tensors, and back.
+
+Saving: each rank offers its pieces (``logical``) of every parameter it owns,
+named ``model.<name>``; ``optim.exp_avg.<name>``, ``optim.exp_avg_sq.<name>``
+and, for low-precision params, ``optim.master.<name>`` in the same shape;
+persistent model buffers as ``model.<name>`` (replicated over tp). DCP writes
+each distinct rectangle once (dp replicas are deduplicated).
+
+ZeRO-1 shards live as flat ranges of the gradient buffers, which are not
+rectangles of the parameters. At save every dp rank all-gathers the optimizer
+state of each bucket (exact copies, no arithmetic): a transient 2-3 fp32 copies
+of this rank's (tp/pp-sharded) parameters. At load every rank reads its
+parameters' full state and keeps the range it owns, so a ZeRO-1 checkpoint
+loads under any dp size, with or without ZeRO.
+
+The tied output weight of a last pipeline stage (``output_is_copy``) is not
+saved: it loads from ``embed.tok.weight``, its twin, state included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from mtcore.parallel.tensor import named_tp_parameters
+from mtcore.training.checkpoint.logical import (
+    Piece,
+    join_pieces,
+    section_entry,
+    split_pieces,
+    to_logical,
+)
+from mtcore.training.checkpoint.manifest import CheckpointError
+
+KINDS = ("exp_avg", "exp_avg_sq", "master")
+
+
+class _Param:
+    def __init__(self, chunk, name, param, partition):
+        self.name, self.param, self.partition = name, param, partition
+        self.saved = not (chunk.output_is_copy and name == "output.weight")
+        self.source = name if self.saved else "embed.tok.weight"
+
+
+class EngineState:
+    """The mapping between one rank's engine and the checkpoint's logical tensors."""
+
+    def __init__(self, engine):
+        layout = engine.layout
+        if layout.spec.ep > 1:
+            raise CheckpointError(
+                f"checkpoints do not map expert-parallel parameters yet (ep={layout.spec.ep})"
+            )
+        self.engine, self.layout = engine, layout
+        self.tp = layout.tp
+        self.params: list[_Param] = []
+        self.buffers: dict[str, Tensor] = {}
+        for chunk in engine.chunks:
+            for name, p, partition, _ in named_tp_parameters(chunk):
+                self.params.append(_Param(chunk, name, p, partition))
+            names = {n for n, _ in chunk.named_parameters()}
+            for name, value in chunk.state_dict(keep_vars=True).items():
+                if name not in names and isinstance(value, Tensor):
+                    self.buffers[name] = value
+        self._mesh = None
+
+    # -- shapes and records ----------------------------------------------------------
+    def sections(self) -> dict[str, dict]:
+        """This rank's multi-section parameters, for the manifest."""
+        out = {}
+        for entry in self.params:
+            record = section_entry(entry.partition)
+            if record is not None:
+                out[entry.source] = record
+        return out
+
+    def mesh(self):
+        if self._mesh is None and self.tp > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device_type = self.engine.backend.device.type
+            self._mesh = DeviceMesh.from_group(self.layout.group("tp"), device_type)
+        return self._mesh
+
+    def _pieces(self, entry: _Param, local: Tensor, prefix: str) -> list[Piece]:
+        pieces = split_pieces(entry.source, local, entry.partition, self.tp)
+        for piece in pieces:
+            piece.key = f"{prefix}.{piece.key}"
+        return pieces
+
+    def _logical(self, piece: Piece) -> Tensor:
+        return to_logical(piece.local, piece.dim, self.tp, self.mesh())
+
+    # -- save ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def save_tensors(self, optimizer: bool = True) -> dict[str, Tensor]:
+        """Every logical tensor this rank contributes. Collective over dp under ZeRO-1."""
+        out: dict[str, Tensor] = {}
+        for entry in self.params:
+            if entry.saved:
+                for piece in self._pieces(entry, entry.param.detach(), "model"):
+                    out[piece.key] = self._logical(piece)
+        for name, value in self.buffers.items():
+            out[f"model.{name}"] = value.detach()
+        if optimizer:
+            flat = self._gather_optimizer_state()
+            for entry in self.params:
+                if not entry.saved or not entry.param.requires_grad:
+                    continue
+                for kind, local in self._param_state(entry, flat).items():
+                    for piece in self._pieces(entry, local, f"optim.{kind}"):
+                        out[piece.key] = self._logical(piece)
+        return out
+
+    def _gather_optimizer_state(self) -> dict[str, dict[int, Tensor]]:
+        """``kind -> id(buffer) -> flat fp32 state of the whole buffer`` on every dp rank."""
+        opt, ddp = self.engine.optimizer, self.engine.ddp
+        flat: dict[str, dict[int, Tensor]] = {kind: {} for kind in KINDS}
+        for seg in opt.segments:
+            buf = seg.buffer
+            separate_master = seg.master.data_ptr() != seg.param_data.data_ptr()
+            for kind in KINDS:
+                if kind == "master" and not separate_master:
+                    continue
+                t = flat[kind].setdefault(id(buf), torch.zeros(buf.numel, device=buf.grad.device))
+                t[seg.start : seg.end].copy_(getattr(seg, kind))
+        if opt.sharded:
+            handles = []
+            for kind in KINDS:
+                for buf in ddp.grad_buffers:
+                    t = flat[kind].get(id(buf))
+                    if t is None:
+                        continue
+                    for bucket in buf.buckets:
+                        group, size, rank = _reduction(ddp, bucket)
+                        if size == 1:
+                            continue
+                        lo, hi = bucket.shard(rank, size)
+                        out = t[bucket.start : bucket.end]
+                        handles.append(
+                            ddp.collective.all_gather(
+                                out, t[lo:hi].clone(), group=group, async_op=True
+                            )
+                        )
+            for handle in handles:
+                handle.wait()
+        return flat
+
+    def _param_state(self, entry: _Param, flat) -> dict[str, Tensor]:
+        buf = self.engine.ddp.buffer_of(entry.param)
+        start, end = buf.range_of(entry.param)
+        return {
+            kind: flat[kind][id(buf)][start:end].view_as(entry.param)
+            for kind in KINDS
+            if id(buf) in flat[kind]
+        }
+
+    # -- load ---------------------------------------------------------------------------
+    def load_targets(
+        self, available: dict, optimizer: bool
+    ) -> tuple[dict[str, Tensor], Callable[[], None]]:
+        """The tensors to hand ``dcp.load`` and the function that applies them afterwards.
+
+        available: ``key -> (shape, dtype)`` of the checkpoint; a parameter missing from it
+        is an error naming it, as is a shape that does not fit this model.
+        """
+        targets: dict[str, Tensor] = {}
+        plans: list[tuple[Callable[[Tensor], None], list[Piece]]] = []
+
+        def want(pieces: list[Piece], apply: Callable[[Tensor], None], required=True) -> None:
+            keys = [p.key for p in pieces]
+            missing = [k for k in keys if k not in available]
+            if missing:
+                if required:
+                    raise CheckpointError(f"the checkpoint has no tensor {missing[0]!r}")
+                return
+            for piece in pieces:
+                piece.local = torch.empty_like(piece.local, memory_format=torch.contiguous_format)
+                _check_shape(piece, self.tp, available[piece.key][0])
+                targets[piece.key] = self._logical(piece)
+            plans.append((apply, pieces))
+
+        for entry in self.params:
+            pieces = self._pieces(entry, entry.param.detach(), "model")
+            want(pieces, entry.param.data.copy_)
+        for name, value in self.buffers.items():
+            want([Piece(f"model.{name}", value.detach(), None)], value.data.copy_, required=False)
+        flat: dict[str, dict[int, Tensor]] = {}
+        if optimizer:
+            flat = self._empty_optimizer_state()
+            for entry in self.params:
+                if entry.param.requires_grad:
+                    for kind, local in self._param_state(entry, flat).items():
+                        want(self._pieces(entry, local, f"optim.{kind}"), local.copy_)
+
+        def apply() -> None:
+            with torch.no_grad():
+                for fn, pieces in plans:
+                    fn(join_pieces([p.local for p in pieces], pieces[0].dim))
+                self._install_optimizer_state(flat)
+
+        return targets, apply
+
+    def _empty_optimizer_state(self) -> dict[str, dict[int, Tensor]]:
+        flat: dict[str, dict[int, Tensor]] = {kind: {} for kind in KINDS}
+        for seg in self.engine.optimizer.segments:
+            buf = seg.buffer
+            separate_master = seg.master.data_ptr() != seg.param_data.data_ptr()
+            for kind in KINDS:
+                if kind != "master" or separate_master:
+                    flat[kind].setdefault(id(buf), torch.zeros(buf.numel, device=buf.grad.device))
+        return flat
+
+    def _install_optimizer_state(self, flat: dict[str, dict[int, Tensor]]) -> None:
+        """Keep the owned ranges of the loaded full state; without one (weights only) start
+        the moments at zero and the master weights from the loaded params."""
+        opt = self.engine.optimizer
+        for seg in opt.segments:
+            for kind in KINDS:
+                mine = getattr(seg, kind)
+                source = flat.get(kind, {}).get(id(seg.buffer))
+                if source is not None:
+                    mine.copy_(source[seg.start : seg.end])
+                elif kind == "master":
+                    if mine.data_ptr() != seg.param_data.data_ptr():
+                        mine.copy_(seg.param_data)
+                else:
+                    mine.zero_()
+
+
+def _check_shape(piece: Piece, tp: int, saved: torch.Size) -> None:
+    shape = list(piece.local.shape)
+    if piece.dim is not None:
+        shape[piece.dim] *= tp
+    if list(saved) != shape:
+        raise CheckpointError(
+            f"checkpoint tensor {piece.key!r} has shape {list(saved)} but this model needs "
+            f"{shape} (a different model config?)"
+        )
+
+
+def _reduction(ddp, bucket) -> tuple[object, int, int]:
+    """(group, size, rank) a ZeRO-1 bucket is sharded over (``dp_cp``; ``edp`` for experts)."""
+    if hasattr(ddp, "reduction_of"):
+        return ddp.reduction_of(bucket)
+    return ddp.group, ddp.dp_size, ddp.dp_rank

@@ -1,0 +1,254 @@
+"""The commit protocol: a checkpoint is visible only once it is complete.
+
+A save writes into ``<root>/step_<N>.partial/``; once every file is on disk,
+rank 0 writes ``manifest.json`` (format, step, the layout that saved it, the
+model config, and every file with its size and sha256), then renames the
+directory to ``<root>/step_<N>/`` and points ``<root>/latest`` at it (write
+aside + ``os.replace``). A rename is atomic on a POSIX file system, so a kill
+at any moment leaves either the old set of checkpoints or the new one: a
+``.partial`` directory (or a step directory without a manifest) is never
+loaded, and ``resolve_checkpoint`` names it in a warning.
+
+Loading checks the manifest first: a missing, truncated or altered file is an
+error naming the file, before any byte of it is deserialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+FORMAT = "mtcore-checkpoint-v2"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PARTIAL_SUFFIX = ".partial"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+log = logging.getLogger("mtcore.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupted or incompatible.
+    The message names the directory or file."""
+
+
+class IncompleteCheckpointWarning(UserWarning):
+    """A save that never committed (a crash or kill mid-save) was found and ignored."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def sha256_file(path: Path, block: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write ``data`` as JSON to ``path`` via a temporary file, fsync'd, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: Path, header: dict) -> dict:
+    """Checksum every file under ``directory`` and write ``manifest.json`` (last)."""
+    files = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files.append(
+            {
+                "path": path.relative_to(directory).as_posix(),
+                "bytes": path.stat().st_size,
+                "sha256": sha256_file(path),
+            }
+        )
+    manifest = {"format": FORMAT, **header, "files": files}
+    write_json_atomic(directory / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    """The parsed manifest of a committed checkpoint, or a CheckpointError naming it."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a committed checkpoint: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable or corrupted: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path}: format {found!r} is not {FORMAT!r}")
+    return manifest
+
+
+def verify_files(directory: Path, manifest: dict) -> None:
+    """Every file the manifest lists exists with its size and sha256; raise naming the first
+    one that does not (truncated, altered or missing)."""
+    for entry in manifest["files"]:
+        path = directory / entry["path"]
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or altered: {size} bytes, "
+                f"the manifest says {entry['bytes']}"
+            )
+        if sha256_file(path) != entry["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupted: its sha256 differs from the manifest's"
+            )
+
+
+def partial_dirs(root: Path) -> list[Path]:
+    """Saves under ``root`` that never committed: ``*.partial`` directories and step
+    directories without a manifest."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.iterdir()):
+        if not path.is_dir():
+            continue
+        uncommitted = _STEP_DIR.match(path.name) and not (path / MANIFEST).is_file()
+        if path.name.endswith(PARTIAL_SUFFIX) or uncommitted:
+            found.append(path)
+    return found
+
+
+def report_partials(root: Path) -> list[Path]:
+    """Warn (and log) about every uncommitted save under ``root``; return them."""
+    found = partial_dirs(root)
+    for path in found:
+        message = (
+            f"ignoring incomplete checkpoint {path} (a save that never committed: "
+            "the job stopped mid-save)"
+        )
+        log.warning(message)
+        warnings.warn(message, IncompleteCheckpointWarning, stacklevel=3)
+    return found
+
+
+def committed_steps(root: Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every committed checkpoint under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for path in root.iterdir():
+        m = _STEP_DIR.match(path.name)
+        if m and path.is_dir() and (path / MANIFEST).is_file():
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A committed step directory from a step directory, its manifest, or a checkpoint root
+    (``latest``, else the newest committed step). Uncommitted saves are reported, never used."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        path = path.parent
+    if (path / MANIFEST).is_file():
+        return path
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise CheckpointError(
+            f"{path} is an incomplete save (never committed); it cannot be loaded"
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}")
+    report_partials(path)
+    latest = path / LATEST
+    if latest.is_file():
+        target = path / latest.read_text().strip()
+        if (target / MANIFEST).is_file():
+            return target
+        log.warning("%s names %s, which is not a committed checkpoint", latest, target)
+    steps = committed_steps(path)
+    if not steps:
+        raise CheckpointError(f"no committed checkpoint under {path} (no step_N/{MANIFEST})")
+    return steps[-1][1]
+
+
+def has_checkpoint(root: str | Path) -> bool:
+    """True when ``root`` holds at least one committed checkpoint."""
+    return bool(committed_steps(Path(root).expanduser()))
+
+
+def begin(root: Path, step: int) -> Path:
+    """The empty staging directory for a save of ``step`` (a stale one is reported, removed)."""
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / (step_dir_name(step) + PARTIAL_SUFFIX)
+    if staging.exists():
+        log.warning("removing incomplete checkpoint %s before saving step %d again", staging, step)
+        shutil.rmtree(staging)
+    staging.mkdir()
+    return staging
+
+
+def commit(staging: Path, header: dict, keep_last: int = 0) -> Path:
+    """Write the manifest, rename ``staging`` to its step directory, update ``latest`` and
+    apply keep-last-K retention (0: keep all). Returns the committed directory."""
+    write_manifest(staging, header)
+    _fsync_dir(staging)
+    root = staging.parent
+    final = root / staging.name.removesuffix(PARTIAL_SUFFIX)
+    old = None
+    if final.exists():  # the same step saved again: swap, then drop the old one
+        old = root / f"{final.name}.replaced-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(staging, final)
+    _fsync_dir(root)
+    tmp = root / (LATEST + ".tmp")
+    tmp.write_text(final.name + "\n")
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if keep_last > 0:
+        apply_retention(root, keep_last, protect=final)
+    return final
+
+
+def apply_retention(root: Path, keep_last: int, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` committed checkpoints, and incomplete saves of
+    older steps; return what was removed."""
+    steps = committed_steps(root)
+    removed = []
+    for _, path in steps[:-keep_last] if keep_last < len(steps) else []:
+        if path != protect:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    newest = steps[-1][0] if steps else None
+    for path in partial_dirs(root):
+        m = re.match(r"^step_(\d+)", path.name)
+        if newest is not None and m and int(m.group(1)) < newest:
+            log.warning("removing incomplete checkpoint %s (older than step %d)", path, newest)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,137 @@
+"""Reading DCP checkpoints without unpickling arbitrary objects.
+
+torch.distributed.checkpoint reads tensor data with ``torch.load(weights_only=True)``
+but its ``.metadata`` file is a plain pickle. ``SafeFileSystemReader`` unpickles it
+with an allow-list: the DCP metadata dataclasses, ``torch.Size``, dtypes and
+paths; anything else (a pickled function, a ``__reduce__`` payload) is refused
+with an error naming it. Non-tensor ("bytes") entries, which DCP would load with
+a full unpickler, are refused too: mtcore keeps plain data in JSON files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from mtcore.training.checkpoint.manifest import CheckpointError
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_NAMES = {
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "StorageMeta",
+    "Metadata",
+    "MetadataIndex",
+    "_MEM_FORMAT_ENCODING",
+    "_StorageInfo",
+}
+_OTHER = {
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),  # a look-up of torch.strided and friends by name
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in _DCP_MODULES and name in _DCP_NAMES:
+            return super().find_class(module, name)
+        if (module, name) in _OTHER:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch" and name in (
+            "layout",
+            "memory_format",
+            "strided",
+            "contiguous_format",
+        ):
+            return getattr(torch, name)
+        raise CheckpointError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
+
+
+def load_metadata(path: Path) -> Metadata:
+    """Unpickle a DCP ``.metadata`` file with the allow-list."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    except Exception as e:  # truncated or garbled pickle
+        raise CheckpointError(f"{path} is unreadable: {type(e).__name__}: {e}") from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} does not hold DCP metadata ({type(metadata).__name__})")
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata) or not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: entry {key!r} is not a tensor; refusing to load it")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata goes through the allow-listed unpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = load_metadata(Path(self.path) / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def tensor_shapes(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every logical tensor in a DCP directory: ``key -> (global shape, dtype)``."""
+    metadata = load_metadata(directory / ".metadata")
+    return {
+        key: (entry.size, entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+    }
+
+
+def dcp_save(tensors: dict, directory: Path, world: int, **kwargs):
+    """``dcp.save`` (or ``async_save`` with ``run_async``) into ``directory``; one process
+    (``world == 1``) runs without a process group."""
+    run_async = kwargs.pop("run_async", False)
+    writer = FileSystemWriter(str(directory))
+    with _quiet():
+        if world == 1:
+            kwargs = {"no_dist": True}
+        fn = dcp.async_save if run_async else dcp.save
+        return fn(tensors, storage_writer=writer, **kwargs)
+
+
+def dcp_load(targets: dict, directory: Path, world: int) -> None:
+    """``dcp.load`` through ``SafeFileSystemReader``, in place into ``targets``."""
+    with _quiet():
+        kwargs = {"no_dist": True} if world == 1 else {}
+        dcp.load(targets, storage_reader=SafeFileSystemReader(str(directory)), **kwargs)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns on every one-process call that it assumes one process: it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

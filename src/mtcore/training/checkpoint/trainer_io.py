@@ -1,0 +1,93 @@
+"""The trainer's side of checkpoints: where to start from, what to save, what to report.
+
+``checkpoint.load`` names a checkpoint to start from (a step directory, or a
+root: its latest committed step); ``checkpoint.resume`` continues from
+``checkpoint.dir`` when it holds one (the restart of a preempted job), and
+starts fresh otherwise; ``checkpoint.finetune`` takes the weights only. A
+weights-only checkpoint (``write_model_weights``, ``mtcore convert``) always
+starts at step 0 with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from mtcore.training.checkpoint.checkpointer import Checkpointer
+from mtcore.training.checkpoint.manifest import MANIFEST, has_checkpoint, partial_dirs
+
+
+class TrainerCheckpoints:
+    """Save/restore for ``trainer._Loop``: every rank makes the same calls."""
+
+    def __init__(self, config, engine, prep, say):
+        self.config, self.ck, self.say = config, config.checkpoint, say
+        self.tokenizer, self.model_config = prep.data.tokenizer, prep.model
+        self.checkpointer = None
+        if self.ck.dir is not None or self.ck.load is not None:
+            self.checkpointer = Checkpointer(
+                engine, keep_last=self.ck.keep_last, async_save=self.ck.async_save
+            )
+
+    def restore(self, loader) -> int:
+        """Load the configured checkpoint into the engine and ``loader``; the step to
+        continue after (0: from the start)."""
+        path = self.ck.load
+        if path is None and self.ck.resume and self.ck.dir is not None:
+            root = Path(self.ck.dir).expanduser()
+            self._report_partials(root)
+            if has_checkpoint(root):
+                path = str(root)
+            else:
+                self.say(f"checkpoint: nothing to resume under {root}; starting at step 0")
+        if path is None:
+            return 0
+        given = Path(path).expanduser()
+        self._report_partials(given.parent if (given / MANIFEST).is_file() else given)
+        loaded = self.checkpointer.load(path, finetune=self.ck.finetune)
+        if loaded.trainer_state is not None:
+            loader.load_state_dict(loaded.trainer_state["data"])
+        if loaded.step == 0:
+            self.say(f"checkpoint: model weights from {loaded.directory}; fresh optimizer, step 0")
+        else:
+            rng = "restored" if loaded.rng else "reseeded (the layout changed)"
+            self.say(
+                f"checkpoint: resumed from {loaded.directory} at step {loaded.step} "
+                f"(optimizer, data position; RNG streams {rng})"
+            )
+        return loaded.step
+
+    def save(self, step: int, loader, final: bool = False) -> Path | None:
+        """Save ``step`` (collective); the committed directory on rank 0 once it is."""
+        if self.checkpointer is None or self.ck.dir is None:
+            return None
+        files = {
+            "tokenizer.json": self.tokenizer.hf.to_str().encode(),
+            "config.yaml": yaml.safe_dump(
+                self.config.model_dump(mode="json"), sort_keys=False
+            ).encode(),
+        }
+        state = {"data": loader.state_dict()}
+        done = self.checkpointer.save(self.ck.dir, step, state, files, self.model_config)
+        if final:
+            done = self.checkpointer.wait() or done
+        if done is not None:
+            self.say(f"checkpoint: {done}")
+        return done
+
+    def poll(self) -> Path | None:
+        """Commit a finished asynchronous save (call once per step)."""
+        if self.checkpointer is None:
+            return None
+        done = self.checkpointer.poll()
+        if done is not None:
+            self.say(f"checkpoint: {done}")
+        return done
+
+    def _report_partials(self, root: Path) -> None:
+        if root.is_dir():
+            for path in partial_dirs(root):
+                self.say(
+                    f"checkpoint: ignoring incomplete checkpoint {path} (the save never committed)"
+                )

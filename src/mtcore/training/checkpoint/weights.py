@@ -1,0 +1,122 @@
+"""One-process access to any checkpoint: the full model weights in, the full weights out.
+
+``read_model_weights`` reads a checkpoint whatever layout saved it (no process
+group): DCP assembles each logical tensor from the ranks' pieces, and fused
+parameters are joined from their sections. ``write_model_weights`` writes a
+committed *weights-only* checkpoint (no optimizer or trainer state), which the
+trainer starts from under any layout with a fresh optimizer at step 0
+(Megatron's ``--finetune``); ``mtcore convert`` uses both.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mtcore.models import GPT, ModelConfig
+from mtcore.parallel.tensor import named_tp_parameters
+from mtcore.training.checkpoint import manifest as mf
+from mtcore.training.checkpoint.logical import join_full, section_entry, split_full
+from mtcore.training.checkpoint.safe_reader import dcp_load, dcp_save, tensor_shapes
+
+
+def read_model_weights(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor], int]:
+    """``(model config, full fp32 weights named as GPT(config) in one process, step)``.
+
+    Checksums are verified first (a CheckpointError names a bad file). Low-precision
+    training checkpoints give their fp32 master weights.
+    """
+    config, weights, step, _ = _read(path)
+    return config, weights, step
+
+
+def _read(path) -> tuple[ModelConfig, dict[str, Tensor], int, Path]:
+    directory = mf.resolve_checkpoint(path)
+    manifest = mf.read_manifest(directory)
+    mf.verify_files(directory, manifest)
+    if not manifest.get("model_config"):
+        raise mf.CheckpointError(f"{directory / mf.MANIFEST} records no model_config")
+    config = ModelConfig.model_validate(manifest["model_config"])
+    shapes = tensor_shapes(directory)
+    model_keys = [k for k in shapes if k.startswith("model.")]
+    targets = {k: torch.empty(shapes[k][0], dtype=torch.float32) for k in model_keys}
+    masters = {
+        k: "optim.master." + k.removeprefix("model.")
+        for k in model_keys
+        if "optim.master." + k.removeprefix("model.") in shapes
+    }
+    targets.update({m: torch.empty(shapes[m][0], dtype=torch.float32) for m in masters.values()})
+    dcp_load(targets, directory, world=1)
+    flat = {k.removeprefix("model."): targets[masters.get(k, k)] for k in model_keys}
+    weights = join_full(flat, manifest.get("sections") or {})
+    return config, weights, int(manifest["step"]), directory
+
+
+def write_model_weights(
+    root: str | Path,
+    weights: dict[str, Tensor],
+    model_config: ModelConfig,
+    *,
+    step: int = 0,
+    tokenizer=None,
+) -> Path:
+    """Commit ``<root>/step_<step>/`` holding only ``weights`` (full tensors named as in
+    ``GPT(model_config)`` in one process); returns the directory. ``tokenizer``: an mtcore
+    tokenizer (written as ``tokenizer.json``) or None."""
+    sections = model_sections(model_config, weights)
+    tensors = {
+        f"model.{k}": v.detach().to("cpu", torch.float32).contiguous()
+        for k, v in split_full(weights, sections).items()
+    }
+    staging = mf.begin(Path(root).expanduser(), step)
+    if tokenizer is not None:
+        (staging / "tokenizer.json").write_text(tokenizer.hf.to_str())
+    dcp_save(tensors, staging, world=1)
+    header = {
+        "step": step,
+        "kind": "weights",
+        "layout": None,
+        "model_config": model_config.model_dump(mode="json"),
+        "sections": sections,
+    }
+    return mf.commit(staging, header)
+
+
+def model_sections(config: ModelConfig, names) -> dict[str, dict]:
+    """The multi-section (fused) parameters among ``names``, from a small template model:
+    its first ``k`` layers, ``k`` the MoE period, stand for every layer."""
+    from mtcore.backend import select_backend
+    from mtcore.models import single_context
+
+    period = config.moe_layer_freq if config.moe is not None else 1
+    template = config.model_copy(update={"num_layers": min(config.num_layers, period)})
+    host = torch.get_rng_state()  # building a model seeds the generators: leave them as found
+    try:
+        model = GPT(template, single_context(template, select_backend("cpu")))
+    finally:
+        torch.set_rng_state(host)
+    known = {name: section_entry(part) for name, _, part, _ in named_tp_parameters(model)}
+    known.update({name: None for name, _ in model.named_buffers()})
+    out = {}
+    for name in names:
+        m = re.match(r"^layers\.(\d+)\.(.*)$", name)
+        key = f"layers.{int(m.group(1)) % period}.{m.group(2)}" if m else name
+        if key not in known:
+            raise mf.CheckpointError(f"weight {name!r} is not a parameter of GPT({config.style})")
+        if known[key] is not None:
+            out[name] = known[key]
+    return out
+
+
+def load_model(path: str | Path, backend=None) -> tuple[GPT, int, Path]:
+    """The one-process model of a checkpoint (eval mode), its step and its directory."""
+    from mtcore.models import single_context
+
+    config, weights, step, directory = _read(path)
+    model = GPT(config, single_context(config, backend))
+    model.load_state_dict(weights, strict=True)
+    model.train(False)
+    return model, step, directory
