@@ -148,3 +148,15 @@ def test_recompute_gives_the_same_grads_and_counts_once():
     assert stats[1].forwards == 1 and stats[1].z_loss == stats[0].z_loss
     assert torch.equal(stats[1].tokens_per_expert, stats[0].tokens_per_expert)
     assert stats[1].dropped == stats[0].dropped > 0
+
+
+def test_bfloat16_layer_keeps_a_float32_expert_bias():
+    layer = _layer(bias_update_rate=1e-3, score="sigmoid").to(torch.bfloat16)
+    assert layer.experts.fc1.dtype == torch.bfloat16
+    assert layer.expert_bias.dtype == torch.float32
+    x = torch.randn(2, 3, H, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().sum().backward()
+    assert y.dtype == x.grad.dtype == torch.bfloat16
+    layer.update_expert_bias(torch.tensor([5, 1, 1, 1, 2]))
+    assert layer.expert_bias[1].item() == pytest.approx(1e-3)

@@ -74,6 +74,13 @@ class Router(nn.Module):
         if sequence_parallel:  # sees a sequence shard: partial grads, summed over tp later
             mark_sequence_parallel(self, "weight")
 
+    def _apply(self, fn, *args, **kwargs):
+        # Casting the model (``.to(bfloat16)``) must not round the bias: its
+        # updates are tiny steps (rate ~1e-3) that bf16 would swallow.
+        super()._apply(fn, *args, **kwargs)
+        self.expert_bias = self.expert_bias.float()
+        return self
+
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x.float(), self.weight.float())
 
