@@ -57,6 +57,7 @@ class FP8:
         self._native: GranularityPairs | None = None
         self._available = available or (lambda: Availability(True))
         self._quantize: Callable | None = None
+        self._quantize_transpose: Callable | None = None
 
     @property
     def native_granularities(self) -> GranularityPairs:
@@ -65,10 +66,12 @@ class FP8:
             self._native = frozenset(source() if callable(source) else source)
         return self._native
 
-    def bound_to(self, quantize: Callable) -> FP8:
-        """A copy that quantizes with ``quantize`` (a backend's kernel dispatcher)."""
+    def bound_to(self, quantize: Callable, quantize_transpose: Callable | None = None) -> FP8:
+        """A copy that quantizes with ``quantize`` (a backend's kernel dispatcher), and
+        with ``quantize_transpose`` for :meth:`quantize_transpose` when given."""
         bound = copy.copy(self)
         bound._quantize = quantize
+        bound._quantize_transpose = quantize_transpose
         return bound
 
     @property
@@ -102,6 +105,28 @@ class FP8:
             from mtcore.ops import fp8_quantize as quantize
         data, scale_inv, amax = quantize(x, dtype, granularity, scale)
         return Quantized(data, scale_inv, amax, granularity)
+
+    def quantize_transpose(
+        self,
+        x: torch.Tensor,
+        dtype: torch.dtype,
+        granularity: str = "tensor",
+        scale: torch.Tensor | None = None,
+    ) -> tuple[Quantized, Quantized]:
+        """Quantize ``x`` [M, K] and ``x.T`` [K, M] in one pass, each along its last dim.
+
+        The second operand serves the transposed GEMM (weight gradient) in the TN
+        convention of :meth:`scaled_matmul`; see ``mtcore.ops.fp8_quantize_transpose``.
+        """
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity {granularity!r} is not one of {GRANULARITIES}")
+        fused = self._quantize_transpose
+        if fused is None:
+            from mtcore.ops import fp8_quantize_transpose as fused
+        (data, scale_inv, amax), (data_t, scale_inv_t, amax_t) = fused(x, dtype, granularity, scale)
+        return Quantized(data, scale_inv, amax, granularity), Quantized(
+            data_t, scale_inv_t, amax_t, granularity
+        )
 
     def is_native(self, a_granularity: str, b_granularity: str) -> bool:
         return (a_granularity, b_granularity) in self.native_granularities

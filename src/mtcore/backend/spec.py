@@ -57,7 +57,7 @@ class Backend:
         self.device = spec.device
         self.collective = spec.collective
         self.kernels = KernelTable(spec.name, kernels)
-        self.fp8 = spec.fp8.bound_to(self.kernels.fp8_quantize)
+        self.fp8 = spec.fp8.bound_to(self.kernels.fp8_quantize, self.kernels.fp8_quantize_transpose)
 
     def torch_device(self, index: int | None = None) -> torch.device:
         return self.device.torch_device(index)

@@ -12,7 +12,13 @@ from collections.abc import Callable
 
 from mtcore.ops.activations import swiglu
 from mtcore.ops.attention import attention
-from mtcore.ops.fp8 import FP8_MAX, GRANULARITIES, fp8_dequantize, fp8_quantize
+from mtcore.ops.fp8 import (
+    FP8_MAX,
+    GRANULARITIES,
+    fp8_dequantize,
+    fp8_quantize,
+    fp8_quantize_transpose,
+)
 from mtcore.ops.loss import cross_entropy
 from mtcore.ops.moe import grouped_mm
 from mtcore.ops.norms import layer_norm, rms_norm
@@ -29,6 +35,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "adamw_step": adamw_step,
     "grouped_mm": grouped_mm,
     "fp8_quantize": fp8_quantize,
+    "fp8_quantize_transpose": fp8_quantize_transpose,
 }
 
 __all__ = [
@@ -40,6 +47,7 @@ __all__ = [
     "cross_entropy",
     "fp8_dequantize",
     "fp8_quantize",
+    "fp8_quantize_transpose",
     "grouped_mm",
     "layer_norm",
     "rms_norm",

@@ -157,3 +157,36 @@ def fp8_dequantize(
             f"{list(expected)}, got {list(scale_inv.shape)}"
         )
     return (data.float() * _expand(scale_inv.float(), shape, granularity)).to(out_dtype)
+
+
+def fp8_quantize_transpose(
+    x: Tensor, dtype: torch.dtype, granularity: str, scale: Tensor | float | None = None
+) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+    """Quantise ``x`` and ``x.T`` together, each along its own last dimension.
+
+    A linear layer needs its activation (and output gradient) quantised along K
+    for the forward GEMM and along M for the weight-gradient GEMM, which the TN
+    convention of scaled matmuls takes as the transposed tensor quantised along
+    its rows. A kernel reads ``x`` once and writes both; the spec is simply::
+
+        (fp8_quantize(x, ...), fp8_quantize(x.T.contiguous(), ...))
+
+    so "row" and "1x128" units of the transpose are columns (and 128x1 strips) of
+    ``x``, while "tensor" and "128x128" units are the same elements as in ``x``
+    (the transpose's ``scale_inv`` is the first one's, transposed).
+
+    Args:
+        x: ``[M, K]``, any floating dtype, non-empty.
+        dtype, granularity, scale: as in :func:`fp8_quantize` (``scale`` only for
+            ``"tensor"``, used for both).
+
+    Returns:
+        ``((data, scale_inv, amax), (data_t, scale_inv_t, amax_t))`` with
+        ``data`` ``[M, K]`` and ``data_t`` ``[K, M]`` contiguous, unit shapes as in
+        :func:`fp8_quantize` for ``[M, K]`` and ``[K, M]``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {list(x.shape)}")
+    return fp8_quantize(x, dtype, granularity, scale), fp8_quantize(
+        x.t().contiguous(), dtype, granularity, scale
+    )

@@ -18,6 +18,15 @@ from mtcore.backend import (
 )
 from mtcore.ops import torch_native
 from mtcore_cuda.devices import CUDA, FP8_MIN_CAPABILITY
+from mtcore_cuda.triton_kernels.registration import (
+    triton_backend_for,
+    triton_installed,
+    triton_kernel_impls,
+)
+
+# A MUSA Triton backend runs the pack too; below muDNN's probed kernels (priority 50),
+# which are the vendor's tuned path, and above the reference.
+MUSA_TRITON_PRIORITY = 40
 
 # Tensor-wise and row-wise scales run in torch._scaled_mm on the CPU and on
 # capability >= 8.9 GPUs; 1x128/128x128 blocks take the dequantize fallback.
@@ -57,6 +66,13 @@ def mtcore_backends():
 
 @hookimpl
 def mtcore_kernels(backend: str, device_type: str):
+    # The Triton pack (extra [triton]) for the cuda backend, and for musa where a
+    # Triton backend drives MUSA devices; triton itself is imported on first call,
+    # except for the musa check, which asks triton's backend registry.
+    if backend == "musa":
+        if triton_installed() and triton_backend_for("musa"):
+            return triton_kernel_impls(device_type, priority=MUSA_TRITON_PRIORITY)
+        return []
     # torch's own fused CPU kernels serve the cpu backend as well: the reference
     # ops stay the spec (MTCORE_KERNELS=reference forces them), not the hot path.
     if backend not in ("cpu", "cuda"):
@@ -87,4 +103,6 @@ def mtcore_kernels(backend: str, device_type: str):
                 fallback_ok=_fused_adamw_fits,
             )
         )
+    if backend == "cuda" and triton_installed():
+        impls += triton_kernel_impls(device_type)
     return impls

@@ -365,28 +365,46 @@ def check_fp8_quantize(fn: Callable, guard: Callable | None, dtype, device) -> l
         xd = x.to(dtype)
         if guard is not None and not guard(xd.to(device), fmt, gran, scale):
             continue
-        data, scale_inv, amax = fn(xd.to(device), fmt, gran, scale)
-        w_data, w_scale_inv, w_amax = reference(xd, fmt, gran, scale)
-        assert data.dtype == fmt, f"{where}: data dtype {data.dtype}, expected {fmt}"
-        assert scale_inv.dtype == torch.float32 and amax.dtype == torch.float32, (
-            f"{where}: scale_inv/amax must be float32"
-        )
-        compare(amax.float(), w_amax, f"{where}: amax", Tolerance(0.0, 0.0))
-        compare(scale_inv.float(), w_scale_inv, f"{where}: scale_inv", Tolerance(2.4e-7, 0.0))
-        step = Tolerance(2.0 ** -_FP8_MANTISSA[fmt], 0.0)
-        got, want = data.float().cpu(), w_data.float()
-        slack = _FP8_MIN_SUBNORMAL[fmt]
-        compare(
-            got,
-            want,
-            f"{where}: data",
-            Tolerance(step.rtol, slack / max(want.abs().max().item(), slack)),
-        )
-        off = (got != want).float().mean().item()
-        assert off <= FP8_MAX_OFF_BY_ONE, (
-            f"{where}: data differs from the reference on {off:.2%} of elements (rounding must be "
-            f"round-to-nearest-even; at most {FP8_MAX_OFF_BY_ONE:.1%} may differ by one step)"
-        )
+        got = fn(xd.to(device), fmt, gran, scale)
+        _compare_fp8(where, got, reference(xd, fmt, gran, scale), fmt)
+        ran.append(name)
+    return ran
+
+
+def _compare_fp8(where: str, got, want, fmt: torch.dtype) -> None:
+    data, scale_inv, amax = got
+    w_data, w_scale_inv, w_amax = want
+    assert data.dtype == fmt, f"{where}: data dtype {data.dtype}, expected {fmt}"
+    assert scale_inv.dtype == torch.float32 and amax.dtype == torch.float32, (
+        f"{where}: scale_inv/amax must be float32"
+    )
+    compare(amax.float(), w_amax, f"{where}: amax", Tolerance(0.0, 0.0))
+    compare(scale_inv.float(), w_scale_inv, f"{where}: scale_inv", Tolerance(2.4e-7, 0.0))
+    step = Tolerance(2.0 ** -_FP8_MANTISSA[fmt], 0.0)
+    g, w = data.float().cpu(), w_data.float()
+    slack = _FP8_MIN_SUBNORMAL[fmt]
+    compare(g, w, f"{where}: data", Tolerance(step.rtol, slack / max(w.abs().max().item(), slack)))
+    off = (g != w).float().mean().item()
+    assert off <= FP8_MAX_OFF_BY_ONE, (
+        f"{where}: data differs from the reference on {off:.2%} of elements (rounding must be "
+        f"round-to-nearest-even; at most {FP8_MAX_OFF_BY_ONE:.1%} may differ by one step)"
+    )
+
+
+def check_fp8_quantize_transpose(fn: Callable, guard: Callable | None, dtype, device) -> list[str]:
+    """Both halves of ``fp8_quantize_transpose`` under the rules of :func:`check_fp8_quantize`."""
+    reference = REFERENCE_OPS["fp8_quantize_transpose"]
+    ran = []
+    for name, x, fmt, gran, scale in fp8_quantize_cases():
+        where = f"fp8_quantize_transpose case {name!r} ({str(dtype).removeprefix('torch.')} input)"
+        xd = x.to(dtype)
+        if guard is not None and not guard(xd.to(device), fmt, gran, scale):
+            continue
+        got, got_t = fn(xd.to(device), fmt, gran, scale)
+        want, want_t = reference(xd, fmt, gran, scale)
+        _compare_fp8(where, got, want, fmt)
+        _compare_fp8(f"{where} (transpose)", got_t, want_t, fmt)
+        assert got_t[0].is_contiguous(), f"{where}: the transposed data must be contiguous"
         ran.append(name)
     return ran
 

@@ -15,6 +15,7 @@ from mtcore.testing.conformance.kernel_cases import (
     KERNEL_DTYPES,
     check_adamw,
     check_fp8_quantize,
+    check_fp8_quantize_transpose,
     check_op,
     dtype_name,
 )
@@ -42,6 +43,8 @@ def test_kernel(op, impl, dtype, device):
             ran = check_adamw(impl.fn, impl.fallback_ok, dtype, device)
         elif op == "fp8_quantize":
             ran = check_fp8_quantize(impl.fn, impl.fallback_ok, dtype, device)
+        elif op == "fp8_quantize_transpose":
+            ran = check_fp8_quantize_transpose(impl.fn, impl.fallback_ok, dtype, device)
         elif op in CASES:
             ran = check_op(op, impl.fn, impl.fallback_ok, dtype, device)
         else:
