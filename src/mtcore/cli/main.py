@@ -19,7 +19,7 @@ import sys
 
 from mtcore import __version__
 
-COMMANDS = ("plugins", "doctor", "train", "generate")
+COMMANDS = ("plugins", "doctor", "train", "generate", "convert")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
