@@ -47,6 +47,11 @@ LAYOUTS = {
     "ep2_tp2": LayoutSpec(ep=2, tp=2),
     "ep2_tp2_sp": LayoutSpec(ep=2, tp=2, sequence_parallel=True),
 }
+SLOW_LAYOUTS = {  # 8 ranks: run with -m slow
+    "ep4_tp2_sp": LayoutSpec(ep=4, tp=2, sequence_parallel=True),
+    "ep2_dp4_tp2": LayoutSpec(ep=2, tp=2),
+    "ep8": LayoutSpec(ep=8),
+}
 SPECS = {  # each runs with both dispatchers; variants spread over router options
     "dropless": dict(num_experts=8, top_k=2, ffn_size=8, z_loss_coeff=1e-2, aux_loss_coeff=0.1),
     "sigmoid_seq_shared": dict(
@@ -168,28 +173,36 @@ def _ref_counts(spec, backend, x):
     return layer.pop_stats().tokens_per_expert
 
 
-def _all_layouts(ctx):
+def _all_layouts(ctx, layouts):
     out = {}
-    for name, layout_spec in LAYOUTS.items():
+    for name, layout_spec in layouts.items():
         out.update(_check_layout(ctx, name, layout_spec))
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_all_layouts, 4)
+    return run_ranks(_all_layouts, 4, LAYOUTS)
 
 
-CASES = [
-    f"{lay}/{spec}/{disp}"
-    for lay in LAYOUTS
-    for spec in SPECS
-    for disp in ("alltoall", "allgather")
-]
+def _cases(layouts):
+    return [
+        f"{lay}/{spec}/{disp}"
+        for lay in layouts
+        for spec in SPECS
+        for disp in ("alltoall", "allgather")
+    ]
+
+
+CASES = _cases(LAYOUTS)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_layer_matches_one_process(results, case):
+    _assert_matches(results, case)
+
+
+def _assert_matches(results, case):
     for rank, res in enumerate(results):
         r = res[case]
         assert r["names"], f"rank {rank}: parameter names differ from the reference"
@@ -205,3 +218,13 @@ def test_capacity_drops_the_same_tokens(results, case):
     for rank, res in enumerate(results):
         assert res[case]["dropped_some"], "the capacity case must actually drop tokens"
         assert res[case]["keep_same"], f"rank {rank}: kept assignments differ from one process"
+
+
+@pytest.mark.slow
+def test_eight_ranks_match_one_process():
+    """ep=4 x tp=2 with SP, ep=2 x dp=4 x tp=2 and ep=8: the same checks on 8 ranks."""
+    results = run_ranks(_all_layouts, 8, SLOW_LAYOUTS)
+    for case in _cases(SLOW_LAYOUTS):
+        _assert_matches(results, case)
+        for res in results:
+            assert res[case]["keep_same"], case
