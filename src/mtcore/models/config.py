@@ -14,6 +14,11 @@ bias               False                      True
 =================  =========================  ==============================
 
 Grouped-query attention is ``num_kv_heads < num_heads`` in either style.
+
+Mixture of experts (Mixtral-style): ``moe`` (a ``MoESpec``: experts, top-k, expert
+size, router and dispatch settings) puts a MoE layer in place of the MLP of every
+``moe_layer_freq``-th layer (layers 0, k, 2k, ...; 1: every layer). Its
+``activation`` defaults to the model's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec
+from mtcore.parallel.moe import MoESpec
 
 STYLES: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -60,6 +66,8 @@ class ModelConfig(BaseModel):
     init_std: float = Field(0.02, gt=0)
     scaled_init: bool = Field(True, description="output projections get std / sqrt(2 layers)")
     recompute: Literal["none", "full", "selective"] = "none"
+    moe: MoESpec | None = Field(None, description="mixture of experts in place of the MLP")
+    moe_layer_freq: int = Field(1, ge=1, description="MoE in layers 0, k, 2k, ... (1: all)")
 
     @model_validator(mode="before")
     @classmethod
@@ -68,6 +76,9 @@ class ModelConfig(BaseModel):
             style = data.get("style", "llama")
             if style in STYLES:
                 data = {**STYLES[style], **data}
+            moe = data.get("moe")
+            if isinstance(moe, dict) and "activation" not in moe and "activation" in data:
+                data = {**data, "moe": {**moe, "activation": data["activation"]}}
         return data
 
     @model_validator(mode="after")
@@ -120,17 +131,47 @@ class ModelConfig(BaseModel):
             )
         return self
 
-    def num_params(self) -> int:
-        """Parameters of the whole model (a tied output weight counted once)."""
-        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size or 0
+    # -- mixture of experts --------------------------------------------------------
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) has a MoE layer in place of its MLP."""
+        return self.moe is not None and index % self.moe_layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def _mlp_params(self, ffn: int, activation: str, bias: bool) -> int:
+        """Weights (and biases) of a feed-forward net of hidden size ``ffn``."""
+        h, up = self.hidden_size, 2 if activation == "swiglu" else 1
+        return h * ffn * up + ffn * h + (ffn * up + h if bias else 0)
+
+    def _moe_params(self, experts: int) -> int:
+        """A MoE layer's router, ``experts`` routed experts (no biases) and shared expert."""
+        m = self.moe
+        total = m.num_experts * self.hidden_size
+        total += experts * self._mlp_params(m.ffn_size, m.activation, bias=False)
+        if m.shared_ffn_size:
+            total += self._mlp_params(m.shared_ffn_size, m.activation, self.bias)
+        return total
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameters of the whole model (a tied output weight counted once).
+
+        active: count only what one token goes through: ``top_k`` routed experts of
+        each MoE layer instead of all of them (the same number for a dense model).
+        """
+        h, v = self.hidden_size, self.vocab_size or 0
         qkv = h * (self.num_heads + 2 * self.kv_heads) * self.head_dim
-        fc1 = h * f * (2 if self.activation == "swiglu" else 1)
         norms = 2 if self.norm == "layernorm" else 1
-        per_layer = qkv + h * h + fc1 + f * h + 2 * norms * h
+        attention = qkv + h * h + 2 * norms * h
         if self.bias:
-            per_layer += (self.num_heads + 2 * self.kv_heads) * self.head_dim + h
-            per_layer += f * (2 if self.activation == "swiglu" else 1) + h
-        total = self.num_layers * per_layer + v * h + norms * h
+            attention += (self.num_heads + 2 * self.kv_heads) * self.head_dim + h
+        dense = self._mlp_params(self.ffn_size, self.activation, self.bias)
+        total = self.num_layers * attention + v * h + norms * h
+        if self.moe is not None:
+            experts = self.moe.top_k if active else self.moe.num_experts
+            total += self.num_moe_layers * self._moe_params(experts)
+        total += (self.num_layers - self.num_moe_layers) * dense
         if self.position == "learned":
             total += self.seq_len * h
         if not self.tie_embeddings:
@@ -139,10 +180,15 @@ class ModelConfig(BaseModel):
 
     def check_layout(self, spec: LayoutSpec) -> None:
         """Reject a layout this model cannot be split by, naming the numbers (LayoutError)."""
-        if spec.cp > 1 or spec.ep > 1:
+        if spec.cp > 1:
             raise LayoutError(
-                f"the GPT model has no context or expert parallelism yet (cp={spec.cp}, "
-                f"ep={spec.ep}); use tp, pp, vpp, dp and sequence_parallel"
+                f"the GPT model has no context parallelism yet (cp={spec.cp}); use tp, pp, "
+                "vpp, dp, ep (MoE) and sequence_parallel"
+            )
+        if spec.ep > 1 and self.moe is None:
+            raise LayoutError(
+                f"ep={spec.ep} splits mixture-of-experts layers, but this model is dense "
+                "(model.moe is unset); use ep=1 or set model.moe"
             )
         spec.check_model(
             num_heads=self.num_heads,
@@ -150,6 +196,11 @@ class ModelConfig(BaseModel):
             vocab_size=self.vocab_size,
             seq_len=self.seq_len,
         )
+        if self.moe is not None:
+            try:
+                self.moe.check(spec.ep, spec.tp)
+            except ValueError as e:
+                raise LayoutError(f"model.moe: {e}") from e
         if self.ffn_size % spec.tp:
             raise LayoutError(f"ffn_hidden_size={self.ffn_size} is not divisible by tp={spec.tp}")
         stages = spec.pp * spec.vpp

@@ -203,7 +203,8 @@ def make_context(
     tp = TPGroup.from_layout(layout, backend)
     tracker = model_parallel_seed(seed, layout, backend)
     sp = layout.spec.sequence_parallel and tp.size > 1
-    return Context(config, tp, backend, tracker, sp, backend.torch_device(), seed, fp8)
+    device = backend.torch_device()
+    return Context(config, tp, backend, tracker, sp, device, seed, fp8, layout=layout)
 
 
 def build_gpt(

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtcore.models.config import ModelConfig
+from mtcore.parallel.moe import MoELayer
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -44,6 +45,7 @@ class Context:
     device: torch.device
     seed: int
     fp8: FP8Recipe | None = None  # the block linears run FP8 under this recipe
+    layout: object = None  # mtcore.distributed.ParallelLayout (MoE layers need its ep group)
 
     def for_block(self, index: int) -> Context:
         """The context of transformer block ``index``: without FP8 where the recipe
@@ -170,15 +172,37 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    In a MoE layer (``config.is_moe_layer(index)``) ``mlp`` is a ``MoELayer``.
+    """
 
     def __init__(self, c: Context, index: int):
         super().__init__()
         self.c = c = c.for_block(index)
         g = c.generator(f"layers.{index}")
         self.attn_norm, self.attn = Norm(c), Attention(c, g)
-        self.mlp_norm, self.mlp = Norm(c), MLP(c, g)
+        self.mlp_norm = Norm(c)
+        self.mlp = _moe(c, g) if c.config.is_moe_layer(index) else MLP(c, g)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         x = x + self.c.dropout(self.attn(self.attn_norm(x), rope), self.training)
         return x + self.c.dropout(self.mlp(self.mlp_norm(x)), self.training)
+
+
+def _moe(c: Context, generator: torch.Generator) -> MoELayer:
+    """The MoE layer of a block; its experts are split over the layout's ep group."""
+    cfg = c.config
+    return MoELayer(
+        cfg.hidden_size,
+        cfg.moe,
+        tp=c.tp,
+        layout=c.layout,
+        backend=c.backend,
+        sequence_parallel=c.sequence_parallel,
+        generator=generator,
+        init_std=cfg.init_std,
+        out_std=_out_std(cfg),
+        bias=cfg.bias,
+        device=c.device,
+    )

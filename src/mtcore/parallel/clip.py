@@ -11,7 +11,12 @@ responsible for, and the sums are all-reduced:
 * pipeline parallel: every stage contributes its own layers;
 * data parallel: the gradients are identical replicas after the all-reduce,
   so dp ranks do not add up; under ZeRO-1 each rank holds only its shard of
-  the reduced gradient, so the shards add up over dp too.
+  the reduced gradient, so the shards add up over dp too;
+* expert parallel: a mixture-of-experts expert weight (``param.expert_parallel``)
+  holds different experts on each rank of the ``ep`` group, so its squares add
+  up over ``ep`` first (over all of ``dp_cp`` under ZeRO-1, where the ``edp``
+  replicas hold shards: ``ep`` x ``edp`` is the ``dp_cp`` block), then over tp
+  and pp with the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 def is_tensor_parallel(param: Tensor) -> bool:
     """Whether ``param`` is a tensor-parallel shard (a different slice on each tp rank)."""
     return getattr(param, "tp_partition", None) is not None
+
+
+def is_expert_parallel(param: Tensor) -> bool:
+    """Whether ``param`` is a mixture-of-experts expert weight: each expert-parallel rank
+    holds different experts, replicated over the expert-data-parallel group ``edp`` only."""
+    return bool(getattr(param, "expert_parallel", False))
 
 
 def is_pipeline_copy(param: Tensor) -> bool:
@@ -48,6 +59,9 @@ def global_norm(
     groups: Sequence[object | None],
     norm_type: float = 2.0,
     device: torch.device | None = None,
+    *,
+    expert_grads: Iterable[Tensor] = (),
+    expert_groups: Sequence[object | None] = (),
 ) -> Tensor:
     """The norm of the gradients of every rank of ``groups`` together (a float32 scalar).
 
@@ -55,26 +69,46 @@ def global_norm(
     groups: process groups to reduce over; ``None`` entries (single process) are
     skipped. norm_type: 2.0 or ``inf``. device: where the result lives when
     this rank contributes nothing (default: the first gradient's device).
+    expert_grads: gradients of expert-parallel params, reduced over
+    ``expert_groups`` before they join ``grads`` for the reduction over ``groups``.
     """
     grads = [g for g in grads if g.numel()]
+    expert_grads = [g for g in expert_grads if g.numel()]
     inf = math.isinf(norm_type)
     if not inf and norm_type != 2.0:
         raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
-    if device is None and grads:
-        device = grads[0].device
-    if not grads:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-    elif inf:
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max()
-    else:
-        norms = torch.stack(
-            [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]
-        )
-        local = torch.linalg.vector_norm(norms, 2.0) ** 2
-    for group in groups:
-        if group is not None and collective.world_size(group) > 1:
-            collective.all_reduce(local, op="max" if inf else "sum", group=group)
+    if device is None and (grads or expert_grads):
+        device = (grads or expert_grads)[0].device
+    op = "max" if inf else "sum"
+    local = _local_norm(grads, inf, device)
+    if expert_grads or any(_spans(collective, g) for g in expert_groups):
+        experts = _local_norm(expert_grads, inf, device)
+        _reduce(experts, collective, expert_groups, op)
+        local = torch.maximum(local, experts) if inf else local + experts
+    _reduce(local, collective, groups, op)
     return local if inf else local.sqrt()
+
+
+def _local_norm(grads: list[Tensor], inf: bool, device) -> Tensor:
+    """This rank's max |g| (inf) or sum of squares (2-norm)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if inf:
+        return torch.stack([g.detach().abs().max().float() for g in grads]).max()
+    norms = torch.stack(
+        [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]
+    )
+    return torch.linalg.vector_norm(norms, 2.0) ** 2
+
+
+def _spans(collective, group) -> bool:
+    return group is not None and collective.world_size(group) > 1
+
+
+def _reduce(value: Tensor, collective, groups, op: str) -> None:
+    for group in groups:
+        if _spans(collective, group):
+            collective.all_reduce(value, op=op, group=group)
 
 
 @torch.no_grad()
@@ -106,9 +140,14 @@ def clip_grad_norm_(
     """
     pairs = [(p, getattr(p, grad_attr, None)) for p in params]
     pairs = [(p, g) for p, g in pairs if g is not None]
-    for_norm = [g for p, g in pairs if counts_for_norm(p, layout.tp_rank)]
+    counted = [(p, g) for p, g in pairs if counts_for_norm(p, layout.tp_rank)]
+    dense = [g for p, g in counted if not is_expert_parallel(p)]
+    experts = [g for p, g in counted if is_expert_parallel(p)]
     groups = [layout.group("dp_cp")] if sharded_over_dp else []
     groups.append(layout.group("mp"))
-    total = global_norm(for_norm, collective, groups, norm_type)
+    expert_groups = [layout.group("ep")] if layout.ep > 1 and not sharded_over_dp else []
+    total = global_norm(
+        dense, collective, groups, norm_type, expert_grads=experts, expert_groups=expert_groups
+    )
     clip_by_total_norm_([g for _, g in pairs], max_norm, total)
     return float(total.item())

@@ -23,6 +23,7 @@ accumulation) at pp=1, 1F1B / interleaved / GPipe otherwise. A step:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from mtcore.parallel.pipeline import (
 from mtcore.parallel.tensor import full_tensors
 from mtcore.precision import MixedPrecision
 from mtcore.training.config import OptimizerConfig
+from mtcore.training.moe import MoEStep, gather_experts
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class StepOutcome:
     skipped: str
     grad_norm: float | None
     loss_scale: float | None
+    moe: dict[str, float] | None = None  # load statistics (``MoEStep.finish``); MoE models only
 
 
 class Engine:
@@ -100,6 +103,8 @@ class Engine:
             max_grad_norm=self.max_grad_norm if scaler is not None else None,  # else step 4
         )
         self.groups = PipelineGroups.build(layout, self.collective)
+        experts = config.moe.num_experts if config.moe is not None else 0
+        self.moe = MoEStep(self.chunks, layout, self.collective, self.ddp.device, experts)
         self.tied = [p for chunk in self.chunks for p in chunk.tied_copies()]
         self.pp, self.m = layout.pp, num_microbatches
         name = "no_pipelining" if self.pp == 1 else schedule
@@ -124,6 +129,15 @@ class Engine:
     # -- training ------------------------------------------------------------------
     def train_step(self, inputs: list[Tensor], targets: list[Tensor]) -> StepOutcome:
         """One optimizer step on ``num_microbatches`` micro-batches of this dp rank."""
+        scaler = self.optimizer.loss_scaler
+        # Aux losses get the main loss's factor: 1/micro-batches, times the loss scale.
+        self.moe.set_aux_loss_scale((scaler.scale if scaler is not None else 1.0) / self.m)
+        out = self._step(inputs, targets)
+        if self.config.moe is None:
+            return out
+        return dataclasses.replace(out, moe=self.moe.finish(stepped=not out.skipped))
+
+    def _step(self, inputs: list[Tensor], targets: list[Tensor]) -> StepOutcome:
         self.optimizer.zero_grad()
         scaler = self.optimizer.loss_scaler
         scale = scaler.scale if scaler is not None else 1.0
@@ -179,6 +193,7 @@ class Engine:
         finally:
             for chunk in self.chunks:
                 chunk.train(True)
+            self.moe.discard()  # evaluation forwards are no training load
 
     def _forward_chain(self, tokens: Tensor) -> Tensor | None:
         """One micro-batch through every virtual stage in order (blocking p2p): no
@@ -206,16 +221,21 @@ class Engine:
         """The whole model's weights (unsharded, fp32, names of ``GPT(config)``) on
         global rank 0, None elsewhere. Collective: call on every rank.
 
-        Ranks of data-parallel index 0 unshard their chunks over tp; the pipeline
-        through rank 0 then sends each stage's tensors to rank 0 (p2p).
+        Ranks of expert-data-parallel index 0 (data-parallel index 0 without MoE)
+        unshard their chunks over tp, then MoE experts over ep; the pipeline through
+        rank 0 then sends each stage's tensors to rank 0 (p2p). Persistent buffers
+        (a MoE router's expert bias, equal on every rank) come along.
         """
-        if self.layout.size("dp_cp") > 1 and self.layout.coordinate("dp_cp") != 0:
+        if self.layout.size("edp") > 1 and self.layout.coordinate("edp") != 0:
             return None
         full: dict[str, Tensor] = {}
         for chunk in self.chunks:
             tensors, keep = full_tensors(chunk, chunk.tp), chunk.own_parameter_names()
+            gather_experts(chunk, tensors, self.layout, self.collective)
             full.update({name: tensors[name].float() for name in keep})
-        if self.layout.tp_rank != 0:
+            saved = set(chunk.state_dict()) - {n for n, _ in chunk.named_parameters()}
+            full.update({n: b.float().clone() for n, b in chunk.named_buffers() if n in saved})
+        if self.layout.tp_rank != 0 or self.layout.coordinate("dp_cp") != 0:
             return None
         if self.pp == 1:
             return full

@@ -26,9 +26,28 @@ from mtcore.models import ModelConfig
 
 
 def model_flops(config: ModelConfig, global_batch: int) -> float:
-    """Model FLOPs of one iteration (forward + backward), no recompute."""
+    """Model FLOPs of one iteration (forward + backward), no recompute.
+
+    A mixture-of-experts model counts the weights a token goes through (attention,
+    router, top-k experts, shared expert): 6 FLOPs per token and weight, plus the
+    attention scores and the logits as in the formula above, to which this reduces
+    for a dense 4h-MLP model.
+    """
     s, layers, h, v = config.seq_len, config.num_layers, config.hidden_size, config.vocab_size
-    return 72.0 * global_batch * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    if config.moe is None:
+        return 72.0 * global_batch * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    weights = config.num_params(active=True) - v * h * (1 if config.tie_embeddings else 2)
+    return global_batch * s * (6.0 * weights + 12.0 * s * layers * h + 6.0 * v * h)
+
+
+def format_moe(stats: dict[str, float]) -> str:
+    """A mixture-of-experts step's load statistics (``Engine``'s ``StepOutcome.moe``)."""
+    tokens = [int(v) for k, v in stats.items() if k.startswith("tokens_e")]
+    return (
+        f"moe load max/mean {stats['load_max']:.2f} (layer avg {stats['load_max_mean']:.2f}) "
+        f"min/mean {stats['load_min']:.2f} | dropped {100 * stats['dropped']:.1f}% | "
+        f"aux {stats['aux_loss']:.4f} | z {stats['z_loss']:.3f} | tokens/expert {tokens}"
+    )
 
 
 def peak_tflops(backend, dtype: torch.dtype) -> float | None:

@@ -31,6 +31,7 @@ from mtcore.training.metrics import (
     Scalars,
     format_bytes,
     format_mfu,
+    format_moe,
     model_flops,
     peak_tflops,
     perplexity,
@@ -74,6 +75,7 @@ class TrainResult:
     sample: str | None = None
     wall_s: float = 0.0
     start_step: int = 0  # a resumed run's first step is start_step + 1
+    moe: list[dict[str, float]] = field(default_factory=list)  # per step: load statistics
 
 
 class BadStepGuard:
@@ -178,6 +180,15 @@ class _Loop:
             f"{self.backend.name} | {self.prep.microbatches} micro-batches x "
             f"{self.t.micro_batch_size} per dp rank, {tokens_per_step} tokens/step"
         )
+        if self.model.moe is not None:
+            m = self.model.moe
+            self.say(
+                f"mixture of experts: {m.num_experts} experts, top-{m.top_k}, in "
+                f"{self.model.num_moe_layers} of {self.model.num_layers} layers, ep={s.ep}, "
+                f"{self.model.num_params(active=True) / 1e6:.2f}M params active per token, "
+                f"{m.dispatcher} dispatch, "
+                + ("dropless" if m.capacity_factor is None else f"capacity {m.capacity_factor}")
+            )
         window_t, window_steps = 0.0, 0
         for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0 = time.perf_counter()
@@ -186,6 +197,8 @@ class _Loop:
             window_t += time.perf_counter() - t0
             window_steps += 1
             self.result.losses.append(out.loss)
+            if out.moe is not None:
+                self.result.moe.append(out.moe)
             message = self.guard.observe(step, out)
             if message:
                 self.result.skipped_steps.append(step)
@@ -236,6 +249,9 @@ class _Loop:
             "train/step_s": step_s,
             "train/loss_scale": out.loss_scale if fp16 else None,
         }
+        if out.moe is not None:
+            self.say(f"step {step}/{self.t.steps} | {format_moe(out.moe)}")
+            scalars.update({f"moe/{key}": value for key, value in out.moe.items()})
         self.scalars.add(step, scalars)
 
     def _peak_memory(self) -> int:

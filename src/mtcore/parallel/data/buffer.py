@@ -9,6 +9,11 @@ fills first and its reduction can start while backward is still running.
 
 Each bucket is padded to a multiple of ``pad_to`` (the data-parallel size when
 the optimizer is sharded), so it splits into equal contiguous shards.
+
+A buffer is reduced over one group, named by ``reduce_group``: ``dp_cp`` for
+ordinary params, ``edp`` (expert data parallel) for mixture-of-experts expert
+params, which differ across the expert-parallel ranks and so are replicated
+only over the ranks that hold the same experts.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ class GradBuffer:
 
     After construction every param's ``.data`` is a view of ``param_data`` and
     ``param.main_grad`` a view of ``grad`` (zeroed). ``ranges[id(param)]`` gives
-    a param's ``(start, end)``.
+    a param's ``(start, end)``. ``reduce_group``: the layout group whose ranks
+    hold replicas of these params (the group the gradients are reduced over).
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class GradBuffer:
         pad_to: int = 1,
         first_bucket_index: int = 0,
         grad_dtype: torch.dtype = torch.float32,
+        reduce_group: str = "dp_cp",
     ):
         if not params:
             raise ValueError("a GradBuffer needs at least one parameter")
@@ -81,6 +88,7 @@ class GradBuffer:
         if len(dtypes) != 1:
             raise ValueError(f"one GradBuffer holds one dtype, got {sorted(map(str, dtypes))}")
         self.dtype = params[0].dtype
+        self.reduce_group = reduce_group
         self.device = params[0].device
         self.params = list(params)
         self.ranges: dict[int, tuple[int, int]] = {}

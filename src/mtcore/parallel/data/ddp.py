@@ -12,6 +12,13 @@ gradient enters the buffer already divided by dp, and the buckets are summed.
 With
 ``shard_optimizer`` (ZeRO-1) it is a reduce-scatter instead: each rank ends up
 with the reduced gradient of the shard of every bucket that it owns.
+
+Mixture-of-experts expert params (``param.expert_parallel = True``) live in
+buffers of their own, reduced over the expert-data-parallel group ``edp``
+only (the ranks holding the same experts). They are still divided by the whole
+``dp_cp`` size: the all-to-all backward already summed into each expert the
+gradients of the tokens of every rank of its expert-parallel group, so the sum
+over ``edp`` covers every data-parallel rank once, and 1/dp makes it the mean.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from mtcore.parallel.clip import is_expert_parallel
 from mtcore.parallel.data.buffer import Bucket, GradBuffer
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-Core's default
@@ -83,15 +91,28 @@ class DataParallel(torch.nn.Module):
         # over the bucket where a backend lacks a native average (gloo).
         self._grad_scale = 1.0 / self.dp_size if self.config.average else 1.0
 
+        # (group, size, this rank's index) of each reduction group a buffer may use.
+        self.reductions: dict[str, tuple[object, int, int]] = {
+            "dp_cp": (self.group, self.dp_size, self.dp_rank)
+        }
         params = [p for p in module.parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, list] = {}
+        by_kind: dict[tuple[str, torch.dtype], list] = {}
         for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        pad_to = self.dp_size if self.config.shard_optimizer else 1
+            kind = "edp" if is_expert_parallel(p) else "dp_cp"
+            by_kind.setdefault((kind, p.dtype), []).append(p)
+        if any(kind == "edp" for kind, _ in by_kind):
+            self.reductions["edp"] = (
+                layout.group("edp"),
+                layout.size("edp"),
+                layout.coordinate("edp"),
+            )
         self.grad_buffers: list[GradBuffer] = []
-        for group in by_dtype.values():
+        for (kind, _), group in sorted(by_kind.items(), key=lambda item: item[0][0] == "edp"):
+            pad_to = self.reductions[kind][1] if self.config.shard_optimizer else 1
             first = sum(len(b.buckets) for b in self.grad_buffers)
-            self.grad_buffers.append(GradBuffer(group, self.config.bucket_size, pad_to, first))
+            self.grad_buffers.append(
+                GradBuffer(group, self.config.bucket_size, pad_to, first, reduce_group=kind)
+            )
         self.device = self.grad_buffers[0].device if self.grad_buffers else torch.device("cpu")
         self.buckets: list[Bucket] = [b for buf in self.grad_buffers for b in buf.buckets]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -147,16 +168,17 @@ class DataParallel(torch.nn.Module):
             return
         self.launch_log.append(LaunchRecord(bucket.index, pending, from_backward))
         handle = None
-        if self.dp_size > 1:
+        group, size, rank = self.reduction_of(bucket)
+        if size > 1:
             if self.config.shard_optimizer:
-                lo, hi = bucket.shard(self.dp_rank, self.dp_size)
+                lo, hi = bucket.shard(rank, size)
                 shard = bucket.buffer.grad[lo:hi]
                 handle = self.collective.reduce_scatter(
-                    shard, bucket.grad, op="sum", group=self.group, async_op=True
+                    shard, bucket.grad, op="sum", group=group, async_op=True
                 )
             else:
                 handle = self.collective.all_reduce(
-                    bucket.grad, op="sum", group=self.group, async_op=True
+                    bucket.grad, op="sum", group=group, async_op=True
                 )
         self._handles[bucket.index] = handle
 
@@ -216,8 +238,14 @@ class DataParallel(torch.nn.Module):
     def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
         return self._bucket_of[id(param)]
 
+    def reduction_of(self, bucket: Bucket) -> tuple[object, int, int]:
+        """(group, size, this rank's index) that ``bucket`` is reduced (and sharded) over:
+        ``dp_cp``, or ``edp`` for expert params."""
+        return self.reductions[bucket.buffer.reduce_group]
+
     def owned_ranges(self, bucket: Bucket) -> tuple[int, int]:
         """The ``[start, end)`` of ``bucket`` whose reduced gradient this rank holds."""
         if self.config.shard_optimizer:
-            return bucket.shard(self.dp_rank, self.dp_size)
+            _, size, rank = self.reduction_of(bucket)
+            return bucket.shard(rank, size)
         return bucket.start, bucket.end

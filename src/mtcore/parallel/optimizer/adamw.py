@@ -14,6 +14,8 @@ plugin's fused kernel serves the step. A step is Megatron-Core's:
 
 ``DistributedAdamW`` (ZeRO-1) owns a contiguous 1/dp shard of every bucket;
 its master weights and moments take 12/dp bytes per param instead of 12.
+Expert params of a mixture-of-experts model are sharded over their own
+replicas, the expert-data-parallel group ``edp`` (DataParallel's expert buffers).
 """
 
 from __future__ import annotations
@@ -106,9 +108,17 @@ class AdamW:
         self._found_inf_groups = [dp_group, mp_group]
         self._norm_groups = [dp_group, mp_group] if self.sharded else [mp_group]
         tp_rank = self.layout.tp_rank
-        self._norm_segments = [
+        counted = [
             s for s in self.segments if (tp_rank == 0 or s.tensor_parallel) and not s.pipeline_copy
         ]
+        # Expert weights differ across the ep ranks: their squares add up over ep (under
+        # ZeRO-1 the dp_cp reduction, which spans ep x edp, already does that).
+        self._norm_segments = [s for s in counted if s.buffer.reduce_group != "edp"]
+        self._expert_norm_segments = [s for s in counted if s.buffer.reduce_group == "edp"]
+        has_experts = "edp" in ddp.reductions
+        self._expert_norm_groups = (
+            [self.layout.group("ep")] if has_experts and not self.sharded else []
+        )
 
     # -- the training-loop API ----------------------------------------------------
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -171,6 +181,8 @@ class AdamW:
             self.collective,
             self._norm_groups,
             device=self.ddp.device,
+            expert_grads=[s.grad for s in self._expert_norm_segments],
+            expert_groups=self._expert_norm_groups,
         )
 
     def _gather_params(self) -> None:
@@ -229,14 +241,15 @@ class DistributedAdamW(AdamW):
 
     def _gather_params(self) -> None:
         ddp = self.ddp
-        if ddp.dp_size == 1:
-            return
         handles = []
         for bucket in ddp.buckets:
-            lo, hi = bucket.shard(ddp.dp_rank, ddp.dp_size)
+            group, size, rank = ddp.reduction_of(bucket)  # dp_cp, or edp for expert params
+            if size == 1:
+                continue
+            lo, hi = bucket.shard(rank, size)
             shard = bucket.buffer.param_data[lo:hi]
             handles.append(
-                self.collective.all_gather(bucket.param_data, shard, group=ddp.group, async_op=True)
+                self.collective.all_gather(bucket.param_data, shard, group=group, async_op=True)
             )
         for handle in handles:
             handle.wait()
