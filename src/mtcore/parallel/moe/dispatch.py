@@ -102,6 +102,10 @@ class Dispatcher:
         """Expert outputs (rows as ``dispatch`` returned them) -> ``[T, h]``."""
         raise NotImplementedError
 
+    def _forget(self) -> None:
+        """Drop the per-forward state (it references the router's graph)."""
+        self.token = self.weight = self.regroup = None
+
 
 class AllToAllDispatcher(Dispatcher):
     def dispatch(self, x, experts, probs, keep):
@@ -134,8 +138,9 @@ class AllToAllDispatcher(Dispatcher):
                 out.index_select(0, back), self.ep, self.in_splits, self.out_splits
             )
         weighted = out * self.weight.to(out.dtype).unsqueeze(1)
-        y = out.new_zeros((self.tokens, out.shape[1]))
-        return y.index_add(0, self.token, weighted)
+        y = out.new_zeros((self.tokens, out.shape[1])).index_add(0, self.token, weighted)
+        self._forget()
+        return y
 
 
 class AllGatherDispatcher(Dispatcher):
@@ -158,6 +163,7 @@ class AllGatherDispatcher(Dispatcher):
     def combine(self, out):
         weighted = out * self.weight.to(out.dtype).unsqueeze(1)
         y = out.new_zeros((self.gathered, out.shape[1])).index_add(0, self.token, weighted)
+        self._forget()
         return _ReduceScatterRows.apply(y, self.ep) if self.ep.size > 1 else y
 
 

@@ -52,7 +52,7 @@ from mtcore.parallel.tensor.sharding import mark_sequence_parallel
 
 def ep_group(layout, backend) -> TPGroup:
     """The expert-parallel group of ``layout`` as a group handle (single when ep == 1)."""
-    if layout.ep == 1:
+    if layout is None or layout.ep == 1:
         return TPGroup.single(backend)
     return TPGroup(backend, layout.group("ep"), layout.ep, layout.coordinate("ep"))
 
@@ -122,6 +122,7 @@ class MoELayer(nn.Module):
     Weights are drawn from ``generator`` in a fixed order (router, fc1, fc2,
     shared fc1, shared fc2), whole, so any layout matches one process.
     ``bias`` applies to the shared expert only; routed experts have no biases.
+    ``layout``: a ``ParallelLayout``; its ``ep`` group holds the experts (None: ep=1).
     """
 
     aux_loss_scale: float = 1.0
@@ -142,7 +143,7 @@ class MoELayer(nn.Module):
         device=None,
     ):
         super().__init__()
-        spec.check(layout.ep, tp.size)
+        spec.check(1 if layout is None else layout.ep, tp.size)
         self.spec, self.tp, self.hidden = spec, tp, hidden_size
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.ep = ep_group(layout, backend)
