@@ -53,7 +53,14 @@ SLOW_LAYOUTS = {  # 8 ranks: run with -m slow
     "ep8": LayoutSpec(ep=8),
 }
 SPECS = {  # each runs with both dispatchers; variants spread over router options
-    "dropless": dict(num_experts=8, top_k=2, ffn_size=8, z_loss_coeff=1e-2, aux_loss_coeff=0.1),
+    "dropless": dict(
+        num_experts=8,
+        top_k=2,
+        ffn_size=8,
+        z_loss_coeff=1e-2,
+        aux_loss_coeff=0.1,
+        bias_update_rate=0.05,
+    ),
     "sigmoid_seq_shared": dict(
         num_experts=8,
         top_k=3,
@@ -78,7 +85,7 @@ def _data(micro_batches: int):
 
 
 def _build(spec, layout, backend, tp, sp):
-    return MoELayer(
+    layer = MoELayer(
         HIDDEN,
         spec,
         tp=tp,
@@ -90,6 +97,9 @@ def _build(spec, layout, backend, tp, sp):
         out_std=0.2,
         bias=True,
     )
+    # aux-loss-free balancing: a bias that changes some choices, the same on every rank
+    layer.update_expert_bias(torch.tensor([9, 0, 4, 4, 4, 0, 9, 2]))
+    return layer
 
 
 def _reference(spec, backend, x, grad):
