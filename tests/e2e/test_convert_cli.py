@@ -74,6 +74,8 @@ def test_convert_from_hf_and_back(tmp_path):
     assert good.returncode == 0, good.stderr
     directory = resolve_checkpoint(root)
     assert good.stdout.strip() == str(directory)
+    assert f"checkpoint:\n  load: {directory}\n" in good.stderr  # the training hint
+    assert "  hidden_size: 64\n" in good.stderr and "  num_kv_heads: 2\n" in good.stderr
     config, weights, step = read_model_weights(root)
     want_config, want_weights = import_llama(hf_dir, seq_len=SEQ)
     assert (config, step) == (want_config, 0)

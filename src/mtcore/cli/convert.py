@@ -89,4 +89,24 @@ def _from_hf(args: argparse.Namespace):
             tokenizer = load_tokenizer(path)
         except DataError as e:  # the weights are still worth converting
             print(f"mtcore convert from-hf: warning: tokenizer not carried: {e}", file=sys.stderr)
-    return write_model_weights(args.out_root, weights, config, step=0, tokenizer=tokenizer)
+    directory = write_model_weights(args.out_root, weights, config, step=0, tokenizer=tokenizer)
+    print(_training_hint(config, directory, tokenizer is not None), file=sys.stderr)
+    return directory
+
+
+def _training_hint(config, directory, has_tokenizer: bool) -> str:
+    """The config sections that train from the new checkpoint: the trainer builds the
+    model its config describes, so it must be this one."""
+    import yaml
+
+    keys = (
+        "style", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+        "ffn_hidden_size", "seq_len", "norm_eps", "rope_theta", "tie_embeddings",
+    )  # fmt: skip
+    model = {k: v for k, v in config.model_dump(mode="json").items() if k in keys}
+    directory = directory.resolve()
+    sections = {"model": model, "checkpoint": {"load": str(directory)}}
+    if has_tokenizer:
+        sections["data"] = {"tokenizer": str(directory / "tokenizer.json")}
+    text = yaml.safe_dump(sections, sort_keys=False).rstrip()
+    return f"To train from it, use these settings in the training config:\n{text}"
