@@ -73,7 +73,10 @@ def test_scaled_matmul_within_the_bound_of_its_operands(fmt, scaling):
     recipe = FP8Recipe(fmt, scaling)
     state = FP8Scaling(recipe, BACKEND.fp8)
     a, b, g = torch.randn(96, 160), torch.randn(72, 160) * 0.05, torch.randn(96, 72) * 1e-3
-    gemms = {"forward": (a, "input", b, "weight"), "dgrad": (g, "grad", b.t().contiguous(), "weight")}
+    gemms = {
+        "forward": (a, "input", b, "weight"),
+        "dgrad": (g, "grad", b.t().contiguous(), "weight"),
+    }
     for name, (x, xr, w, wr) in gemms.items():
         qa, qb = state.quantize(x, xr), state.quantize(w, wr)
         if name == "dgrad" and scaling == "blockwise":  # W^T in 128x128 blocks
@@ -186,6 +189,25 @@ def test_backend_without_fp8_is_refused():
     from mtcore.backend.fp8 import FP8
 
     lacking = FP8(available=lambda: Availability(False, "needs compute capability 8.9"))
-    with pytest.raises(ValueError, match="needs compute capability 8.9"):
+    with pytest.raises(ValueError, match=r"needs compute capability 8\.9"):
         check_backend_fp8(FP8Recipe(), lacking)
     check_backend_fp8(FP8Recipe(), BACKEND.fp8)
+
+
+def test_delayed_history_advances_once_per_training_pass():
+    """Training forwards record; evaluation (no autograd) and a checkpoint's
+    recomputation inside backward do not, so recompute does not double-count."""
+    from torch.utils.checkpoint import checkpoint
+
+    state = FP8Scaling(FP8Recipe("hybrid", "delayed", amax_history_len=8), BACKEND.fp8)
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(4, 16, requires_grad=True)
+    fp8_linear(x, w, None, state).sum().backward()
+    with torch.no_grad():
+        fp8_linear(x * 100, w, None, state)
+    checkpoint(fp8_linear, 2 * x, w, None, state, use_reentrant=False).sum().backward()
+    filled = (state.amax_history > 0).sum(dim=1).tolist()
+    assert filled == [2, 2, 2], state.amax_history  # input, weight, grad: two passes each
+    assert state.amax_history[0, :2].tolist() == pytest.approx(
+        [2 * x.abs().max().item(), x.abs().max().item()]
+    )

@@ -40,9 +40,10 @@ def _transposed(q: Quantized) -> Quantized:
 
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, scaling: FP8Scaling):
+    def forward(ctx, x: Tensor, weight: Tensor, scaling: FP8Scaling, record: bool):
         fp8 = scaling.fp8
-        qx, qw = scaling.quantize(x, "input"), scaling.quantize(weight, "weight")
+        qx = scaling.quantize(x, "input", record)
+        qw = scaling.quantize(weight, "weight", record)
         y = fp8.scaled_matmul(qx, qw, out_dtype=x.dtype)
         ctx.scaling, ctx.x_dtype, ctx.w_dtype = scaling, x.dtype, weight.dtype
         ctx.per_tensor = qx.granularity == "tensor"
@@ -73,7 +74,7 @@ class _FP8Matmul(torch.autograd.Function):
             grad_x = fp8.scaled_matmul(qg, w_t, out_dtype=ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = fp8.scaled_matmul(g_t, x_t, out_dtype=ctx.w_dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scaling: FP8Scaling) -> Tensor:
@@ -82,6 +83,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scaling: FP8Scali
         raise ValueError(
             f"fp8_linear: input features {x.shape[-1]} != weight in_features {weight.shape[1]}"
         )
-    y = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, scaling)
+    record = scaling.records_now()  # decided here: grad mode is off inside the Function
+    y = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, scaling, record)
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias

@@ -53,16 +53,28 @@ class FP8Scaling(nn.Module):
             self.register_buffer("amax_history", history, persistent=True)
             self.register_buffer("scale", torch.ones(n, device=device), persistent=True)
 
-    def quantize(self, x: Tensor, role: str):
-        """``x`` [M, K] quantized along K as ``role`` ("input", "weight" or "grad")."""
+    @staticmethod
+    def records_now() -> bool:
+        """Whether a forward called now advances the history: autograd on (training),
+        outside a backward pass (not a checkpoint's recomputation)."""
+        return torch.is_grad_enabled() and not _in_backward()
+
+    def quantize(self, x: Tensor, role: str, record: bool | None = None):
+        """``x`` [M, K] quantized along K as ``role`` ("input", "weight" or "grad").
+
+        record: delayed scaling: advance the history (default: ``records_now()``;
+        always for "grad"). Inside an ``autograd.Function`` grad mode is off, so the
+        caller decides before entering it.
+        """
         recipe = self.recipe
         dtype, granularity = recipe.dtype(role), recipe.granularity(role)
         if not recipe.delayed:
             return self.fp8.quantize(x, dtype, granularity)
         i = ROLES.index(role)
-        record = torch.is_grad_enabled() and not _in_backward()
         if role == "grad":
             record = True  # a gradient only exists in backward
+        elif record is None:
+            record = self.records_now()
         if self._fresh[i]:
             amax = self._reduce(x.detach().abs().amax().float())
             scale = self._scale_from(amax, self.fp8.max_value(dtype))
