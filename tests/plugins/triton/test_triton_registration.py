@@ -63,8 +63,12 @@ def _cuda_backend(monkeypatch, force: str | None) -> Backend:
 def test_doctor_kernel_table_shows_the_pack_and_the_forced_reference(monkeypatch):
     facts = report.kernel_facts(_cuda_backend(monkeypatch, None))
     rows = facts["dtypes"]["bfloat16"]
-    for op in PACK_OPS - {"adamw_step"}:
+    for op in PACK_OPS - {"adamw_step", "fp8_quantize", "fp8_quantize_transpose"}:
         assert [c["name"] for c in rows[op]["chosen"]] == ["triton", "reference"], op
+    # FP8 in Triton needs capability 8.9; with no GPU here the gate says no.
+    for op in ("fp8_quantize", "fp8_quantize_transpose"):
+        assert [c["name"] for c in rows[op]["chosen"]] == ["reference"], op
+        assert [(o["name"], o["accepts"]) for o in rows[op]["others"]] == [("triton", False)]
     # fp32 AdamW: torch's multi-tensor kernel first, the pack for what it declines.
     chain = [c["name"] for c in facts["dtypes"]["float32"]["adamw_step"]["chosen"]]
     assert chain == ["torch-fused", "triton", "reference"]
@@ -85,6 +89,10 @@ def test_dispatch_runs_the_pack_and_guards_route_the_rest(monkeypatch):
     assert [i.name for i in table.rms_norm.select(q)] == ["triton", "reference"]
     x, w = torch.randn(3, 40), torch.randn(40)
     torch.testing.assert_close(table.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
+    # With no FP8 gate (an interpreter table), the fused quantize-transpose is the pack's.
+    assert [i.name for i in table.fp8_quantize_transpose.select(q)] == ["triton", "reference"]
+    (d, _, _), (dt, _, _) = table.fp8_quantize_transpose(x, torch.float8_e4m3fn, "1x128")
+    assert dt.shape == (40, 3) and d.dtype == dt.dtype == torch.float8_e4m3fn
     # Guards: a strided last dim and a hidden size beyond one block go to the reference.
     assert registration.rms_norm_ok(x, w)
     assert not registration.rms_norm_ok(torch.randn(40, 3).t(), w)

@@ -24,6 +24,10 @@ from mtcore_cuda.triton_kernels.registration import (
     triton_kernel_impls,
 )
 
+# One device object for the process: the backend and the Triton pack's FP8 gate
+# (float8e4nv exists from capability 8.9, as torch._scaled_mm) read the same one.
+_CUDA_DEVICE = TorchModuleDevice(CUDA)
+
 # A MUSA Triton backend runs the pack too; below muDNN's probed kernels (priority 50),
 # which are the vendor's tuned path, and above the reference.
 MUSA_TRITON_PRIORITY = 40
@@ -52,7 +56,7 @@ def mtcore_backends():
         accelerator=False,
         description="host CPU: gloo collectives, torch fused SDPA/RMSNorm/AdamW kernels, FP8 through torch._scaled_mm",
     )
-    cuda_device = TorchModuleDevice(CUDA)
+    cuda_device = _CUDA_DEVICE
     cuda = BackendSpec(
         name="cuda",
         device=cuda_device,
@@ -71,7 +75,10 @@ def mtcore_kernels(backend: str, device_type: str):
     # except for the musa check, which asks triton's backend registry.
     if backend == "musa":
         if triton_installed() and triton_backend_for("musa"):
-            return triton_kernel_impls(device_type, priority=MUSA_TRITON_PRIORITY)
+            # FP8 in Triton on MUSA is unverified: the FP8 ops stay with the reference there.
+            return triton_kernel_impls(
+                device_type, priority=MUSA_TRITON_PRIORITY, fp8_supported=lambda: False
+            )
         return []
     # torch's own fused CPU kernels serve the cpu backend as well: the reference
     # ops stay the spec (MTCORE_KERNELS=reference forces them), not the hot path.
@@ -104,5 +111,8 @@ def mtcore_kernels(backend: str, device_type: str):
             )
         )
     if backend == "cuda" and triton_installed():
-        impls += triton_kernel_impls(device_type)
+        impls += triton_kernel_impls(
+            device_type,
+            fp8_supported=lambda: bool(_CUDA_DEVICE.capability_at_least(FP8_MIN_CAPABILITY)),
+        )
     return impls

@@ -147,7 +147,7 @@ def _run(x, dtype, granularity, scale, transpose: bool):
     mb, kb = math.ceil(m / TILE), math.ceil(k / TILE)
     rowmax = torch.empty((m, kb), dtype=torch.float32, device=x.device)
     colmax = torch.empty((mb, k), dtype=torch.float32, device=x.device)
-    _tile_amax[(mb, kb)](x, rowmax, colmax, m, k, TILE=TILE)
+    _tile_amax[(mb, kb)](x, rowmax, colmax, m, k, TILE=TILE, num_warps=8)
     amax = _unit_amax(rowmax, colmax, granularity, m, k, False)
     amax_t = _unit_amax(rowmax, colmax, granularity, m, k, True) if transpose else None
     if scale is None:
@@ -178,6 +178,7 @@ def _run(x, dtype, granularity, scale, transpose: bool):
         MANT=mant,
         EMIN=emin,
         TILE=TILE,
+        num_warps=8,  # a 128x128 float32 tile: 64 values per thread
     )
     first = (data, 1.0 / unit_scale, amax)
     if not transpose:

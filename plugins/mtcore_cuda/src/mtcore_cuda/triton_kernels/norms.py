@@ -34,7 +34,7 @@ def _norm_fwd(
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
@@ -70,7 +70,7 @@ def _norm_bwd(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -103,6 +103,12 @@ def _block(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+def _warps(n: int) -> int:
+    # A row lives in registers: 256 columns per warp (8 per thread), 16 warps at most,
+    # so a 16384-wide row is 32 float32 per thread for each live row tensor.
+    return min(max(_block(n) // 256, 1), 16)
+
+
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, rms):
@@ -126,6 +132,7 @@ class _Norm(torch.autograd.Function):
                 RMS=rms,
                 HAS_BIAS=bias is not None,
                 BLOCK=_block(n),
+                num_warps=_warps(n),
             )
         ctx.save_for_backward(x2, w, stats)
         ctx.rms, ctx.has_bias, ctx.shape = rms, bias is not None, shape
@@ -156,6 +163,7 @@ class _Norm(torch.autograd.Function):
                 HAS_BIAS=ctx.has_bias,
                 ROWS=ROWS_PER_BLOCK,
                 BLOCK=_block(n),
+                num_warps=_warps(n),
             )
         dw = parts[0].sum(0).to(ctx.dtypes[0])
         db = parts[1].sum(0).to(ctx.dtypes[1]) if ctx.has_bias else None

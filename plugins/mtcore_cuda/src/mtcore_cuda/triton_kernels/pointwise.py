@@ -30,7 +30,7 @@ def _rope(
     BLOCK_D: tl.constexpr,
 ):
     # One program per (batch, position): every head shares that position's angles.
-    bs = tl.program_id(0)
+    bs = tl.program_id(0).to(tl.int64)
     s = bs % seq
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -92,7 +92,7 @@ def rope(x, cos, sin):
 
 @triton.jit
 def _swiglu_fwd(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     g = tl.load(x_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
@@ -103,7 +103,7 @@ def _swiglu_fwd(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _swiglu_bwd(x_ptr, dy_ptr, dx_ptr, n, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     g = tl.load(x_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)

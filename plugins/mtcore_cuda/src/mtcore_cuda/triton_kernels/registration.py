@@ -14,6 +14,7 @@ import functools
 import importlib
 import importlib.util
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -195,8 +196,13 @@ _OPS = (
 )
 
 
-def triton_kernel_impls(device_type: str, priority: int = 60) -> list[KernelImpl]:
+def triton_kernel_impls(
+    device_type: str, priority: int = 60, fp8_supported: Callable[[], bool] | None = None
+) -> list[KernelImpl]:
     """The pack for tensors of ``device_type``, each impl guarded by its ``*_ok``.
+
+    ``fp8_supported``: whether the device can hold FP8 in Triton (float8e4nv needs
+    NVIDIA capability 8.9); asked when an FP8 op first resolves, not here.
 
     ``priority`` places the pack among a backend's other implementations; adamw_step
     sits 20 below it so torch's multi-tensor fused AdamW (priority 50) keeps
@@ -206,13 +212,16 @@ def triton_kernel_impls(device_type: str, priority: int = 60) -> list[KernelImpl
     def predicate(query: KernelQuery) -> bool:
         return query.device_type == device_type and query.dtype in DTYPES
 
+    def fp8_predicate(query: KernelQuery) -> bool:
+        return predicate(query) and (fp8_supported is None or bool(fp8_supported()))
+
     return [
         KernelImpl(
             op,
             fn,
             NAME,
             priority=priority - 20 if op == "adamw_step" else priority,
-            predicate=predicate,
+            predicate=fp8_predicate if op.startswith("fp8") else predicate,
             fallback_ok=ok,
         )
         for op, fn, ok in _OPS
