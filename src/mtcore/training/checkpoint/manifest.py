@@ -167,6 +167,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(
             f"{path} is an incomplete save (never committed); it cannot be loaded"
         )
+    if _STEP_DIR.match(path.name) and path.is_dir():
+        raise CheckpointError(f"{path} is not a committed checkpoint ({MANIFEST} is missing)")
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path}")
     report_partials(path)

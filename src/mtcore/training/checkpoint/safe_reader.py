@@ -131,7 +131,7 @@ def dcp_load(targets: dict, directory: Path, world: int) -> None:
 
 @contextlib.contextmanager
 def _quiet():
-    """DCP warns on every one-process call that it assumes one process: it is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    """DCP warns on every one-process call that it assumes one process: it is meant. (A
+    background save warns from its own thread, so the filter stays installed.)"""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+    yield

@@ -1,0 +1,134 @@
+"""Checkpoints across ranks: exact resume under tp=2 x pp=2 and tp=2 x dp=2 with ZeRO-1,
+and resharding: a checkpoint saved under one layout continues under another.
+
+Each job is the real trainer loop (``trainer._Loop``) on gloo ranks. Exact resume:
+``steps`` in one go == ``k`` steps, stop, resume, the rest; bitwise (fp32, with
+dropout under the same layout, so RNG streams matter). Resharding: the resumed
+losses equal the unbroken run's within ``RESHARD_RTOL`` (reduction order differs
+across layouts, so bitwise is not expected; measured differences are ~1e-7).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from mtcore.distributed import ParallelLayout
+from mtcore.testing.distributed import run_ranks
+from mtcore.training.overrides import validate
+from mtcore.training.trainer import _Loop, prepare, train
+
+RESHARD_RTOL = 1e-5
+MODEL = dict(
+    hidden_size=32, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden_size=64, seq_len=16
+)
+
+
+def _corpus(root: Path) -> Path:
+    root.mkdir(parents=True)
+    names = ["alpha", "beta", "gamma", "delta", "token", "layer", "rank", "shard"]
+    for i in range(16):
+        body = "".join(
+            f"def {names[(i + j) % 8]}_{names[j % 8]}(self, x):\n    return self.{names[j % 7]} + x\n"
+            for j in range(30)
+        )
+        (root / f"doc{i:02d}.py").write_text(body)
+    return root
+
+
+def _run_jobs(ctx, jobs: list[dict]) -> list[tuple[list[float], int, str]]:
+    """Train each config in turn on these ranks: (losses, start step, rank 0's log)."""
+    out = []
+    for data in jobs:
+        config = validate(data)
+        prep = prepare(config, ctx.world_size)
+        layout = ParallelLayout.build(prep.spec, ctx.backend.collective, ctx.rank, ctx.world_size)
+        stream = io.StringIO()
+        result = _Loop(config, prep, layout, ctx.backend, ctx.rank == 0, stream).run()
+        out.append((result.losses, result.start_step, stream.getvalue()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    corpus = _corpus(root / "docs")
+
+    def make(name: str, parallel: dict, dropout: float = 0.0, **checkpoint) -> dict:
+        return {
+            "model": {**MODEL, "dropout": dropout},
+            "parallel": parallel,
+            "precision": {"dtype": "fp32"},
+            "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(root / "cache")),
+            "optimizer": dict(lr=1e-2, min_lr=1e-3, warmup_steps=2),
+            "training": dict(steps=6, global_batch_size=8, micro_batch_size=2, eval_interval=0,
+                             sample_prompt=None),
+            "checkpoint": {"dir": str(root / name / "checkpoints"), "interval": 3, **checkpoint},
+            "logging": dict(interval=1, tensorboard_dir=None, progress="lines"),
+        }  # fmt: skip
+
+    prepare(validate(make("warm", {})), 4)  # builds the data cache once, before ranks map it
+    return root, make
+
+
+def _resume(make, name: str, parallel: dict, source: Path, **extra) -> dict:
+    return make(name, parallel, load=str(source / "step_000003"), **extra)
+
+
+def _check_reshard(whole: list[float], resumed: tuple, what: str) -> None:
+    losses, start, log = resumed
+    assert start == 3 and "reseeded (the layout changed)" in log, what
+    for a, b in zip(whole[3:], losses, strict=True):
+        assert abs(a - b) <= RESHARD_RTOL * abs(a), (what, whole[3:], losses)
+
+
+def test_exact_resume_tp2_pp2_and_zero1_then_reshard_to_pp4_and_one_process(job):
+    root, make = job
+    tp_pp, zero = {"tp": 2, "pp": 2}, {"tp": 2, "dp": 2, "zero1": True}
+    source = root / "zero" / "checkpoints"
+    jobs = [
+        make("tp_pp", tp_pp, dropout=0.1),
+        _resume(make, "tp_pp_resumed", tp_pp, root / "tp_pp" / "checkpoints", dropout=0.1),
+        make("zero", zero),
+        _resume(make, "zero_resumed", zero, source),
+        _resume(make, "to_pp4", {"pp": 4}, source),
+    ]
+    results = run_ranks(_run_jobs, 4, jobs)[0]
+    (tp_pp_whole, _, _), tp_pp_resumed, (zero_whole, _, _), zero_resumed, pp4 = results
+
+    assert tp_pp_resumed[1] == 3 and "RNG streams restored" in tp_pp_resumed[2]
+    assert tp_pp_resumed[0] == tp_pp_whole[3:]  # bitwise, dropout included
+    assert zero_resumed[1] == 3 and zero_resumed[0] == zero_whole[3:]  # bitwise
+    _check_reshard(zero_whole, pp4, "tp2 x dp2 zero1 -> pp4")
+
+    stream = io.StringIO()
+    one = train(validate(_resume(make, "to_one", {}, source)), stream=stream)
+    _check_reshard(zero_whole, (one.losses, one.start_step, stream.getvalue()), "-> one process")
+
+
+@pytest.mark.slow
+def test_resharding_matrix(job):
+    """Saved under tp2 x dp2 (ZeRO-1) and tp2 x pp2; loaded under tp4, dp4 (with and
+    without ZeRO-1), pp4 and tp2 x pp2 x dp1 from the other source."""
+    root, make = job
+    zero_src, tp_pp_src = root / "m_zero" / "checkpoints", root / "m_tp_pp" / "checkpoints"
+    jobs = [
+        make("m_zero", {"tp": 2, "dp": 2, "zero1": True}),
+        make("m_tp_pp", {"tp": 2, "pp": 2}),
+        _resume(make, "m_zero_tp4", {"tp": 4}, zero_src),
+        _resume(make, "m_zero_dp4", {"dp": 4}, zero_src),
+        _resume(make, "m_tp_pp_dp4z", {"dp": 4, "zero1": True}, tp_pp_src),
+        _resume(make, "m_tp_pp_tp4", {"tp": 4}, tp_pp_src),
+        _resume(make, "m_tp_pp_pp4", {"pp": 4}, tp_pp_src),
+        _resume(make, "m_zero_tp_pp", {"tp": 2, "pp": 2}, zero_src),
+    ]
+    results = run_ranks(_run_jobs, 4, jobs)[0]
+    (zero_whole, _, _), (tp_pp_whole, _, _), *resumed = results
+    wholes = [zero_whole, zero_whole, tp_pp_whole, tp_pp_whole, tp_pp_whole, zero_whole]
+    for data, whole, got in zip(jobs[2:], wholes, resumed, strict=True):
+        _check_reshard(whole, got, data["checkpoint"]["dir"])
+    stream = io.StringIO()
+    one = train(validate(_resume(make, "m_one", {}, tp_pp_src)), stream=stream)
+    _check_reshard(tp_pp_whole, (one.losses, one.start_step, stream.getvalue()), "tp2 x pp2 -> one")

@@ -1,0 +1,54 @@
+"""Exact resume in one process through the trainer: N steps in one go == k steps, stop,
+resume, N - k steps (bitwise, fp32, with dropout so the RNG state matters)."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from mtcore.training.checkpoint import read_model_weights, write_model_weights
+from mtcore.training.overrides import validate
+from mtcore.training.trainer import train
+
+
+def _config(tiny, tmp_path, **checkpoint):
+    return tiny(
+        model={"dropout": 0.1},
+        training={"steps": 6, "eval_interval": 0, "sample_prompt": None},
+        checkpoint={"interval": 3, **checkpoint},
+        logging={"tensorboard_dir": None},
+    )
+
+
+def test_resume_is_bitwise_and_async_save_changes_nothing(tiny, tmp_path):
+    whole = train(validate(_config(tiny, tmp_path, async_save=True)), stream=io.StringIO())
+    first = tmp_path / "checkpoints"
+    assert whole.checkpoint == first / "step_000006" and (first / "step_000003").is_dir()
+
+    stream = io.StringIO()
+    resumed_config = _config(
+        tiny, tmp_path, dir=str(tmp_path / "again"), load=str(first / "step_000003")
+    )
+    resumed = train(validate(resumed_config), stream=stream)
+    assert "resumed from" in stream.getvalue() and "RNG streams restored" in stream.getvalue()
+    assert resumed.start_step == 3 and len(resumed.losses) == 3
+    assert resumed.losses == whole.losses[3:]  # bitwise
+    _, a, _ = read_model_weights(first)
+    _, b, _ = read_model_weights(tmp_path / "again")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_weights_only_checkpoint_starts_at_step_zero_with_a_fresh_optimizer(tiny, tmp_path):
+    trained = train(validate(_config(tiny, tmp_path)), stream=io.StringIO())
+    config, weights, _ = read_model_weights(trained.checkpoint)
+    imported = write_model_weights(tmp_path / "imported", weights, config)
+    stream = io.StringIO()
+    tuned_config = _config(tiny, tmp_path, dir=str(tmp_path / "tuned"), load=str(imported))
+    tuned = train(
+        validate({**tuned_config, "training": {**tuned_config["training"], "steps": 2}}),
+        stream=stream,
+    )
+    assert "fresh optimizer, step 0" in stream.getvalue()
+    assert tuned.start_step == 0 and len(tuned.losses) == 2
+    assert tuned.losses[0] < trained.losses[0] - 0.5  # it starts from the trained weights
