@@ -14,7 +14,8 @@ gradients and the final full weights (expert biases included), relative error
 
 Layouts: ep2 (dp4: expert-data-parallel pairs), ep4, ep2 x tp2, ep2 x tp2 with
 sequence parallel, ep2 with pp2, and ep2 with ZeRO-1 (expert state sharded over
-edp).
+edp). Plus model ``cap`` (capacity factor 1.0, tokens dropped) at ep4: the same
+fraction dropped, and the same losses and weights, so the same tokens.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ MODELS = {
         ),
         **SIZES,
     ),
+    "cap": ModelConfig(init_std=0.1, moe=dict(MOE, capacity_factor=1.0), **SIZES),
 }
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
 # name: (model, layout, zero1); every layout on 4 ranks.
@@ -63,9 +65,10 @@ LAYOUTS = {
 CASES = {
     f"{layout}_{model}": (model, *LAYOUTS[layout])
     for layout in LAYOUTS
-    for model in MODELS
+    for model in ("a2a", "ag")
     if not (layout == "ep2_tp2_sp" and model == "ag")  # SP once is enough
 }
+CASES["ep4_cap"] = ("cap", *LAYOUTS["ep4"])  # capacity 1.0: the same tokens dropped
 
 
 def _batches():
@@ -212,3 +215,4 @@ def test_reference_exercises_the_checked_paths(runs):
     bias = refs["ag"]["weights"]["layers.0.mlp.router.expert_bias"]
     assert bias.abs().max() > 0
     assert max(s["load_max"] for s in refs["a2a"]["moe"]) > 1.0
+    assert min(s["dropped"] for s in refs["cap"]["moe"]) > 0.0
