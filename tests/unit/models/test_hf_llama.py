@@ -272,3 +272,17 @@ def test_import_refuses_an_untied_head_declared_tied(saved_hf, tmp_path):
     shutil.copy(directory / "model.safetensors", tmp_path / "model.safetensors")
     with pytest.raises(HFInteropError, match=r"lm_head\.weight differs"):
         import_llama(tmp_path)
+
+
+def test_import_accepts_a_tied_head_saved_twice(saved_hf, tmp_path):
+    """Older transformers wrote lm_head.weight even when tied: equal to the embedding."""
+    directory, expected = saved_hf[True]
+    shutil.copy(directory / "config.json", tmp_path / "config.json")
+    tensors = load_file(directory / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config, weights = import_llama(tmp_path, seq_len=SEQ)
+    assert config.tie_embeddings and "output.weight" not in weights
+    with torch.no_grad():
+        torch.testing.assert_close(mt_gpt(config, weights)(tokens()), expected, **TOL)
