@@ -179,6 +179,12 @@ def _fp8(f: dict) -> list[str]:
     lines += [f"  {g.ljust(width)}  {path}" for g, path in f["granularities"].items()]
     pairs = ", ".join(f"{a} x {b}" for a, b in f["native_pairs"]) or "none"
     lines.append(f"  native scaled-matmul pairs (a x b): {pairs}")
+    for recipe, gemms in f.get("recipes", {}).items():  # precision.fp8_recipe
+        by_path: dict[str, list[str]] = {}
+        for gemm, path in gemms.items():
+            by_path.setdefault(path, []).append(gemm)
+        paths = "; ".join(f"{', '.join(g)}: {path}" for path, g in by_path.items())
+        lines.append(f"  recipe {recipe.ljust(9)}  {paths}")
     return lines
 
 

@@ -34,6 +34,7 @@ from mtcore.backend.collective import OPS as COLLECTIVE_OPS
 from mtcore.backend.kernels import KERNELS_ENV, REFERENCE
 from mtcore.backend.plugins import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV
 from mtcore.backend.selection import BACKEND_ENV
+from mtcore.precision.fp8 import SCALINGS, FP8Recipe
 
 SCHEMA_VERSION = 1
 ENV_VARS = (BACKEND_ENV, PLUGINS_ENV, DISABLE_AUTOLOAD_ENV, KERNELS_ENV)
@@ -287,6 +288,8 @@ def fp8_facts(backend: Backend) -> dict:
         "formats": {name: dtype_name(dtype) for name, dtype in fp8.formats.items()},
         "granularities": fp8.describe(),
         "native_pairs": sorted([a, b] for a, b in fp8.native_granularities),
+        # The GEMMs of an FP8 linear under each recipe (precision.fp8_recipe).
+        "recipes": {s: FP8Recipe(scaling=s).paths(fp8) for s in SCALINGS},
     }
 
 

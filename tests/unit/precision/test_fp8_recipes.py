@@ -211,3 +211,13 @@ def test_delayed_history_advances_once_per_training_pass():
     assert state.amax_history[0, :2].tolist() == pytest.approx(
         [2 * x.abs().max().item(), x.abs().max().item()]
     )
+
+
+def test_doctor_says_which_recipe_gemms_fall_back():
+    from mtcore.cli.render import _fp8
+    from mtcore.cli.report import fp8_facts
+
+    facts = fp8_facts(BACKEND)
+    assert facts["recipes"]["delayed"] == dict.fromkeys(("forward", "dgrad", "wgrad"), "native")
+    lines = "\n".join(_fp8(facts))
+    assert "recipe blockwise  forward, dgrad, wgrad: fallback (dequantize + matmul)" in lines
