@@ -86,9 +86,9 @@ def sequence_load_balancing_loss(
     """The balancing loss of each of ``batch`` sequences (rows are ``[b, s]`` flattened), averaged."""
     tokens, k = experts.shape
     seq = tokens // batch
-    one_hot = torch.zeros(batch, seq * k, num_experts, dtype=scores.dtype, device=scores.device)
-    one_hot.scatter_(2, experts.reshape(batch, seq * k, 1), 1.0)
-    f = one_hot.sum(1) / (seq * k)  # [b, E]
+    chosen = experts.reshape(batch, seq * k)
+    f = torch.zeros(batch, num_experts, dtype=scores.dtype, device=scores.device)
+    f.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=scores.dtype)).div_(seq * k)  # [b, E]
     p = scores.reshape(batch, seq, num_experts).mean(1)  # [b, E]
     return num_experts * (f * p).sum(-1).mean()
 
@@ -107,8 +107,13 @@ def capacity_keep_mask(experts: Tensor, num_experts: int, capacity: int) -> Tens
     the same assignments.
     """
     order = experts.t().reshape(-1)  # choice-major: slot 0 of every token, then slot 1, ...
-    one_hot = torch.nn.functional.one_hot(order, num_experts)
-    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # 0-based arrival index at its expert
+    by_expert = torch.argsort(order, stable=True)  # grouped by expert, arrival order kept
+    counts = torch.bincount(order, minlength=num_experts)
+    starts = counts.cumsum(0) - counts
+    position = torch.empty_like(order)  # 0-based arrival index of each assignment at its expert
+    position[by_expert] = (
+        torch.arange(order.numel(), device=order.device) - starts[order[by_expert]]
+    )
     return (position < capacity).reshape(experts.t().shape).t().contiguous()
 
 
