@@ -1,0 +1,112 @@
+"""Kill a rank in the middle of a save, then resume: a real job, a real SIGKILL.
+
+`mtcore train --nproc 2` (pp=2) saves every 2 steps. Rank 0 is made to pause
+between writing a save and committing it (MTCORE_CHECKPOINT_COMMIT_DELAY_S), the
+test waits until the save of step 4 is fully written into its ``.partial``
+directory but not committed, and SIGKILLs rank 0; the launcher then stops the
+other rank. The previous checkpoint (step 2) must still be the latest and load,
+and a restarted job (``checkpoint.resume``) must report the partial save, resume
+from step 2 and retrace the killed run's losses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+MTCORE = Path(sys.executable).with_name("mtcore")
+LOSS = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)", re.MULTILINE)
+
+
+def _corpus(root: Path) -> Path:
+    root.mkdir(parents=True)
+    names = ["alpha", "beta", "gamma", "delta", "token", "layer"]
+    for i in range(10):
+        body = "".join(
+            f"def {names[(i + j) % 6]}_{names[j % 6]}(self, x):\n    return self.{names[j % 5]} + x\n"
+            for j in range(30)
+        )
+        (root / f"doc{i:02d}.py").write_text(body)
+    return root
+
+
+def _env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of local rank ``rank`` among the launcher's children (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def _losses(text: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in LOSS.finditer(text)}
+
+
+def test_kill_mid_save_then_resume_from_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    config = {
+        "model": dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=16),
+        "parallel": {"pp": 2},
+        "precision": {"dtype": "fp32"},
+        "data": dict(paths=[str(_corpus(tmp_path / "docs"))], vocab_size=300,
+                     cache_dir=str(tmp_path / "cache")),
+        "optimizer": dict(lr=1e-2, min_lr=1e-3, warmup_steps=2),
+        "training": dict(steps=6, global_batch_size=4, micro_batch_size=2, eval_interval=0,
+                         sample_prompt=None),
+        "checkpoint": {"dir": str(ckpt), "interval": 2, "resume": True},
+        "logging": dict(interval=1, tensorboard_dir=None, progress="lines"),
+    }  # fmt: skip
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [str(MTCORE), "train", str(path), "--nproc", "2"]
+
+    env = _env(MTCORE_CHECKPOINT_COMMIT_DELAY_S="4")
+    first = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
+    )
+    partial = ckpt / "step_000004.partial"
+    deadline = time.monotonic() + 240
+    while not (
+        (ckpt / "step_000002" / "manifest.json").is_file() and (partial / ".metadata").is_file()
+    ):
+        assert first.poll() is None, first.communicate()[0]
+        assert time.monotonic() < deadline, "the job never reached the save of step 4"
+        time.sleep(0.05)
+    rank0 = _rank_pid(first.pid, 0)
+    assert rank0 is not None
+    os.kill(rank0, signal.SIGKILL)
+    killed_log, _ = first.communicate(timeout=120)
+    assert first.returncode != 0, killed_log
+
+    assert partial.is_dir() and not (ckpt / "step_000004").exists()
+    assert (ckpt / "latest").read_text().strip() == "step_000002"
+
+    second = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
+    log = second.stdout + second.stderr
+    assert second.returncode == 0, log
+    assert f"ignoring incomplete checkpoint {partial}" in log
+    assert f"resumed from {ckpt / 'step_000002'} at step 2" in log
+    assert (ckpt / "latest").read_text().strip() == "step_000006" and not partial.exists()
+    before, after = _losses(killed_log), _losses(second.stdout)
+    assert sorted(after) == [3, 4, 5, 6]
+    assert {s: before[s] for s in (3, 4)} == {s: after[s] for s in (3, 4)}
