@@ -29,7 +29,13 @@ import pytest
 import torch
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.parallel.moe import MoELayer, MoESpec, named_expert_parameters
+from mtcore.parallel.moe import (
+    MoELayer,
+    MoESpec,
+    ep_group,
+    full_expert_tensor,
+    named_expert_parameters,
+)
 from mtcore.parallel.tensor import (
     TPGroup,
     allreduce_sequence_parallel_grads,
@@ -133,12 +139,7 @@ def _full_grads(layer, layout, backend, tp):
         g = p.grad.clone()
         if name in experts:
             collective.all_reduce(g, group=layout.group("edp"))
-            g = full_tensor(g, tp, partition)
-            ep = layout.ep
-            if ep > 1:
-                gathered = g.new_empty((ep, *g.shape))
-                collective.all_gather(gathered.flatten(0, 1), g, group=layout.group("ep"))
-                g = gathered.flatten(0, 1)
+            g = full_expert_tensor(g, tp, ep_group(layout, backend), partition)
         else:
             g = full_tensor(g, tp, partition)
             collective.all_reduce(g, group=layout.group("dp"))

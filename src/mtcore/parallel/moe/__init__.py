@@ -10,6 +10,7 @@ from mtcore.parallel.moe.dispatch import (
 )
 from mtcore.parallel.moe.experts import (
     GroupedExperts,
+    full_expert_tensor,
     is_expert_parameter,
     mark_expert_parallel,
     named_expert_parameters,
@@ -36,6 +37,7 @@ __all__ = [
     "capacity_keep_mask",
     "ep_group",
     "expert_capacity",
+    "full_expert_tensor",
     "is_expert_parameter",
     "load_balancing_loss",
     "mark_expert_parallel",

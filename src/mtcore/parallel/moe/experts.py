@@ -24,7 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtcore.parallel.tensor.mappings import TPGroup
-from mtcore.parallel.tensor.sharding import TPPartition, set_tp_partition, shard_tensor
+from mtcore.parallel.tensor.sharding import (
+    TPPartition,
+    full_tensor,
+    set_tp_partition,
+    shard_tensor,
+)
 
 _EXPERT_PARAMS = "_expert_params"  # on the owning module: {param name: (dim, num_experts)}
 
@@ -45,6 +50,18 @@ def named_expert_parameters(model: nn.Module):
     for prefix, module in model.named_modules():
         for name, part in module.__dict__.get(_EXPERT_PARAMS, {}).items():
             yield f"{prefix}.{name}" if prefix else name, getattr(module, name), part
+
+
+def full_expert_tensor(value: Tensor, tp: TPGroup, ep: TPGroup, partition=None) -> Tensor:
+    """All ``E`` experts of an expert parameter (or grad), unsharded over tp, on every rank.
+
+    A collective over tp and over the ep group (``mtcore.parallel.moe.ep_group``);
+    ``partition`` is the parameter's ``tp_partition``.
+    """
+    full = full_tensor(value, tp, partition)
+    if ep.size == 1:
+        return full
+    return ep.all_gather(full, 0)
 
 
 def is_expert_parameter(param: Tensor) -> bool:
