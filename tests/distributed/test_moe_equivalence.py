@@ -15,7 +15,9 @@ gradients and the final full weights (expert biases included), relative error
 Layouts: ep2 (dp4: expert-data-parallel pairs), ep4, ep2 x tp2, ep2 x tp2 with
 sequence parallel, ep2 with pp2, and ep2 with ZeRO-1 (expert state sharded over
 edp). Plus model ``cap`` (capacity factor 1.0, tokens dropped) at ep4: the same
-fraction dropped, and the same losses and weights, so the same tokens.
+fraction dropped, and the same losses and weights, so the same tokens. And
+model ``first`` (only layer 0 MoE) at ep2 + pp2 x vpp2: a pipeline rank
+without MoE layers still joins the load and norm reductions.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ MODELS = {
         **SIZES,
     ),
     "cap": ModelConfig(init_std=0.1, moe=dict(MOE, capacity_factor=1.0), **SIZES),
+    "first": ModelConfig(
+        init_std=0.1, moe_layer_freq=4, moe=dict(MOE, bias_update_rate=1e-2), **SIZES
+    ),
 }
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
 # name: (model, layout, zero1); every layout on 4 ranks.
@@ -69,6 +74,8 @@ CASES = {
     if not (layout == "ep2_tp2_sp" and model == "ag")  # SP once is enough
 }
 CASES["ep4_cap"] = ("cap", *LAYOUTS["ep4"])  # capacity 1.0: the same tokens dropped
+# Only layer 0 is MoE: with interleaving, pipeline rank 1 (layers 1 and 3) has no experts.
+CASES["ep2_pp2_vpp2_first"] = ("first", dict(ep=2, pp=2, vpp=2), False)
 
 
 def _batches():
