@@ -104,11 +104,22 @@ def model_sections(config: ModelConfig, names) -> dict[str, dict]:
     for name in names:
         m = re.match(r"^layers\.(\d+)\.(.*)$", name)
         key = f"layers.{int(m.group(1)) % period}.{m.group(2)}" if m else name
-        if key not in known:
+        if key not in known and not _owned_by_a_module(model, key):
             raise mf.CheckpointError(f"weight {name!r} is not a parameter of GPT({config.style})")
+        if key not in known:  # a buffer the template lacks (FP8 amax history): replicated
+            continue
         if known[key] is not None:
             out[name] = known[key]
     return out
+
+
+def _owned_by_a_module(model, name: str) -> bool:
+    prefix = name.rpartition(".")[0]
+    try:
+        model.get_submodule(prefix)
+    except AttributeError:
+        return False
+    return bool(prefix)
 
 
 def load_model(path: str | Path, backend=None) -> tuple[GPT, int, Path]:
