@@ -129,6 +129,21 @@ def standin_fused_adamw(seen_steps: list[float]) -> None:
             p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
 
 
+def standin_fused_rms_norm(standin: TorchMusaCpuStandIn) -> None:
+    """Register a PrivateUse1 kernel for ``aten::_fused_rms_norm``, as torch_musa does for
+    muDNN's RMSNorm (RMSNorm.cpp); the library is kept on the stand-in so it stays alive."""
+
+    def kernel(input, normalized_shape, weight=None, eps=None):
+        dims = tuple(range(-len(normalized_shape), 0))
+        xf = input.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + (eps or 1e-6))
+        out = xf * rstd * (weight.float() if weight is not None else 1.0)
+        return out.to(input.dtype), rstd
+
+    standin.aten_impls = torch.library.Library("aten", "IMPL")
+    standin.aten_impls.impl("_fused_rms_norm", kernel, "PrivateUse1")
+
+
 def standin_rope(input, freq_cis, rotary_interleaved=False, batch_first=False):
     """torch_musa's F.rope as its test defines it: [seq, batch, heads, dim], angles [seq, dim]."""
     assert not rotary_interleaved and not batch_first, "adapter must use the tested layout"
@@ -220,6 +235,12 @@ def probe() -> dict:
         "flag": getattr(musa_mod, "STANDIN", False),
         "torch_musa_is_standin": torch.get_device_module("musa") is standin,
     }
+    out["rms_norm_probe"] = [kernels.mudnn_rms_norm_registered()]
+    no_fused_rms = select_backend("musa")
+    out["rms_norm_unfused"] = names(no_fused_rms, torch.bfloat16)["rms_norm"]
+    standin_fused_rms_norm(standin)
+    out["rms_norm_probe"].append(kernels.mudnn_rms_norm_registered())
+    plugin_registry(reload=True)
     backend = select_backend("musa")
     caps = backend.device.capabilities()
     out["s22"] = {
@@ -363,6 +384,9 @@ def test_capability_2_2_kernel_table(facts):
     assert s["bf16"]["attention"] == ["sdpa", "reference"]
     assert s["bf16"]["rms_norm"] == ["F.rms_norm", "reference"]
     assert facts["rms_norm_guard"] == [True, False]  # fp32 weight with bf16 x: reference
+    # F.rms_norm is muDNN only once torch_musa registered its fused op for PrivateUse1.
+    assert facts["rms_norm_probe"] == [False, True]
+    assert facts["rms_norm_unfused"] == ["reference"]
     assert s["fp32"]["attention"] == ["reference"]  # flash is fp16/bf16 only
     # torch's own _fused_adamw_ raises on musa; without torch_musa's op, the reference.
     assert s["fp32"]["adamw_step"] == ["reference"]

@@ -8,6 +8,9 @@ interpreted kernels, so the guards are checked on calls, not only on paper.
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -39,6 +42,36 @@ def test_hook_offers_the_pack_to_cuda_only():
     # No Triton backend here targets MUSA, so the musa backend gets nothing from this plugin.
     assert registration.triton_backend_for("musa") is None
     assert plugin.mtcore_kernels(backend="musa", device_type="musa") == []
+
+
+def _driver(active: bool, target: str):
+    return type(
+        "Driver",
+        (),
+        {
+            "is_active": staticmethod(lambda: active),
+            "get_current_target": lambda self: types.SimpleNamespace(backend=target),
+        },
+    )
+
+
+def test_musa_gets_the_pack_when_a_triton_backend_targets_musa(monkeypatch):
+    # A stand-in for triton's backend registry as a MUSA build fills it: the backend's
+    # name is arbitrary, the driver's target says "musa". No MUSA device runs here.
+    registry = types.ModuleType("triton.backends")
+    registry.backends = {
+        "nvidia": types.SimpleNamespace(driver=_driver(False, "cuda")),
+        "some_vendor_name": types.SimpleNamespace(driver=_driver(True, "musa")),
+    }
+    monkeypatch.setitem(sys.modules, "triton.backends", registry)
+    assert registration.triton_backend_for("musa") == "some_vendor_name"
+    impls = {i.op: i for i in plugin.mtcore_kernels(backend="musa", device_type="musa")}
+    assert set(impls) == PACK_OPS
+    # Below muDNN's kernels (priority 50), above the reference; FP8 stays off on MUSA.
+    assert impls["rms_norm"].priority == plugin.MUSA_TRITON_PRIORITY < 50
+    assert impls["rms_norm"].accepts(KernelQuery("musa", torch.bfloat16))
+    assert not impls["rms_norm"].accepts(KernelQuery("cuda", torch.bfloat16))
+    assert not impls["fp8_quantize"].accepts(KernelQuery("musa", torch.bfloat16))
 
 
 def test_predicates_admit_the_backend_device_and_float_dtypes_only():

@@ -33,6 +33,25 @@ def flash_head_dims_ok(q, k, v, *args, **kwargs) -> bool:
 
 
 # -- RMSNorm --------------------------------------------------------------------------
+# F.rms_norm reaches muDNN only through a fused op that torch_musa registers for
+# PrivateUse1: aten::_fused_rms_norm (torch >= 2.8 calls it from rms_norm for every
+# device but MPS; torch_musa's RMSNorm.h includes _fused_rms_norm_native.h), or
+# _fused_rmsnorm_forward in older torch_musa builds (musa_functions.yaml). Without
+# either, F.rms_norm is torch's composite: correct, but not muDNN, so not registered.
+FUSED_RMS_NORM_OPS = ("aten::_fused_rms_norm", "aten::_fused_rmsnorm_forward")
+
+
+def mudnn_rms_norm_registered() -> bool:
+    """Whether the dispatcher holds a MUSA (PrivateUse1) kernel for a fused RMSNorm op."""
+    for op in FUSED_RMS_NORM_OPS:
+        try:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(op, "PrivateUse1"):
+                return True
+        except Exception:  # the op does not exist in this torch build
+            continue
+    return False
+
+
 def rms_norm_weight_ok(x, weight, eps=1e-6) -> bool:
     """torch_musa's fused RMSNorm TORCH_CHECKs that weight and input share dtype and device
     (csrc/aten/ops/RMSNorm.cpp, ``CheckDType``/``CheckDevice``); the reference upcasts a
@@ -196,17 +215,20 @@ def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
             predicate=on_musa(_HALF, arch=True),
             fallback_ok=flash_head_dims_ok,
         ),
+    ]
+    if mudnn_rms_norm_registered():
         # torch.rms_norm on musa tensors routes to muDNN's fused RMSNorm, which keeps
         # its inverse RMS in float32 for half inputs (RMSNorm.cpp, InferInvvarDType).
-        KernelImpl(
-            "rms_norm",
-            torch_native.fused_rms_norm,
-            "F.rms_norm",
-            priority=50,
-            predicate=on_musa(_FLOATS),
-            fallback_ok=rms_norm_weight_ok,
-        ),
-    ]
+        impls.append(
+            KernelImpl(
+                "rms_norm",
+                torch_native.fused_rms_norm,
+                "F.rms_norm",
+                priority=50,
+                predicate=on_musa(_FLOATS),
+                fallback_ok=rms_norm_weight_ok,
+            )
+        )
     # Only torch_musa's own op: torch's aten::_fused_adamw_ is a stub on musa that raises
     # "torch.optim.AdamW(fused=True) is not supported, try torch_musa.optim.FusedAdamW"
     # (csrc/aten/ops/FusedAdam.cpp), so torch_native.fused_adamw_step is no fallback here.
