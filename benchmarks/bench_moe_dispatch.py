@@ -1,11 +1,13 @@
-"""MoE token dispatch: all-to-all against all-gather, at ep=2 and ep=4, side by side.
+"""MoE token dispatch: all-to-all (plain, deduplicated) against all-gather, at ep=2 and 4.
 
     .venv/bin/python benchmarks/bench_moe_dispatch.py              # 4 ranks, gloo
 
 One launch of 4 ranks (gloo, one thread per rank). Two layouts share it:
 ep=4 (one expert group of 4 ranks) and ep=2 (dp=4: two expert groups of 2
 ranks, running at the same time, as in training). For every top-k in
-``--top-k`` and both dispatchers, a round times on each rank:
+``--top-k`` and each dispatcher (``alltoall``: one row per assignment;
+``alltoall_dedup``: one row per token and destination rank; ``allgather``),
+a round times on each rank:
 
 * fwd: ``dispatch`` + ``combine`` of a micro-batch (routing is precomputed;
   the experts are replaced by the identity so only data movement and the
@@ -15,9 +17,9 @@ ranks, running at the same time, as in training). For every top-k in
 
 Configurations run interleaved, one each per round, after a barrier, so load
 from other jobs hits them alike; each reports the median over ``--steps``
-rounds of the slowest rank. Output: times and the ratio all-to-all / all-gather
-(< 1: all-to-all is faster). Before timing, both dispatchers' outputs are
-checked equal (they must be: same routing, same weights).
+rounds of the slowest rank. Output: times and the ratios all-to-all /
+all-gather (< 1: all-to-all is faster). Before timing, the dispatchers'
+outputs are checked equal (they must be: same routing, same weights).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from mtcore.distributed.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.moe import DISPATCHERS, MoESpec, ep_group, route
 from mtcore.testing.distributed import run_ranks
 
-DISPATCH = ("alltoall", "allgather")
+DISPATCH = ("alltoall", "alltoall_dedup", "allgather")
 
 
 def _routing(args, top_k, rank):
@@ -78,7 +80,7 @@ def _rank_main(ctx, args):
             for name in DISPATCH:
                 d = DISPATCHERS[name](args.experts, groups[ep])
                 outs.append(d.combine(d.dispatch(x, experts, probs, None)[0]))
-            agree[(ep, k)] = torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+            agree[(ep, k)] = all(torch.allclose(o, outs[0], rtol=1e-5, atol=1e-6) for o in outs[1:])
     times = {c: [] for c in configs}
     for r in range(args.warmup + args.steps):
         shift = r % len(configs)
@@ -115,16 +117,16 @@ def main() -> None:
         f"dispatchers agree: {agree}"
     )
     print(
-        f"{'ep':>3}{'top-k':>6}{'pass':>9}{'all-to-all ms':>15}{'all-gather ms':>15}"
-        f"{'a2a / ag':>10}"
+        f"{'ep':>3}{'top-k':>6}{'pass':>9}{'a2a ms':>9}{'dedup ms':>10}{'ag ms':>9}"
+        f"{'a2a / ag':>10}{'dedup / ag':>12}"
     )
     for ep in (2, 4):
         for k in args.top_k:
             for bwd in (False, True):
-                a2a, ag = med[(ep, k, "alltoall", bwd)], med[(ep, k, "allgather", bwd)]
+                a2a, dd, ag = (med[(ep, k, name, bwd)] for name in DISPATCH)
                 print(
-                    f"{ep:>3}{k:>6}{'fwd+bwd' if bwd else 'fwd':>9}{a2a * 1e3:>15.2f}"
-                    f"{ag * 1e3:>15.2f}{a2a / ag:>10.3f}"
+                    f"{ep:>3}{k:>6}{'fwd+bwd' if bwd else 'fwd':>9}{a2a * 1e3:>9.1f}"
+                    f"{dd * 1e3:>10.1f}{ag * 1e3:>9.1f}{a2a / ag:>10.3f}{dd / ag:>12.3f}"
                 )
 
 

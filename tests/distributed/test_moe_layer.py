@@ -2,7 +2,8 @@
 
 One 4-rank gloo spawn runs every layout: ep=4 (dp=4), ep=2 (dp=4: two expert
 groups), ep=2 x tp=2 with and without sequence parallel; each with both
-dispatchers, dropless and with a capacity factor.
+dispatchers (all-to-all, its deduplicating variant, all-gather), dropless and
+with a capacity factor.
 
 What equals what. Data-parallel rank ``d`` feeds micro-batch ``d`` (its tp
 ranks share it; under SP each holds a sequence shard). The reference is one
@@ -46,6 +47,7 @@ from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 
 RTOL = 1e-5
+DISPATCHERS = ("alltoall", "alltoall_dedup", "allgather")
 HIDDEN, BATCH, SEQ = 16, 2, 8
 LAYOUTS = {
     "ep4": LayoutSpec(ep=4),
@@ -58,7 +60,7 @@ SLOW_LAYOUTS = {  # 8 ranks: run with -m slow
     "ep2_dp4_tp2": LayoutSpec(ep=2, tp=2),
     "ep8": LayoutSpec(ep=8),
 }
-SPECS = {  # each runs with both dispatchers; variants spread over router options
+SPECS = {  # each runs with every dispatcher; variants spread over router options
     "dropless": dict(
         num_experts=8,
         top_k=2,
@@ -157,11 +159,11 @@ def _check_layout(ctx, name, layout_spec):
     shard = slice(tp.rank * SEQ // tp.size, (tp.rank + 1) * SEQ // tp.size) if sp else slice(None)
     results = {}
     for spec_name, kwargs in SPECS.items():
-        # one process has no ep group: both dispatchers do the same there
+        # one process has no ep group: every dispatcher does the same there
         ref_out, ref_gin, ref_keep, ref_grads, ref_counts, ref_dropped = _reference(
             MoESpec(**kwargs), backend, x, grad
         )
-        for dispatcher in ("alltoall", "allgather"):
+        for dispatcher in DISPATCHERS:
             spec = MoESpec(**kwargs, dispatcher=dispatcher)
             layer = _build(spec, layout, backend, tp, sp)
             xi = x[d][:, shard].clone().requires_grad_(True)
@@ -197,12 +199,7 @@ def results():
 
 
 def _cases(layouts):
-    return [
-        f"{lay}/{spec}/{disp}"
-        for lay in layouts
-        for spec in SPECS
-        for disp in ("alltoall", "allgather")
-    ]
+    return [f"{lay}/{spec}/{disp}" for lay in layouts for spec in SPECS for disp in DISPATCHERS]
 
 
 CASES = _cases(LAYOUTS)

@@ -3,11 +3,8 @@
 See docs/moe.md. The layer: ``MoELayer(hidden, MoESpec(...), tp=..., layout=..., ...)``.
 """
 
-from mtcore.parallel.moe.dispatch import (
-    DISPATCHERS,
-    AllGatherDispatcher,
-    AllToAllDispatcher,
-)
+from mtcore.parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
+from mtcore.parallel.moe.dispatch_dedup import DedupAllToAllDispatcher
 from mtcore.parallel.moe.experts import (
     GroupedExperts,
     full_expert_tensor,
@@ -15,7 +12,7 @@ from mtcore.parallel.moe.experts import (
     mark_expert_parallel,
     named_expert_parameters,
 )
-from mtcore.parallel.moe.layer import MoELayer, ep_group
+from mtcore.parallel.moe.layer import DISPATCHERS, MoELayer, ep_group
 from mtcore.parallel.moe.router import (
     capacity_keep_mask,
     load_balancing_loss,
@@ -30,6 +27,7 @@ __all__ = [
     "DISPATCHERS",
     "AllGatherDispatcher",
     "AllToAllDispatcher",
+    "DedupAllToAllDispatcher",
     "GroupedExperts",
     "MoELayer",
     "MoESpec",

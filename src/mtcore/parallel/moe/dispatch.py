@@ -165,6 +165,3 @@ class AllGatherDispatcher(Dispatcher):
         y = out.new_zeros((self.gathered, out.shape[1])).index_add(0, self.token, weighted)
         self._forget()
         return _ReduceScatterRows.apply(y, self.ep) if self.ep.size > 1 else y
-
-
-DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtcore.parallel.moe.dispatch import DISPATCHERS
+from mtcore.parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
+from mtcore.parallel.moe.dispatch_dedup import DedupAllToAllDispatcher
 from mtcore.parallel.moe.experts import GroupedExperts
 from mtcore.parallel.moe.router import (
     AttachAuxLoss,
@@ -55,6 +56,13 @@ def ep_group(layout, backend) -> TPGroup:
     if layout is None or layout.ep == 1:
         return TPGroup.single(backend)
     return TPGroup(backend, layout.group("ep"), layout.ep, layout.coordinate("ep"))
+
+
+DISPATCHERS = {
+    "alltoall": AllToAllDispatcher,
+    "alltoall_dedup": DedupAllToAllDispatcher,
+    "allgather": AllGatherDispatcher,
+}
 
 
 def _in_backward() -> bool:

@@ -32,7 +32,9 @@ class MoESpec(BaseModel):
       bias added to the scores for the top-k choice only (DeepSeek-V3).
     capacity_factor: None is dropless; otherwise each expert takes at most
       ceil(factor * tokens * top_k / num_experts) assignments per micro-batch.
-    dispatcher: how tokens reach experts on other ranks of the expert group.
+    dispatcher: how tokens reach experts on other ranks of the expert group:
+      "alltoall" (one row per assignment), "alltoall_dedup" (one row per token
+      and destination rank) or "allgather".
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -49,7 +51,7 @@ class MoESpec(BaseModel):
     z_loss_coeff: float = Field(0.0, ge=0.0)
     bias_update_rate: float = Field(0.0, ge=0.0)
     capacity_factor: float | None = Field(None, gt=0.0)
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    dispatcher: Literal["alltoall", "alltoall_dedup", "allgather"] = "alltoall"
     shared_ffn_size: int = Field(0, ge=0)
 
     @model_validator(mode="after")
