@@ -27,6 +27,7 @@ import torch
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models import ModelConfig
+from mtcore.parallel.clip import clip_grad_norm_
 from mtcore.parallel.tensor import full_tensor, named_tp_parameters
 from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
@@ -110,6 +111,10 @@ def _run(engine: Engine, tokens, targets, rows: slice):
         out["norm"].append(result.grad_norm)
         out["moe"].append(result.moe)
     out["grads"] = _full_grads(engine)
+    out["plain_norm"] = None  # clip_grad_norm_ (gradients held whole) on the same gradients
+    if not engine.optimizer.sharded:
+        params = [p for chunk in engine.chunks for p in chunk.parameters()]
+        out["plain_norm"] = clip_grad_norm_(params, 1e30, engine.layout, engine.collective)
     out["weights"] = engine.full_state_dict()
     return out
 
@@ -200,6 +205,11 @@ def test_expert_parallel_matches_one_process(runs, case):
     assert all(r[case]["weights"] is None for r in ranks[1:]), "only rank 0 gathers the weights"
     if CASES[case][2]:
         return  # ZeRO-1 holds gradient shards; its weights and norms are checked above
+    for rank, got in enumerate(r[case] for r in ranks):
+        err = abs(got["plain_norm"] - ref["plain_norm"]) / ref["plain_norm"]
+        assert err <= RTOL, (
+            f"{case} rank {rank}: clip_grad_norm_ {got['plain_norm']} vs {ref['plain_norm']}"
+        )
     grads = _merged(ranks, case, "grads")
     assert set(grads) == {n for n in ref["grads"]}, case
     for name, want in ref["grads"].items():
