@@ -207,6 +207,24 @@ def test_adamw_float32_state_matches_reference_to_rounding():
             kit.compare(got, want, f"list {k}", kit.Tolerance(rtol=3e-7, atol=1.2e-7))
 
 
+def test_adamw_one_call_mixed_dtypes_lengths_and_empty_tensors():
+    # Tensors group by (param, grad) dtype, one launch each; lengths cross the
+    # 1024-element blocks; an empty tensor is skipped.
+    ps = [_randn(1, 3000), _randn(2, 5).bfloat16(), torch.zeros(0), _randn(3, 2500)]
+    gs = [_randn(4, 3000).bfloat16(), _randn(5, 5).bfloat16(), torch.zeros(0), _randn(6, 2500)]
+    mine = [ps, gs, [torch.zeros(p.shape) for p in ps], [torch.zeros(p.shape) for p in ps]]
+    ref = [[t.clone() for t in lst] for lst in mine]
+    hyper = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
+    for step in (1, 2):
+        adamw.adamw_step(*mine, step=step, **hyper)
+        ops.adamw_step(*ref, step=step, **hyper)
+    for k in (0, 2, 3):
+        for got, want in zip(mine[k], ref[k], strict=True):
+            assert got.dtype == want.dtype
+            if want.numel():  # the float32 ulp bound of the test above
+                kit.compare(got.float(), want.float(), f"list {k}", kit.Tolerance(3e-7, 1.2e-7))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=kit.dtype_name)
 def test_fp8_quantize_conformance(dtype):
     assert kit.check_fp8_quantize(fp8.fp8_quantize, None, dtype, "cpu")
