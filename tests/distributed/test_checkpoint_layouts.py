@@ -56,9 +56,12 @@ def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     corpus = _corpus(root / "docs")
 
-    def make(name: str, parallel: dict, dropout: float = 0.0, **checkpoint) -> dict:
+    def make(name: str, parallel: dict, dropout=0.0, style="llama", **checkpoint) -> dict:
+        model = {**MODEL, "dropout": dropout, "style": style}
+        if style == "gpt2":  # tied embedding: a copy of it on the last pipeline stage
+            model.pop("ffn_hidden_size")
         return {
-            "model": {**MODEL, "dropout": dropout},
+            "model": model,
             "parallel": parallel,
             "precision": {"dtype": "fp32"},
             "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(root / "cache")),
@@ -89,8 +92,10 @@ def test_exact_resume_tp2_pp2_and_zero1_then_reshard_to_pp4_and_one_process(job)
     tp_pp, zero = {"tp": 2, "pp": 2}, {"tp": 2, "dp": 2, "zero1": True}
     source = root / "zero" / "checkpoints"
     jobs = [
-        make("tp_pp", tp_pp, dropout=0.1),
-        _resume(make, "tp_pp_resumed", tp_pp, root / "tp_pp" / "checkpoints", dropout=0.1),
+        make("tp_pp", tp_pp, dropout=0.1, style="gpt2"),
+        _resume(
+            make, "tp_pp_resumed", tp_pp, root / "tp_pp" / "checkpoints", dropout=0.1, style="gpt2"
+        ),
         make("zero", zero),
         _resume(make, "zero_resumed", zero, source),
         _resume(make, "to_pp4", {"pp": 4}, source),
@@ -110,9 +115,10 @@ def test_exact_resume_tp2_pp2_and_zero1_then_reshard_to_pp4_and_one_process(job)
 
 @pytest.mark.slow
 def test_resharding_matrix(job):
-    """Saved under tp2 x dp2 (ZeRO-1) and tp2 x pp2; loaded under tp4, dp4 (with and
-    without ZeRO-1), pp4 and tp2 x pp2 x dp1 from the other source."""
+    """Saved under tp2 x dp2 (ZeRO-1), tp2 x pp2 and (GPT-2, tied) pp2 x vpp2 x dp2; loaded
+    under tp4, dp4 (with and without ZeRO-1), pp4, tp2 x pp2 and one process."""
     root, make = job
+    vpp = {"pp": 2, "vpp": 2, "schedule": "interleaved_1f1b", "dp": 2}
     zero_src, tp_pp_src = root / "m_zero" / "checkpoints", root / "m_tp_pp" / "checkpoints"
     jobs = [
         make("m_zero", {"tp": 2, "dp": 2, "zero1": True}),
@@ -123,12 +129,15 @@ def test_resharding_matrix(job):
         _resume(make, "m_tp_pp_tp4", {"tp": 4}, tp_pp_src),
         _resume(make, "m_tp_pp_pp4", {"pp": 4}, tp_pp_src),
         _resume(make, "m_zero_tp_pp", {"tp": 2, "pp": 2}, zero_src),
+        make("m_vpp", vpp, style="gpt2"),
+        _resume(make, "m_vpp_tp4", {"tp": 4}, root / "m_vpp" / "checkpoints", style="gpt2"),
     ]
     results = run_ranks(_run_jobs, 4, jobs)[0]
-    (zero_whole, _, _), (tp_pp_whole, _, _), *resumed = results
+    (zero_whole, _, _), (tp_pp_whole, _, _), *resumed, (vpp_whole, _, _), vpp_tp4 = results
     wholes = [zero_whole, zero_whole, tp_pp_whole, tp_pp_whole, tp_pp_whole, zero_whole]
-    for data, whole, got in zip(jobs[2:], wholes, resumed, strict=True):
+    for data, whole, got in zip(jobs[2:8], wholes, resumed, strict=True):
         _check_reshard(whole, got, data["checkpoint"]["dir"])
+    _check_reshard(vpp_whole, vpp_tp4, "gpt2 pp2 x vpp2 (tied copy) -> tp4")
     stream = io.StringIO()
     one = train(validate(_resume(make, "m_one", {}, tp_pp_src)), stream=stream)
     _check_reshard(tp_pp_whole, (one.losses, one.start_step, stream.getvalue()), "tp2 x pp2 -> one")

@@ -84,7 +84,7 @@ def test_train_on_two_ranks_learns_and_writes_outputs(trained):
     assert losses[-1] < losses[0] - 0.5, out.stdout
     assert "2 ranks: tp=1 pp=2" in out.stdout and "eval step 12 | val loss" in out.stdout
     step_dir = root / "checkpoints" / "step_000012"
-    assert (step_dir / "model.pt").is_file() and (step_dir / "tokenizer.json").is_file()
+    assert (step_dir / "manifest.json").is_file() and (step_dir / "tokenizer.json").is_file()
     assert (root / "checkpoints" / "latest").read_text().strip() == "step_000012"
     assert list((root / "tensorboard").glob("events.out.tfevents.*"))
     assert "sample (8 tokens after 'def '):" in out.stdout
@@ -112,7 +112,7 @@ def test_torchrun_module_entry_trains_the_same(job, trained):
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert _losses(out.stdout) == _losses(first.stdout)  # same seed, same layout: same numbers
-    assert (root / "ck_torchrun" / "step_000012" / "model.pt").is_file()
+    assert (root / "ck_torchrun" / "step_000012" / "manifest.json").is_file()
 
 
 def test_bad_input_fails_before_any_rank_starts(job):
