@@ -30,11 +30,12 @@ EXPECTED_PARAMS = {
     ],
     "grouped_mm": ["x", "weight", "tokens_per_expert"],
     "fp8_quantize": ["x", "dtype", "granularity", "scale"],
+    "fp8_quantize_transpose": ["x", "dtype", "granularity", "scale"],
 }
 OPS_DIR = Path(ops.__file__).parent
 
 
-def test_reference_ops_table_is_exactly_the_nine_ops():
+def test_reference_ops_table_is_exactly_the_contract_ops():
     assert set(ops.REFERENCE_OPS) == set(EXPECTED_PARAMS)
     for name, fn in ops.REFERENCE_OPS.items():
         assert fn is getattr(ops, name)
