@@ -4,6 +4,7 @@ resume, N - k steps (bitwise, fp32, with dropout so the RNG state matters)."""
 from __future__ import annotations
 
 import io
+import json
 
 import torch
 
@@ -52,3 +53,21 @@ def test_a_weights_only_checkpoint_starts_at_step_zero_with_a_fresh_optimizer(ti
     assert "fresh optimizer, step 0" in stream.getvalue()
     assert tuned.start_step == 0 and len(tuned.losses) == 2
     assert tuned.losses[0] < trained.losses[0] - 0.5  # it starts from the trained weights
+
+
+def test_fp16_resume_restores_master_weights_and_the_loss_scale(tiny, tmp_path):
+    config = tiny(
+        precision={"dtype": "fp16"},
+        training={"steps": 4, "eval_interval": 0, "sample_prompt": None},
+        checkpoint={"interval": 2},
+        logging={"tensorboard_dir": None},
+    )
+    whole = train(validate(config), stream=io.StringIO())
+    first = tmp_path / "checkpoints" / "step_000002"
+    state = json.loads((first / "trainer_state.json").read_text())
+    assert state["loss_scaler"]["scale"] > 0 and state["optimizer"]["step_count"] >= 1
+    config["checkpoint"] = {"dir": str(tmp_path / "again"), "load": str(first)}
+    resumed = train(validate(config), stream=io.StringIO())
+    assert resumed.losses == whole.losses[2:]  # bitwise
+    _, weights, _ = read_model_weights(tmp_path / "again")  # fp32 masters, not fp16 params
+    assert any((w.half().float() != w).any() for w in weights.values())
