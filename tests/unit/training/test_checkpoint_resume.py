@@ -53,6 +53,13 @@ def test_a_weights_only_checkpoint_starts_at_step_zero_with_a_fresh_optimizer(ti
     assert "fresh optimizer, step 0" in stream.getvalue()
     assert tuned.start_step == 0 and len(tuned.losses) == 2
     assert tuned.losses[0] < trained.losses[0] - 0.5  # it starts from the trained weights
+    # A restart of that job (resume) continues from its own save, not from the import.
+    restart_config = {**tuned_config, "checkpoint": {**tuned_config["checkpoint"], "resume": True}}
+    restart = train(
+        validate({**restart_config, "training": {**tuned_config["training"], "steps": 3}}),
+        stream=io.StringIO(),
+    )
+    assert restart.start_step == 2 and len(restart.losses) == 1
 
 
 def test_fp16_resume_restores_master_weights_and_the_loss_scale(tiny, tmp_path):

@@ -49,7 +49,7 @@ class EngineState:
 
     def __init__(self, engine):
         layout = engine.layout
-        if layout.spec.ep > 1:
+        if layout.spec.ep > 1:  # expert shards over ep: a second split of dim 0, not mapped
             raise CheckpointError(
                 f"checkpoints do not map expert-parallel parameters yet (ep={layout.spec.ep})"
             )

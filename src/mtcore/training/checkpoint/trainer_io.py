@@ -15,7 +15,12 @@ from pathlib import Path
 import yaml
 
 from mtcore.training.checkpoint.checkpointer import Checkpointer
-from mtcore.training.checkpoint.manifest import MANIFEST, has_checkpoint, partial_dirs
+from mtcore.training.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    has_checkpoint,
+    partial_dirs,
+)
 
 
 class TrainerCheckpoints:
@@ -25,27 +30,42 @@ class TrainerCheckpoints:
         self.config, self.ck, self.say = config, config.checkpoint, say
         self.tokenizer, self.model_config = prep.data.tokenizer, prep.model
         self.checkpointer = None
-        if self.ck.dir is not None or self.ck.load is not None:
+        self.ep = engine.layout.spec.ep
+        wanted = self.ck.dir is not None or self.ck.load is not None
+        if wanted and self.ep > 1:
+            if self.ck.load is not None or self.ck.resume:
+                raise CheckpointError(
+                    f"checkpoints do not map expert-parallel parameters yet (parallel.ep="
+                    f"{self.ep}); load or resume with ep=1"
+                )
+            say(f"checkpoint: not saving: expert parallelism (ep={self.ep}) is not mapped yet")
+        elif wanted:
             self.checkpointer = Checkpointer(
                 engine, keep_last=self.ck.keep_last, async_save=self.ck.async_save
             )
 
     def restore(self, loader) -> int:
         """Load the configured checkpoint into the engine and ``loader``; the step to
-        continue after (0: from the start)."""
-        path = self.ck.load
-        if path is None and self.ck.resume and self.ck.dir is not None:
+        continue after (0: from the start).
+
+        ``resume`` with a checkpoint in ``dir`` wins over ``load``: a restarted fine-tuning
+        job continues from its own last save, not from the model it started from.
+        """
+        if self.checkpointer is None:
+            return 0
+        path, finetune = self.ck.load, self.ck.finetune
+        if self.ck.resume and self.ck.dir is not None:
             root = Path(self.ck.dir).expanduser()
             self._report_partials(root)
             if has_checkpoint(root):
-                path = str(root)
-            else:
+                path, finetune = str(root), False
+            elif path is None:
                 self.say(f"checkpoint: nothing to resume under {root}; starting at step 0")
         if path is None:
             return 0
         given = Path(path).expanduser()
         self._report_partials(given.parent if (given / MANIFEST).is_file() else given)
-        loaded = self.checkpointer.load(path, finetune=self.ck.finetune)
+        loaded = self.checkpointer.load(path, finetune=finetune)
         if loaded.trainer_state is not None:
             loader.load_state_dict(loaded.trainer_state["data"])
         if loaded.step == 0:
