@@ -99,8 +99,14 @@ def _quantize(
             scale_t_ptr + (cols // ROWDIV) * t_row + (rows // TILE) * t_blk, mask=mask, other=1.0
         )
         qt = _round_fp8(x * scale_t, fmax, MANT, EMIN)
+        # Store the transposed tile row by row of x.T, so consecutive threads write
+        # consecutive bytes; tl.trans moves the data between layouts on chip.
+        rows_t = bm * TILE + tl.arange(0, TILE)[None, :]  # columns of x.T
+        cols_t = bk * TILE + tl.arange(0, TILE)[:, None]  # rows of x.T
         tl.store(
-            data_t_ptr + cols.to(tl.int64) * m + rows, qt.to(data_t_ptr.dtype.element_ty), mask=mask
+            data_t_ptr + cols_t.to(tl.int64) * m + rows_t,
+            tl.trans(qt).to(data_t_ptr.dtype.element_ty),
+            mask=(cols_t < k) & (rows_t < m),
         )
 
 
