@@ -1,6 +1,6 @@
 """Moving routed tokens to the ranks that hold their experts, and back.
 
-Two dispatchers over the expert-parallel (ep) group, both through
+Dispatchers over the expert-parallel (ep) group, all through
 ``backend.collective``; each is used as ``dispatch`` (tokens -> rows sorted by
 this rank's local experts, plus the row count of each) then ``combine``
 (expert outputs -> ``[T, h]`` in the original token order, each token the sum
@@ -9,12 +9,14 @@ of its kept assignments weighted by their router probabilities).
 * ``AllToAllDispatcher``: every rank sends each assignment only to the rank of
   its expert (two all-to-alls with variable split sizes, after a small
   all-to-all of the counts). Traffic ~ ``T * k * h`` per rank.
+  ``dispatch_dedup.DedupAllToAllDispatcher`` sends a token once per
+  destination rank instead of once per assignment.
 * ``AllGatherDispatcher``: every rank gathers all ranks' tokens and routing,
   runs the ones its experts chose, and a reduce-scatter sums the weighted
   outputs back to their owners. Traffic ~ ``ep * T * h``; no count exchange, so
   it suits small ep or high top-k. Needs the same token count on every ep rank.
 
-With ``ep == 1`` both skip every collective. Rows are sorted stably by expert,
+With ``ep == 1`` they skip every collective. Rows are sorted stably by expert,
 so each expert sees its tokens in source-rank, then token order.
 """
 
