@@ -8,6 +8,7 @@ stops the job with a message that names the key and the keys that exist there.
 
 from __future__ import annotations
 
+import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,7 +113,13 @@ def set_key(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _section(annotation: Any) -> type[BaseModel] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    """The pydantic model of a section; an optional one (``MoESpec | None``) counts too."""
+    options = [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(options) == 1 and isinstance(options[0], type) and issubclass(options[0], BaseModel):
+        return options[0]
+    return None
 
 
 def _is_list(annotation: Any) -> bool:

@@ -108,6 +108,15 @@ def test_moe_yaml_is_valid_for_four_ranks():
     spec, microbatches = config.check(4)
     assert (spec.tp, spec.dp, spec.ep, microbatches) == (2, 2, 2, 2)
     assert config.model.moe.num_experts == 8 and config.model.moe.top_k == 2
+    changed = load_config(
+        str(ROOT / "configs/moe.yaml"),
+        ["--model.moe.top_k", "4", "--model.moe.dispatcher=allgather"],
+    )
+    assert (changed.model.moe.top_k, changed.model.moe.dispatcher) == (4, "allgather")
+    with pytest.raises(ConfigError, match=r"model\.moe has no 'experts' \(known: num_experts"):
+        load_config(str(ROOT / "configs/moe.yaml"), ["--model.moe.experts", "4"])
+    with pytest.raises(ConfigError, match=r"model\.moe\.ffn_size: Field required"):
+        load_config(None, ["--model.moe.num_experts", "4"])  # a dense default made MoE
 
 
 @pytest.mark.slow
