@@ -221,3 +221,40 @@ def test_doctor_says_which_recipe_gemms_fall_back():
     assert facts["recipes"]["delayed"] == dict.fromkeys(("forward", "dgrad", "wgrad"), "native")
     lines = "\n".join(_fp8(facts))
     assert "recipe blockwise  forward, dgrad, wgrad: fallback (dequantize + matmul)" in lines
+
+
+def test_gpt_runs_fp8_in_the_middle_blocks_only():
+    from mtcore.distributed import ParallelLayout
+    from mtcore.models import GPT, ModelConfig
+    from mtcore.models.gpt import make_context
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, seq_len=16)
+    recipe = FP8Recipe(first_last_high_precision=1)
+    model = GPT(config, make_context(config, ParallelLayout.single(), BACKEND, fp8=recipe))
+    fp8_linears = {n.rsplit(".fp8", 1)[0] for n, _ in model.named_buffers() if ".fp8." in n}
+    assert fp8_linears == {f"layers.1.{m}" for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    plain = GPT(config, make_context(config, ParallelLayout.single(), BACKEND))
+    plain.load_state_dict(model.state_dict(), strict=True)  # the same weights, FP8 state dropped
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens, tokens)
+    loss.backward()
+    assert model.layers["1"].mlp.fc1.weight.grad is not None
+    assert loss.item() == pytest.approx(plain(tokens, tokens).item(), rel=1e-2)
+
+
+def test_checkpoints_load_across_the_fp8_boundary():
+    """An FP8-trained state dict loads strictly into a model without FP8 (its FP8 state
+    is dropped) and a plain one into an FP8 model (fresh history); other keys still count."""
+    from mtcore.parallel.tensor import ColumnParallelLinear, TPGroup
+
+    tp = TPGroup.single(BACKEND)
+    fp8 = ColumnParallelLinear(16, 8, tp, fp8=FP8Recipe())
+    plain = ColumnParallelLinear(16, 8, tp)
+    fp8(torch.randn(2, 3, 16)).sum().backward()
+    plain.load_state_dict(fp8.state_dict(), strict=True)
+    assert torch.equal(plain.weight, fp8.weight)
+    fresh = ColumnParallelLinear(16, 8, tp, fp8=FP8Recipe())
+    fresh.load_state_dict(plain.state_dict(), strict=True)
+    assert fresh.fp8.amax_history.count_nonzero() == 0
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fresh.load_state_dict({"weight": plain.weight.detach()}, strict=True)

@@ -37,7 +37,7 @@ from mtcore.parallel.tensor.sharding import (
     set_tp_partition,
     shard_tensor,
 )
-from mtcore.precision.fp8 import FP8Recipe, FP8Scaling, fp8_linear
+from mtcore.precision.fp8 import FP8Recipe, FP8Scaling, accept_fp8_state, fp8_linear
 
 InitMethod = Callable[[Tensor, torch.Generator | None], None]
 
@@ -120,7 +120,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if bias:
             _add_sharded_param(self, "bias", (out_features,), rows, _zeros, None, device, dtype)
-        self.fp8 = _fp8_scaling(fp8, tp, device)
+        self.fp8 = _fp8_scaling(fp8, tp, device, self)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:  # FP8: the collectives around the matmul, not overlapped
@@ -182,7 +182,7 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
             if self.sequence_parallel:
                 mark_sequence_parallel(self, "bias")
-        self.fp8 = _fp8_scaling(fp8, tp, device)
+        self.fp8 = _fp8_scaling(fp8, tp, device, self)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
@@ -255,9 +255,13 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, sp={self.sequence_parallel}"
 
 
-def _fp8_scaling(recipe: FP8Recipe | None, tp: TPGroup, device) -> FP8Scaling | None:
-    """The FP8 state of a linear (None: high precision); delayed scales agree over tp."""
+def _fp8_scaling(
+    recipe: FP8Recipe | None, tp: TPGroup, device, module: nn.Module
+) -> FP8Scaling | None:
+    """The FP8 state of a linear (None: high precision, which still loads checkpoints
+    that carry FP8 state); delayed scales agree over tp."""
     if recipe is None:
+        accept_fp8_state(module)
         return None
     group = (tp.collective, tp.group) if tp.size > 1 else None
     return FP8Scaling(recipe, tp.backend.fp8, amax_group=group, device=device)

@@ -12,7 +12,7 @@ from mtcore.precision.fp8.recipes import (
     FP8Recipe,
     check_backend_fp8,
 )
-from mtcore.precision.fp8.state import FP8Scaling
+from mtcore.precision.fp8.state import FP8Scaling, accept_fp8_state
 
 __all__ = [
     "FORMATS",
@@ -20,6 +20,7 @@ __all__ = [
     "SCALINGS",
     "FP8Recipe",
     "FP8Scaling",
+    "accept_fp8_state",
     "check_backend_fp8",
     "fp8_linear",
 ]

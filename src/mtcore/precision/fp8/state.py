@@ -19,6 +19,10 @@ Forward passes replayed by activation recomputation inside backward reuse the
 latest scale and record nothing, so a recomputed step does not advance the
 history twice. Forward passes without autograd (evaluation) record nothing
 either: evaluating must not change how training quantizes.
+
+Checkpoints cross the FP8 boundary both ways: a model built without FP8 accepts
+and drops the FP8 state of an FP8-trained checkpoint (``accept_fp8_state``), and
+an FP8 model loading a checkpoint without it starts with a fresh history.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from mtcore.precision.fp8.recipes import ROLES, FP8Recipe
+
+_BUFFERS = ("amax_history", "scale")
 
 
 def _in_backward() -> bool:
@@ -107,10 +113,20 @@ class FP8Scaling(nn.Module):
         self.scale[i] = self._scale_from(row.max(), fp8_max)
         self._fresh[i] = False
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.recipe.delayed:  # a loaded history is the past to go on (one sync, at load)
-            self._fresh = [not bool(row.any()) for row in self.amax_history]
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+        if not self.recipe.delayed:
+            return
+        keys = [prefix + name for name in _BUFFERS]
+        if not any(key in state_dict for key in keys):  # saved without FP8: start fresh
+            missing_keys[:] = [k for k in missing_keys if k not in keys]
+            return
+        # A loaded history is the past to go on (one host sync, at load time).
+        self._fresh = [not bool(row.any()) for row in self.amax_history]
 
     def _apply(self, fn, recurse=True):
         """Move the buffers with the model but keep them float32 under a dtype cast."""
@@ -122,3 +138,15 @@ class FP8Scaling(nn.Module):
 
     def extra_repr(self) -> str:
         return self.recipe.describe()
+
+
+def accept_fp8_state(module: nn.Module) -> None:
+    """Let ``module`` (a linear built without FP8) load a state dict that carries FP8
+    state under ``<prefix>fp8.``: the state is dropped, strict loading still checks
+    every other key."""
+
+    def drop(state_dict, prefix, *args):
+        for name in _BUFFERS:
+            state_dict.pop(f"{prefix}fp8.{name}", None)
+
+    module._register_load_state_dict_pre_hook(drop)
