@@ -17,7 +17,8 @@ sequence parallel, ep2 with pp2, and ep2 with ZeRO-1 (expert state sharded over
 edp). Plus model ``cap`` (capacity factor 1.0, tokens dropped) at ep4: the same
 fraction dropped, and the same losses and weights, so the same tokens. And
 model ``first`` (only layer 0 MoE) at ep2 + pp2 x vpp2: a pipeline rank
-without MoE layers still joins the load and norm reductions.
+without MoE layers still joins the load and norm reductions. And model ``dedup``
+(the ``alltoall_dedup`` dispatcher) at ep2 x tp2.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ MODELS = {
         **SIZES,
     ),
     "cap": ModelConfig(init_std=0.1, moe=dict(MOE, capacity_factor=1.0), **SIZES),
+    "dedup": ModelConfig(init_std=0.1, moe=dict(MOE, dispatcher="alltoall_dedup"), **SIZES),
     "first": ModelConfig(
         init_std=0.1, moe_layer_freq=4, moe=dict(MOE, bias_update_rate=1e-2), **SIZES
     ),
@@ -75,6 +77,7 @@ CASES = {
     if not (layout == "ep2_tp2_sp" and model == "ag")  # SP once is enough
 }
 CASES["ep4_cap"] = ("cap", *LAYOUTS["ep4"])  # capacity 1.0: the same tokens dropped
+CASES["ep2_tp2_dedup"] = ("dedup", *LAYOUTS["ep2_tp2"])  # the third dispatcher
 # Only layer 0 is MoE: with interleaving, pipeline rank 1 (layers 1 and 3) has no experts.
 CASES["ep2_pp2_vpp2_first"] = ("first", dict(ep=2, pp=2, vpp=2), False)
 
