@@ -66,7 +66,7 @@ def test_runs_in_interpreter():
         norms._norm_fwd,
         pointwise._rope,
         cross_entropy._ce_fwd,
-        adamw._adamw,
+        adamw._adamw_multi,
         fp8._quantize,
     ):
         assert isinstance(kernel, InterpretedFunction), (
@@ -225,7 +225,12 @@ def test_adamw_one_call_mixed_dtypes_lengths_and_empty_tensors():
                 kit.compare(got.float(), want.float(), f"list {k}", kit.Tolerance(3e-7, 1.2e-7))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=kit.dtype_name)
+# The input dtype only changes the kernels' first load; bf16 (the slower half) is in the slow run.
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+    ids=kit.dtype_name,
+)
 def test_fp8_quantize_conformance(dtype):
     assert kit.check_fp8_quantize(fp8.fp8_quantize, None, dtype, "cpu")
     assert kit.check_fp8_quantize_transpose(fp8.fp8_quantize_transpose, None, dtype, "cpu")
