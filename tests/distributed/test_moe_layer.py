@@ -81,8 +81,9 @@ SPECS = {  # each runs with every dispatcher; variants spread over router option
     ),
     # a bias that sends every token to experts 0 and 1: other ranks get no rows at all
     "all_to_rank0": dict(num_experts=8, top_k=2, ffn_size=8, bias_update_rate=10.0),
+    # 4 experts: one per rank at ep=4
     "capacity": dict(
-        num_experts=8, top_k=2, ffn_size=8, capacity_factor=0.75, topk_then_softmax=True
+        num_experts=4, top_k=2, ffn_size=8, capacity_factor=0.75, topk_then_softmax=True
     ),
 }
 
@@ -159,6 +160,8 @@ def _check_layout(ctx, name, layout_spec):
     shard = slice(tp.rank * SEQ // tp.size, (tp.rank + 1) * SEQ // tp.size) if sp else slice(None)
     results = {}
     for spec_name, kwargs in SPECS.items():
+        if kwargs["num_experts"] % layout.ep:
+            continue  # (the 4-expert spec at ep=8)
         # one process has no ep group: every dispatcher does the same there
         ref_out, ref_gin, ref_keep, ref_grads, ref_counts, ref_dropped = _reference(
             MoESpec(**kwargs), backend, x, grad
@@ -232,7 +235,9 @@ def test_capacity_drops_the_same_tokens(results, case):
 def test_eight_ranks_match_one_process():
     """ep=4 x tp=2 with SP, ep=2 x dp=4 x tp=2 and ep=8: the same checks on 8 ranks."""
     results = run_ranks(_all_layouts, 8, SLOW_LAYOUTS)
-    for case in _cases(SLOW_LAYOUTS):
+    cases = [c for c in _cases(SLOW_LAYOUTS) if c in results[0]]
+    assert len(cases) == len(_cases(SLOW_LAYOUTS)) - len(DISPATCHERS)  # capacity skips ep8
+    for case in cases:
         _assert_matches(results, case)
         for res in results:
             assert res[case]["keep_same"], case

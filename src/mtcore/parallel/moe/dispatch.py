@@ -124,6 +124,9 @@ class AllToAllDispatcher(Dispatcher):
         self.in_splits = counts.view(p, e).sum(1).tolist()
         self.out_splits = received.sum(1).tolist()
         rows = _AllToAll.apply(rows, self.ep, self.out_splits, self.in_splits)
+        if e == 1:  # one local expert: arrival order is already grouped by expert
+            self.regroup = None
+            return rows, received.sum(0)
         # rows arrive grouped by (source rank, local expert); a stable sort on
         # (local expert, source rank) regroups them by expert.
         source = torch.arange(p, device=x.device).repeat_interleave(e)
@@ -134,11 +137,11 @@ class AllToAllDispatcher(Dispatcher):
 
     def combine(self, out):
         if self.ep.size > 1:
-            back = torch.empty_like(self.regroup)
-            back[self.regroup] = torch.arange(len(self.regroup), device=back.device)
-            out = _AllToAll.apply(
-                out.index_select(0, back), self.ep, self.in_splits, self.out_splits
-            )
+            if self.regroup is not None:
+                back = torch.empty_like(self.regroup)
+                back[self.regroup] = torch.arange(len(self.regroup), device=back.device)
+                out = out.index_select(0, back)
+            out = _AllToAll.apply(out, self.ep, self.in_splits, self.out_splits)
         weighted = out * self.weight.to(out.dtype).unsqueeze(1)
         y = out.new_zeros((self.tokens, out.shape[1])).index_add(0, self.token, weighted)
         self._forget()
