@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.checkpoint.engine_state import EngineState
@@ -121,7 +122,12 @@ class Checkpointer:
         }
         if self.async_save:
             future = dcp_save(
-                tensors, staging, self.world, run_async=True, process_group=self._group
+                host_copy(tensors),
+                staging,
+                self.world,
+                run_async=True,
+                process_group=self._group,
+                async_stager=_AlreadyStaged(),
             )
             self._pending = (future, staging, header)
             return None
@@ -260,3 +266,34 @@ def gather_json(obj: dict, collective, world: int, device) -> dict:
         raw = bytes(every[r * longest : r * longest + int(sizes[r])].tolist())
         out.update(json.loads(raw.decode()))
     return out
+
+
+def host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A host-memory snapshot of the tensors to save (DTensors stay DTensors). DCP's own
+    stager deep-copies a DTensor, mesh and process group included, which fails."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in tensors.items():
+        if isinstance(value, DTensor):
+            local = value.to_local().detach().clone()  # stays on its mesh's device
+            out[key] = DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        else:
+            out[key] = value.detach().to("cpu", copy=True)
+    return out
+
+
+class _AlreadyStaged(AsyncStager):
+    """The state dict is a host copy already (``host_copy``): nothing left to stage."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict

@@ -117,7 +117,8 @@ def dcp_save(tensors: dict, directory: Path, world: int, **kwargs):
     writer = FileSystemWriter(str(directory))
     with _quiet():
         if world == 1:
-            kwargs = {"no_dist": True}
+            kwargs.pop("process_group", None)
+            kwargs["no_dist"] = True
         fn = dcp.async_save if run_async else dcp.save
         return fn(tensors, storage_writer=writer, **kwargs)
 
