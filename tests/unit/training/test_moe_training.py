@@ -7,6 +7,8 @@
   included);
 * bad input (num_experts % ep, top_k > num_experts, ep not dividing dp, ep on a
   dense model, expert sizes over tp) stops ``prepare`` with the numbers named;
+* the aux/z-loss gradient carries the loss scale like the main loss (a static
+  scale of 1024 changes nothing, with the balancing loss weighted heavily);
 * configs/moe.yaml is valid for 4 ranks, and ``mtcore train configs/moe.yaml
   --nproc 4`` trains (slow).
 """
@@ -21,9 +23,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from mtcore.backend import select_backend
+from mtcore.distributed import ParallelLayout
 from mtcore.models import GPT, ModelConfig
-from mtcore.training.config import ConfigError
+from mtcore.precision import MixedPrecision
+from mtcore.testing.compare import rel_error
+from mtcore.training.config import ConfigError, OptimizerConfig
+from mtcore.training.engine import Engine
 from mtcore.training.overrides import load_config, validate
 from mtcore.training.trainer import prepare, train
 
@@ -101,6 +109,29 @@ def test_moe_config_defaults_and_parameter_counts():
     assert cfg.num_params() - cfg.num_params(active=True) == 2 * 2 * (2 * 32 * 64)
     dense = cfg.model_copy(update={"moe": None})
     assert dense.num_params(active=True) == dense.num_params()
+
+
+def test_aux_loss_gradient_carries_the_loss_scale():
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, seq_len=16, init_std=0.1,
+        moe=dict(MOE, ffn_size=32, aux_loss_coeff=1.0, z_loss_coeff=0.1),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (2, 2, 2, 16), generator=g) for _ in range(2)]
+    runs = []
+    for scale in (None, 1024.0):
+        engine = Engine(
+            cfg, ParallelLayout.single(), select_backend("cpu"), micro_batch_size=2,
+            num_microbatches=2, optimizer=OptimizerConfig(lr=1e-2, warmup_steps=0),
+            precision=MixedPrecision("fp32", loss_scale=scale),
+        )  # fmt: skip
+        steps = [engine.train_step(list(b[0]), list(b[1])) for b in batches]
+        runs.append((steps, engine.full_state_dict()))
+    (plain, plain_w), (scaled, scaled_w) = runs
+    for a, b in zip(plain, scaled, strict=True):
+        assert not b.skipped and abs(a.grad_norm - b.grad_norm) <= 1e-6 * a.grad_norm
+    for name in ("layers.0.mlp.router.weight", "layers.1.mlp.router.weight"):
+        assert rel_error(scaled_w[name], plain_w[name]) <= 1e-6, name
 
 
 def test_moe_yaml_is_valid_for_four_ranks():
