@@ -189,6 +189,9 @@ class _Loop:
                 f"{m.dispatcher} dispatch, "
                 + ("dropless" if m.capacity_factor is None else f"capacity {m.capacity_factor}")
             )
+        if (fp8 := self.config.precision.fp8_config()) is not None:
+            paths = "/".join(sorted(set(fp8.paths(self.backend.fp8).values())))
+            self.say(f"fp8 ({fp8.format}): {fp8.describe()} | block linear GEMMs: {paths}")
         window_t, window_steps = 0.0, 0
         for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0 = time.perf_counter()

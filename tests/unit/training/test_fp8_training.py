@@ -85,3 +85,14 @@ def test_fp8_from_the_command_line_and_its_errors():
     with pytest.raises(ConfigError, match=r"compute capability 8\.0 < 8\.9.*old-gpu"):
         config.precision.check_backend(backend)
     config.precision.check_backend(select_backend("cpu"))
+
+
+def test_trainer_says_fp8_is_on(job):
+    config = job(fp8="hybrid", fp8_recipe="blockwise")
+    config["training"].update(steps=1)
+    stream = io.StringIO()
+    train(validate(config), stream=stream)
+    assert (
+        "fp8 (hybrid): blockwise scaling, E4M3 forward, E5M2 gradients | block linear GEMMs: "
+        "fallback (dequantize + matmul)"
+    ) in stream.getvalue()
