@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 import torch
 
 from mtcore.training.checkpoint import read_model_weights, write_model_weights
@@ -62,9 +63,12 @@ def test_a_weights_only_checkpoint_starts_at_step_zero_with_a_fresh_optimizer(ti
     assert restart.start_step == 2 and len(restart.losses) == 1
 
 
-def test_fp16_resume_restores_master_weights_and_the_loss_scale(tiny, tmp_path):
+@pytest.mark.parametrize(
+    "precision", [{"dtype": "fp16"}, {"dtype": "bf16", "fp8": "hybrid"}], ids=["fp16", "fp8"]
+)
+def test_low_precision_resume_restores_masters_scaler_and_fp8_history(tiny, tmp_path, precision):
     config = tiny(
-        precision={"dtype": "fp16"},
+        precision=precision,
         training={"steps": 4, "eval_interval": 0, "sample_prompt": None},
         checkpoint={"interval": 2},
         logging={"tensorboard_dir": None},
@@ -72,9 +76,10 @@ def test_fp16_resume_restores_master_weights_and_the_loss_scale(tiny, tmp_path):
     whole = train(validate(config), stream=io.StringIO())
     first = tmp_path / "checkpoints" / "step_000002"
     state = json.loads((first / "trainer_state.json").read_text())
-    assert state["loss_scaler"]["scale"] > 0 and state["optimizer"]["step_count"] >= 1
+    assert state["optimizer"]["step_count"] == 2
+    assert (state["loss_scaler"] is not None) == (precision["dtype"] == "fp16")
     config["checkpoint"] = {"dir": str(tmp_path / "again"), "load": str(first)}
     resumed = train(validate(config), stream=io.StringIO())
-    assert resumed.losses == whole.losses[2:]  # bitwise
-    _, weights, _ = read_model_weights(tmp_path / "again")  # fp32 masters, not fp16 params
+    assert resumed.losses == whole.losses[2:]  # bitwise (FP8: the amax history came back)
+    _, weights, _ = read_model_weights(tmp_path / "again")  # fp32 masters, not the params
     assert any((w.half().float() != w).any() for w in weights.values())

@@ -57,6 +57,7 @@ class EngineState:
         self.tp = layout.tp
         self.params: list[_Param] = []
         self.buffers: dict[str, Tensor] = {}
+        self._chunk_of: dict[str, object] = {}
         for chunk in engine.chunks:
             for name, p, partition, _ in named_tp_parameters(chunk):
                 self.params.append(_Param(chunk, name, p, partition))
@@ -64,6 +65,7 @@ class EngineState:
             for name, value in chunk.state_dict(keep_vars=True).items():
                 if name not in names and isinstance(value, Tensor):
                     self.buffers[name] = value
+                    self._chunk_of[name] = chunk
         self._mesh = None
 
     # -- shapes and records ----------------------------------------------------------
@@ -186,7 +188,11 @@ class EngineState:
             pieces = self._pieces(entry, entry.param.detach(), "model")
             want(pieces, entry.param.data.copy_)
         for name, value in self.buffers.items():
-            want([Piece(f"model.{name}", value.detach(), None)], value.data.copy_, required=False)
+            # Through load_state_dict, so a module's own load hook sees its state (FP8
+            # scaling derives its "fresh" flags from the loaded amax history).
+            chunk = self._chunk_of[name]
+            load = lambda t, c=chunk, n=name: c.load_state_dict({n: t}, strict=False)  # noqa: E731
+            want([Piece(f"model.{name}", value.detach(), None)], load, required=False)
         flat: dict[str, dict[int, Tensor]] = {}
         if optimizer:
             flat = self._empty_optimizer_state()
