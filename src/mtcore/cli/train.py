@@ -24,6 +24,10 @@ overrides:
   --section.key VALUE    set one config value, e.g. --parallel.tp 2 --precision.dtype fp32
                          (sections: model parallel precision data optimizer training
                          checkpoint logging; values are YAML: 2, true, null, [a, b])
+checkpoints (docs/checkpoints.md):
+  --checkpoint.resume true         continue from checkpoint.dir's latest save (restarts)
+  --checkpoint.load PATH           start from a checkpoint saved under any layout
+  --checkpoint.finetune true       with load: the weights only (fresh optimizer, step 0)
 """
 
 
