@@ -33,7 +33,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 log = logging.getLogger("mtcore.checkpoint")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, incomplete, corrupted or incompatible.
     The message names the directory or file."""
 
