@@ -59,7 +59,7 @@ def test_fp8_interface_quantize_transpose_uses_the_bound_kernel():
     assert q.data.shape == (130, 257) and qt.data.shape == (257, 130)
     torch.testing.assert_close(qt.dequantize(), q.dequantize().t(), rtol=0.13, atol=0.05)
     # Unbound, the interface falls back to the reference op; bad granularities are named.
-    plain_q, plain_qt = FP8().quantize_transpose(_x(), E4M3, "row")
+    _, plain_qt = FP8().quantize_transpose(_x(), E4M3, "row")
     assert plain_qt.scale_inv.shape == (257, 1)
     with pytest.raises(ValueError, match="granularity"):
         FP8().quantize_transpose(_x(), E4M3, "2x2")
