@@ -42,8 +42,7 @@ class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, scaling: FP8Scaling, record: bool):
         fp8 = scaling.fp8
-        qx = scaling.quantize(x, "input", record)
-        qw = scaling.quantize(weight, "weight", record)
+        qx, qw = scaling.quantize_forward(x, weight, record)
         y = fp8.scaled_matmul(qx, qw, out_dtype=x.dtype)
         ctx.scaling, ctx.x_dtype, ctx.w_dtype = scaling, x.dtype, weight.dtype
         ctx.per_tensor = qx.granularity == "tensor"

@@ -92,8 +92,26 @@ class FP8Scaling(nn.Module):
             self._record(i, amax, self.fp8.max_value(dtype))
         return q
 
+    def quantize_forward(self, x: Tensor, weight: Tensor, record: bool):
+        """Input and weight of one forward GEMM; delayed scaling reduces both amaxes
+        over the tp group in one all-reduce once past the first call."""
+        if not self.recipe.delayed or not record or self._fresh[0] or self._fresh[1]:
+            return self.quantize(x, "input", record), self.quantize(weight, "weight", record)
+        recipe = self.recipe
+        qx, qw = (
+            self.fp8.quantize(t, recipe.dtype(role), recipe.granularity(role), scale=self.scale[i])
+            for i, (t, role) in enumerate(((x, "input"), (weight, "weight")))
+        )
+        amax = self._reduce(torch.stack([qx.amax.reshape(()), qw.amax.reshape(())]))
+        self._record(0, amax[0], self.fp8.max_value(recipe.dtype("input")))
+        self._record(1, amax[1], self.fp8.max_value(recipe.dtype("weight")))
+        return qx, qw
+
     def _reduce(self, amax: Tensor) -> Tensor:
-        amax = amax.detach().float().reshape(()).clone()
+        """Max over the tp group (a scalar, or several stacked: one collective)."""
+        amax = amax.detach().float().clone()
+        if amax.numel() == 1:
+            amax = amax.reshape(())
         if self.amax_group is not None:
             collective, group = self.amax_group
             collective.all_reduce(amax, op="max", group=group)
