@@ -80,7 +80,7 @@ def test_kill_mid_save_then_resume_from_the_previous_checkpoint(tmp_path):
     path.write_text(yaml.safe_dump(config))
     command = [str(MTCORE), "train", str(path), "--nproc", "2"]
 
-    env = _env(MTCORE_CHECKPOINT_COMMIT_DELAY_S="4")
+    env = _env(MTCORE_CHECKPOINT_COMMIT_DELAY_S="8")
     first = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
     )
