@@ -42,7 +42,9 @@ def test_resume_is_bitwise_and_async_save_changes_nothing(tiny, tmp_path):
 
 
 def test_a_weights_only_checkpoint_starts_at_step_zero_with_a_fresh_optimizer(tiny, tmp_path):
-    trained = train(validate(_config(tiny, tmp_path)), stream=io.StringIO())
+    trained = train(validate(_config(tiny, tmp_path, keep_last=1)), stream=io.StringIO())
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["latest", "step_000006"]  # keep_last=1 dropped step 3
     config, weights, _ = read_model_weights(trained.checkpoint)
     imported = write_model_weights(tmp_path / "imported", weights, config)
     stream = io.StringIO()
