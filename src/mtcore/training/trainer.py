@@ -206,7 +206,8 @@ class _Loop:
             if message:
                 self.result.skipped_steps.append(step)
                 self.say(message)
-            if step % self.config.logging.interval == 0 or step in (1, self.t.steps):
+            first = self.result.start_step + 1  # the first step of this run (resumed or not)
+            if step % self.config.logging.interval == 0 or step in (first, self.t.steps):
                 self._log(step, out, lr, window_t / window_steps)
                 window_t, window_steps = 0.0, 0
             elif self.is_main:
