@@ -141,3 +141,19 @@ def test_resharding_matrix(job):
     stream = io.StringIO()
     one = train(validate(_resume(make, "m_one", {}, tp_pp_src)), stream=stream)
     _check_reshard(tp_pp_whole, (one.losses, one.start_step, stream.getvalue()), "tp2 x pp2 -> one")
+
+
+@pytest.mark.slow
+def test_issue_example_tp2_pp2_zero1_dp2_on_8_ranks_to_tp4_pp4_dp4_and_one(job):
+    """The issue's example: saved under tp=2 x pp=2 with ZeRO-1 over dp=2 (8 ranks), then
+    continued in one process and under tp=4, pp=4 and dp=4 (4 ranks)."""
+    root, make = job
+    source = root / "e8" / "checkpoints"
+    ((whole, _, _),) = run_ranks(_run_jobs, 8, [make("e8", {"tp": 2, "pp": 2, "zero1": True})])[0]
+    targets = {"tp4": {"tp": 4}, "pp4": {"pp": 4}, "dp4": {"dp": 4, "zero1": True}}
+    jobs = [_resume(make, f"e8_{name}", parallel, source) for name, parallel in targets.items()]
+    for name, got in zip(targets, run_ranks(_run_jobs, 4, jobs)[0], strict=True):
+        _check_reshard(whole, got, f"tp2 x pp2 x dp2 zero1 -> {name}")
+    stream = io.StringIO()
+    one = train(validate(_resume(make, "e8_one", {}, source)), stream=stream)
+    _check_reshard(whole, (one.losses, one.start_step, stream.getvalue()), "-> one process")
