@@ -258,3 +258,23 @@ def test_checkpoints_load_across_the_fp8_boundary():
     assert fresh.fp8.amax_history.count_nonzero() == 0
     with pytest.raises(RuntimeError, match="Missing key"):
         fresh.load_state_dict({"weight": plain.weight.detach()}, strict=True)
+
+
+def test_engine_keeps_bf16_params_fp32_masters_and_fp32_fp8_state():
+    from mtcore.distributed import ParallelLayout
+    from mtcore.models import ModelConfig
+    from mtcore.training.engine import Engine
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, seq_len=16)
+    engine = Engine(
+        config, ParallelLayout.single(), BACKEND, micro_batch_size=2, num_microbatches=1,
+        precision=MixedPrecision("bf16", fp8=FP8Recipe()),
+    )  # fmt: skip
+    tokens = torch.randint(0, 64, (1, 2, 16), generator=torch.Generator().manual_seed(0))
+    before = engine.chunks[0].layers["0"].mlp.fc1.weight.detach().float().clone()
+    assert not engine.train_step(list(tokens), list(tokens)).skipped
+    fc1 = engine.chunks[0].layers["0"].mlp.fc1
+    assert fc1.weight.dtype == torch.bfloat16 and fc1.fp8.amax_history.dtype == torch.float32
+    assert fc1.fp8.amax_history[:, 0].count_nonzero() == 3  # input, weight, grad recorded
+    assert {s.master.dtype for s in engine.optimizer.segments} == {torch.float32}
+    assert not torch.equal(fc1.weight.float(), before)  # the step reached the FP8 weight
