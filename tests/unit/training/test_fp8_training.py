@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import types
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from mtcore.training.overrides import load_config, validate
 from mtcore.training.trainer import train
 
 STEPS, TAIL, TOLERANCE = 50, 10, 0.02
+DEFAULT_YAML = Path(__file__).parents[3] / "configs" / "default.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_fp8_run_ends_within_two_percent_of_bf16(job, bf16_loss, fmt, recipe):
 
 def test_fp8_from_the_command_line_and_its_errors():
     config = load_config(
-        "configs/default.yaml", ["--precision.fp8", "hybrid", "--precision.fp8_recipe", "delayed"]
+        DEFAULT_YAML, ["--precision.fp8", "hybrid", "--precision.fp8_recipe", "delayed"]
     )
     recipe = config.precision.mixed_precision().fp8
     assert (recipe.format, recipe.scaling, recipe.amax_history_len) == ("hybrid", "delayed", 16)
