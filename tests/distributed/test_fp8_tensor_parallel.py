@@ -2,7 +2,8 @@
 
 Each case trains the trainer's ``Engine`` for a few fp32 steps with FP8 block linears
 at tp=2 and in one process on the same batches, and compares the loss and the
-gradient norm of every step.
+gradient norm of every step. Delayed scaling runs plain, with sequence parallel, and
+with full activation recomputation.
 
 Tolerances (relative). Delayed scaling all-reduces (max) every amax over the tp
 group, so each rank quantizes with the scale one process computes for the whole
@@ -39,12 +40,14 @@ SIZES = dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_he
 MODELS = {
     "llama": ModelConfig(style="llama", init_std=0.1, **SIZES),
     "gpt2": ModelConfig(style="gpt2", init_std=0.1, **SIZES),
+    "llama_full": ModelConfig(style="llama", init_std=0.1, recompute="full", **SIZES),
 }
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
 # name: (model, layout, recipe, tolerance of (first step, loss, gradient norm))
 CASES = {
     "delayed": ("llama", dict(tp=2), "delayed", (1e-5, 1e-3, 5e-3)),
     "delayed_sp": ("gpt2", dict(tp=2, sequence_parallel=True), "delayed", (1e-5, 1e-3, 5e-3)),
+    "delayed_recompute": ("llama_full", dict(tp=2), "delayed", (1e-5, 1e-3, 5e-3)),
     "current": ("llama", dict(tp=2), "current", (1e-2, 1e-2, 3e-2)),
     "blockwise": ("llama", dict(tp=2), "blockwise", (1e-2, 1e-2, 3e-2)),
 }
@@ -120,7 +123,7 @@ def test_fp8_tp2_matches_one_process(runs, case):
 
 def test_delayed_amax_history_is_identical_on_tp_ranks_and_matches_one_process(runs):
     ranks, refs = runs
-    for case in ("delayed", "delayed_sp"):
+    for case in ("delayed", "delayed_sp", "delayed_recompute"):
         first, second = ranks[0][case]["history"], ranks[1][case]["history"]
         assert first and set(first) == set(second) == set(refs[case]["history"])
         for name, hist in first.items():
