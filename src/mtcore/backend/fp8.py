@@ -38,6 +38,12 @@ class Quantized:
         return fp8_dequantize(self.data, self.scale_inv, self.granularity, out_dtype=dtype)
 
 
+def _scaled_mm_shape_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """cuBLASLt's FP8 GEMM (behind ``torch._scaled_mm``) wants K and N in multiples of 16;
+    other shapes take the dequantize fallback instead of an error from the device."""
+    return a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0
+
+
 class FP8:
     """FP8 support of one backend.
 
@@ -132,10 +138,11 @@ class FP8:
         return (a_granularity, b_granularity) in self.native_granularities
 
     def scaled_matmul(self, a: Quantized, b: Quantized, out_dtype=torch.float32) -> torch.Tensor:
-        """``a @ b.T`` in ``out_dtype``; native when the granularity pair allows it."""
+        """``a @ b.T`` in ``out_dtype``; native when the granularity pair and the shape
+        (K and N multiples of 16) allow it, else dequantize and multiply."""
         if a.data.shape[1] != b.data.shape[1]:
             raise ValueError(f"scaled_matmul: K differs, a {tuple(a.data.shape)} b {tuple(b.data.shape)}")
-        if self.is_native(a.granularity, b.granularity):
+        if self.is_native(a.granularity, b.granularity) and _scaled_mm_shape_ok(a.data, b.data):
             scale_b = b.scale_inv.t() if b.scale_inv.dim() == 2 else b.scale_inv
             return torch._scaled_mm(
                 a.data, b.data.t(), scale_a=a.scale_inv, scale_b=scale_b, out_dtype=out_dtype
