@@ -15,6 +15,13 @@ loads under any dp size, with or without ZeRO.
 
 The tied output weight of a last pipeline stage (``output_is_copy``) is not
 saved: it loads from ``embed.tok.weight``, its twin, state included.
+
+Mixture-of-experts expert weights are split over ep along their experts dim
+(``named_expert_parameters``) on top of tp: each rank offers its ep x tp
+rectangle of the whole ``[E, ...]`` logical tensor (see ``logical``); the edp
+replicas offer the same rectangle, written once. Their ZeRO-1 state is sharded
+over ``edp`` rather than ``dp_cp`` (``DataParallel.reduction_of``), which the
+gather above follows bucket by bucket.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from mtcore.parallel.moe import named_expert_parameters
 from mtcore.parallel.tensor import named_tp_parameters
 from mtcore.training.checkpoint.logical import (
     Piece,
@@ -38,8 +46,9 @@ KINDS = ("exp_avg", "exp_avg_sq", "master")
 
 
 class _Param:
-    def __init__(self, chunk, name, param, partition):
+    def __init__(self, chunk, name, param, partition, expert_dim=None):
         self.name, self.param, self.partition = name, param, partition
+        self.expert_dim = expert_dim  # the dim split over ep (expert weights), else None
         self.saved = not (chunk.output_is_copy and name == "output.weight")
         self.source = name if self.saved else "embed.tok.weight"
 
@@ -49,24 +58,21 @@ class EngineState:
 
     def __init__(self, engine):
         layout = engine.layout
-        if layout.spec.ep > 1:  # expert shards over ep: a second split of dim 0, not mapped
-            raise CheckpointError(
-                f"checkpoints do not map expert-parallel parameters yet (ep={layout.spec.ep})"
-            )
         self.engine, self.layout = engine, layout
-        self.tp = layout.tp
+        self.tp, self.ep = layout.tp, layout.ep
         self.params: list[_Param] = []
         self.buffers: dict[str, Tensor] = {}
         self._chunk_of: dict[str, object] = {}
         for chunk in engine.chunks:
+            experts = {name: dim for name, _, (dim, _) in named_expert_parameters(chunk)}
             for name, p, partition, _ in named_tp_parameters(chunk):
-                self.params.append(_Param(chunk, name, p, partition))
+                self.params.append(_Param(chunk, name, p, partition, experts.get(name)))
             names = {n for n, _ in chunk.named_parameters()}
             for name, value in chunk.state_dict(keep_vars=True).items():
                 if name not in names and isinstance(value, Tensor):
                     self.buffers[name] = value
                     self._chunk_of[name] = chunk
-        self._mesh = None
+        self._meshes: dict[tuple[str, ...], object] = {}
 
     # -- shapes and records ----------------------------------------------------------
     def sections(self) -> dict[str, dict]:
@@ -78,22 +84,33 @@ class EngineState:
                 out[entry.source] = record
         return out
 
-    def mesh(self):
-        if self._mesh is None and self.tp > 1:
+    def mesh(self, axes: tuple[str, ...]):
+        """The DeviceMesh over ``axes`` (("tp",), ("ep",) or ("ep", "tp")) through this
+        rank, built from the layout's existing groups (no new process group)."""
+        if axes not in self._meshes:
             from torch.distributed.device_mesh import DeviceMesh
 
             device_type = self.engine.backend.device.type
-            self._mesh = DeviceMesh.from_group(self.layout.group("tp"), device_type)
-        return self._mesh
+            if len(axes) == 1:
+                mesh = DeviceMesh.from_group(self.layout.group(axes[0]), device_type)
+            else:
+                # Every ep peer has this rank's tp coordinate (tp is the fastest axis):
+                # its tp group is the tp consecutive ranks from r - r % tp.
+                tp = self.tp
+                grid = [[r - r % tp + i for i in range(tp)] for r in self.layout.ranks_of["ep"]]
+                groups = [self.layout.group(axis) for axis in axes]
+                mesh = DeviceMesh.from_group(groups, device_type, grid, mesh_dim_names=axes)
+            self._meshes[axes] = mesh
+        return self._meshes[axes]
 
     def _pieces(self, entry: _Param, local: Tensor, prefix: str) -> list[Piece]:
-        pieces = split_pieces(entry.source, local, entry.partition, self.tp)
+        pieces = split_pieces(entry.source, local, entry.partition, self.tp, entry.expert_dim)
         for piece in pieces:
             piece.key = f"{prefix}.{piece.key}"
         return pieces
 
     def _logical(self, piece: Piece) -> Tensor:
-        return to_logical(piece.local, piece.dim, self.tp, self.mesh())
+        return to_logical(piece, self.tp, self.ep, self.mesh)
 
     # -- save ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -180,7 +197,7 @@ class EngineState:
                 return
             for piece in pieces:
                 piece.local = torch.empty_like(piece.local, memory_format=torch.contiguous_format)
-                _check_shape(piece, self.tp, available[piece.key][0])
+                _check_shape(piece, self.tp, self.ep, available[piece.key][0])
                 targets[piece.key] = self._logical(piece)
             plans.append((apply, pieces))
 
@@ -236,10 +253,8 @@ class EngineState:
                     mine.zero_()
 
 
-def _check_shape(piece: Piece, tp: int, saved: torch.Size) -> None:
-    shape = list(piece.local.shape)
-    if piece.dim is not None:
-        shape[piece.dim] *= tp
+def _check_shape(piece: Piece, tp: int, ep: int, saved: torch.Size) -> None:
+    shape = piece.global_shape(tp, ep)
     if list(saved) != shape:
         raise CheckpointError(
             f"checkpoint tensor {piece.key!r} has shape {list(saved)} but this model needs "

@@ -9,6 +9,14 @@ of that section (its ``tp_rank``-th chunk along the partition dim), so DCP
 can record it as a chunk and read any other rectangle back on load. This is
 how a checkpoint saved at tp=2 loads at tp=4 or in one process.
 
+Mixture-of-experts expert weights (``experts.fc1`` ``[E/ep, h, n1/tp]``,
+``experts.fc2``) are split twice: dim 0 over the ``ep`` group, the tp
+partition dim over tp. Their logical tensors keep the experts dimension whole
+(``[E, h, f]`` per section, as in one process), and a rank's share is still
+one rectangle of each: its ``ep_rank``-th block of experts times its tp chunk.
+``to_logical`` hands DCP that rectangle as a DTensor on an ep x tp mesh, so an
+ep=2 checkpoint loads at ep=4, at ep=1 or in one process like any other.
+
 ``sections`` (in the manifest) records ``{name: {"dim", "sizes"}}`` for the
 multi-section parameters, so a one-process reader can join them without
 building a model.
@@ -27,25 +35,53 @@ from mtcore.parallel.tensor import TPPartition
 @dataclass
 class Piece:
     """This rank's rectangle of one logical tensor. ``dim``: the tp split dim (None:
-    replicated, the rectangle is the whole tensor)."""
+    replicated over tp); ``expert_dim``: the dim split over ep (None: not an expert
+    weight, or ep = 1). Neither: the rectangle is the whole tensor."""
 
     key: str
     local: Tensor
     dim: int | None
+    expert_dim: int | None = None
+
+    def splits(self, tp: int, ep: int) -> list[tuple[str, int, int]]:
+        """``(mesh axis, tensor dim, count)`` for each split of more than one part,
+        ep first (the mesh order of ``to_logical``)."""
+        out = []
+        if self.expert_dim is not None and ep > 1:
+            out.append(("ep", self.expert_dim, ep))
+        if self.dim is not None and tp > 1:
+            out.append(("tp", self.dim, tp))
+        return out
+
+    def global_shape(self, tp: int, ep: int) -> list[int]:
+        shape = list(self.local.shape)
+        for _, dim, count in self.splits(tp, ep):
+            shape[dim] *= count
+        return shape
 
 
 def section_key(name: str, index: int, count: int) -> str:
     return name if count == 1 else f"{name}.section{index}"
 
 
-def split_pieces(name: str, local: Tensor, partition: TPPartition | None, tp: int) -> list[Piece]:
-    """The pieces of a parameter (or of a same-shaped optimizer state) on one tp rank."""
+def split_pieces(
+    name: str,
+    local: Tensor,
+    partition: TPPartition | None,
+    tp: int,
+    expert_dim: int | None = None,
+) -> list[Piece]:
+    """The pieces of a parameter (or of a same-shaped optimizer state) on one rank.
+    ``expert_dim``: the dim an expert weight is split along over ep."""
     if partition is None:
-        return [Piece(name, local, None)]
+        return [Piece(name, local, None, expert_dim)]
+    if partition.dim == expert_dim:
+        raise ValueError(f"{name}: tp and ep split the same dim {expert_dim}")
     sizes = [s // tp for s in partition.sections]
     parts = local.split(sizes, partition.dim)
     return [
-        Piece(section_key(name, i, len(parts)), part, partition.dim) for i, part in enumerate(parts)
+        Piece(section_key(name, i, len(parts)), part, partition.dim, expert_dim)
+        for i, part in enumerate(parts)
     ]
 
 
@@ -60,18 +96,20 @@ def section_entry(partition: TPPartition | None) -> dict | None:
     return {"dim": partition.dim, "sizes": list(partition.sections)}
 
 
-def to_logical(piece: Tensor, dim: int | None, tp: int, mesh) -> Tensor:
-    """``piece`` as DCP should see it: a DTensor sharded over the tp mesh, or the tensor."""
-    if dim is None or tp == 1:
-        return piece
+def to_logical(piece: Piece, tp: int, ep: int, mesh_for) -> Tensor:
+    """``piece.local`` as DCP should see it: a DTensor sharded over the mesh of its
+    splits (``mesh_for(("ep", "tp"))`` or a 1-D part of it), or the tensor itself."""
+    splits = piece.splits(tp, ep)
+    if not splits:
+        return piece.local
     from torch.distributed.tensor import DTensor, Shard
 
-    piece = piece.contiguous()
-    shape = list(piece.shape)
-    shape[dim] *= tp
-    full = torch.Size(shape)
+    local = piece.local.contiguous()
+    full = torch.Size(piece.global_shape(tp, ep))
     stride = torch.empty(full, device="meta").stride()
-    return DTensor.from_local(piece, mesh, [Shard(dim)], run_check=False, shape=full, stride=stride)
+    mesh = mesh_for(tuple(axis for axis, _, _ in splits))
+    placements = [Shard(dim) for _, dim, _ in splits]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full, stride=stride)
 
 
 def join_full(tensors: dict[str, Tensor], sections: dict[str, dict]) -> dict[str, Tensor]:

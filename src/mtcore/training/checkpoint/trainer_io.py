@@ -15,12 +15,7 @@ from pathlib import Path
 import yaml
 
 from mtcore.training.checkpoint.checkpointer import Checkpointer
-from mtcore.training.checkpoint.manifest import (
-    MANIFEST,
-    CheckpointError,
-    has_checkpoint,
-    partial_dirs,
-)
+from mtcore.training.checkpoint.manifest import MANIFEST, has_checkpoint, partial_dirs
 
 
 class TrainerCheckpoints:
@@ -30,16 +25,7 @@ class TrainerCheckpoints:
         self.config, self.ck, self.say = config, config.checkpoint, say
         self.tokenizer, self.model_config = prep.data.tokenizer, prep.model
         self.checkpointer = None
-        self.ep = engine.layout.spec.ep
-        wanted = self.ck.dir is not None or self.ck.load is not None
-        if wanted and self.ep > 1:
-            if self.ck.load is not None or self.ck.resume:
-                raise CheckpointError(
-                    f"checkpoints do not map expert-parallel parameters yet (parallel.ep="
-                    f"{self.ep}); load or resume with ep=1"
-                )
-            say(f"checkpoint: not saving: expert parallelism (ep={self.ep}) is not mapped yet")
-        elif wanted:
+        if self.ck.dir is not None or self.ck.load is not None:
             self.checkpointer = Checkpointer(
                 engine, keep_last=self.ck.keep_last, async_save=self.ck.async_save
             )
