@@ -191,7 +191,7 @@ def test_ep2_resumes_exactly_and_reshards_to_ep4_and_one_process(job):
 
 
 def test_ep1_moe_resume_in_one_process_is_bitwise(job):
-    root, make, resume = job
+    _, make, resume = job
     whole, resumed = _in_one_process(
         [(make("one", {}, dropout=0.1), "train"), (resume("one_again", {}, "one", 0.1), "train")]
     )
