@@ -121,6 +121,8 @@ def _check_reshard(whole: list[float], got: tuple, what: str) -> None:
     losses, start, log, _ = got
     assert start == 3 and "reseeded (the layout changed)" in log, (what, log)
     assert len(losses) == 3, what
+    worst = max(abs(a - b) / abs(a) for a, b in zip(whole[3:], losses, strict=True))
+    print(f"{what}: largest relative loss difference {worst:.1e}")  # for docs (pytest -s)
     for a, b in zip(whole[3:], losses, strict=True):
         assert abs(a - b) <= RESHARD_RTOL * abs(a), (what, whole[3:], losses)
 
