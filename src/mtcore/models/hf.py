@@ -40,6 +40,7 @@ activation other than SiLU, quantized or non-Llama models on import.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -310,8 +311,17 @@ def export_llama(
             config["eos_token_id"] = config["bos_token_id"] = eos[1]
         (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    _readable_like_other_files(out / WEIGHTS)
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _readable_like_other_files(path: Path) -> None:
+    """safetensors writes its file owner-only (0600); give it the mode ``open()`` would
+    (0666 less the umask), so a shared export is readable like its config.json."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _eos_token(path: Path) -> tuple[str, int] | None:

@@ -175,6 +175,8 @@ def test_bf16_export_with_a_tokenizer(tmp_path):
     assert hf_config["vocab_size"] == 384  # the padded rows are exported
     assert hf_config["eos_token_id"] == tok.token_to_id("<|endoftext|>") == 0
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert len(set(modes.values())) == 1, f"files of one export differ in mode: {modes}"
     fast = transformers.PreTrainedTokenizerFast.from_pretrained(out)
     assert fast.eos_token == "<|endoftext|>"
     assert fast.encode("the quick fox") == tok.encode("the quick fox").ids
