@@ -221,7 +221,9 @@ class _Loop:
         self.progress.close()
         self.scalars.close()
         self.result.wall_s = time.perf_counter() - start
-        self.say(f"done: {self.t.steps} steps in {self.result.wall_s:.1f} s")
+        ran, start = self.t.steps - self.result.start_step, self.result.start_step
+        since = f" (steps {start + 1}-{self.t.steps}, resumed at {start})" if start else ""
+        self.say(f"done: {ran} steps{since} in {self.result.wall_s:.1f} s")
         return self.result
 
     def _due(self, step: int, interval: int) -> bool:
