@@ -39,7 +39,7 @@ from mtcore.backend import select_backend
 from mtcore.distributed import ParallelLayout
 from mtcore.models import GPT, single_context
 from mtcore.testing.distributed import run_ranks
-from mtcore.training.checkpoint import read_model_weights
+from mtcore.training.checkpoint import read_model_weights, write_model_weights
 from mtcore.training.checkpoint.safe_reader import dcp_load, tensor_shapes
 from mtcore.training.overrides import validate
 from mtcore.training.trainer import _Loop, prepare
@@ -127,23 +127,24 @@ def _check_reshard(whole: list[float], got: tuple, what: str) -> None:
         assert abs(a - b) <= RESHARD_RTOL * abs(a), (what, whole[3:], losses)
 
 
-def _logical_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every model and optimizer tensor of a checkpoint, read whole in one process."""
+def _logical_tensors(directory: Path, kinds=("model.", "optim.")) -> dict[str, torch.Tensor]:
+    """Every model (and optimizer) tensor of a checkpoint, read whole in one process."""
     shapes = tensor_shapes(directory)
     targets = {
         k: torch.empty(shape, dtype=dtype)
         for k, (shape, dtype) in shapes.items()
-        if k.startswith(("model.", "optim."))
+        if k.startswith(kinds)
     }
     dcp_load(targets, directory, world=1)
     return targets
 
 
-def _check_same_tensors(source: Path, resaved: Path) -> None:
-    a, b = _logical_tensors(source), _logical_tensors(resaved)
+def _check_same_tensors(source: Path, resaved: Path, kinds=("model.", "optim.")) -> None:
+    a, b = _logical_tensors(source, kinds), _logical_tensors(resaved, kinds)
     assert set(a) == set(b), set(a) ^ set(b)
     assert any(".experts.fc1.section1" in k for k in a) and any("expert_bias" in k for k in a)
-    assert any(k.startswith("optim.exp_avg_sq.") and "experts.fc2" in k for k in a)
+    if "optim." in kinds:
+        assert any(k.startswith("optim.exp_avg_sq.") and "experts.fc2" in k for k in a)
     for key, value in a.items():
         assert torch.equal(value, b[key]), (key, source, resaved)
 
@@ -205,9 +206,13 @@ def test_ep1_moe_resume_in_one_process_is_bitwise(job):
 def test_ep2_tp2_resume_and_reshard_matrix(job):
     """ep2 x tp2 with dropout resumes bitwise; ep2 x tp2 -> ep2 x dp4 (ZeRO-1), tp2 x ep1,
     ep2 x pp2; ep2 x pp2 -> ep4 (ZeRO-1) and one process; re-saved under tp2 x ep1,
-    ep2 x pp2 and ep4 x tp1 from ep2 x tp2 and ep2 x pp2: the same tensors."""
+    ep2 x pp2 and ep4 x tp1 from ep2 x tp2 and ep2 x pp2: the same tensors; a weights-only
+    MoE checkpoint (``write_model_weights``) loaded under ep2 x tp2 and saved: the same."""
     root, make, resume = job
     ep2_tp2 = {"ep": 2, "tp": 2, "zero1": True}
+    config = prepare(validate(make("m_fresh", {})), 1).model
+    fresh = GPT(config, single_context(config, select_backend("cpu"))).state_dict()
+    imported = write_model_weights(root / "imported", fresh, config)
     jobs = [
         (make("m_drop", ep2_tp2, dropout=0.1), "train"),
         (resume("m_drop_resumed", ep2_tp2, "m_drop", dropout=0.1), "train"),
@@ -220,10 +225,13 @@ def test_ep2_tp2_resume_and_reshard_matrix(job):
         (resume("m_re_tp2", {"tp": 2}, "m_tp"), "resave"),
         (resume("m_re_pp2", {"ep": 2, "pp": 2}, "m_tp"), "resave"),
         (resume("m_re_ep4", {"ep": 4}, "m_pp"), "resave"),
+        (make("m_w", ep2_tp2, load=str(imported)), "resave"),
     ]
     results = run_ranks(_run_jobs, 4, jobs)[0]
     (drop_whole, *_), resumed, (whole, *_), *moved = results[:6]
     (pp_whole, *_), pp_ep4 = results[6:8]
+    assert results[-1][1] == 0 and "fresh optimizer, step 0" in results[-1][2]
+    _check_same_tensors(imported, root / "m_w" / "step_000000", kinds=("model.",))
     assert resumed[1] == 3 and "RNG streams restored" in resumed[2]
     assert resumed[0] == drop_whole[3:]
     for (data, _), got in zip(jobs[3:6], moved, strict=True):
