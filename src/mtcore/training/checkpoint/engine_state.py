@@ -98,6 +98,11 @@ class EngineState:
                 # its tp group is the tp consecutive ranks from r - r % tp.
                 tp = self.tp
                 grid = [[r - r % tp + i for i in range(tp)] for r in self.layout.ranks_of["ep"]]
+                if grid[self.layout.coordinate("ep")] != list(self.layout.ranks_of["tp"]):
+                    raise CheckpointError(
+                        f"rank {self.layout.rank}: its tp group {self.layout.ranks_of['tp']} is "
+                        f"not a row of the ep x tp grid {grid} (rank order changed?)"
+                    )
                 groups = [self.layout.group(axis) for axis in axes]
                 mesh = DeviceMesh.from_group(groups, device_type, grid, mesh_dim_names=axes)
             self._meshes[axes] = mesh
