@@ -159,6 +159,7 @@ def test_moe_yaml_trains_on_four_ranks(tmp_path):
     args = [str(mtcore), "train", str(ROOT / "configs/moe.yaml"), "--nproc", "4",
             "--training.steps", "60", "--training.eval_interval", "0",
             "--training.sample_tokens", "0", "--logging.tensorboard_dir", "null",
+            "--checkpoint.dir", str(tmp_path / "checkpoints"),
             "--data.cache_dir", str(tmp_path / "cache"), "--data.default_corpus_bytes", "1000000"]  # fmt: skip
     run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
