@@ -13,6 +13,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mtcore.training.checkpoint import CheckpointError
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config
     from mtcore.training.trainer import TrainingError, train
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     loud = int(os.environ.get("RANK", "0")) == 0
     try:
         train(load_config(config_path, overrides))
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:  # bad input: nothing was trained
         if loud:
             print(f"mtcore train: error: {e}", file=sys.stderr)
         return 2

@@ -71,6 +71,7 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from mtcore.backend import BackendError, select_backend
+    from mtcore.training.checkpoint import CheckpointError
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config
     from mtcore.training.trainer import TrainingError, prepare, train
@@ -85,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc == 1:
         try:
             train(config)
+        except CheckpointError as e:  # the checkpoint to start from is unusable
+            print(f"mtcore train: error: {e}", file=sys.stderr)
+            return 2
         except TrainingError as e:
             print(f"mtcore train: error: {e}", file=sys.stderr)
             return 1

@@ -170,6 +170,14 @@ class _Loop:
 
     def run(self) -> TrainResult:
         start = time.perf_counter()
+        if self.result.start_step >= self.t.steps:  # e.g. a finished job restarted with resume
+            self.say(
+                f"nothing to train: the checkpoint is at step {self.result.start_step} and "
+                f"training.steps is {self.t.steps} (raise training.steps to train further)"
+            )
+            self.progress.close()
+            self.scalars.close()
+            return self.result
         s, tokens_per_step = self.layout.spec, self.t.global_batch_size * self.model.seq_len
         self.say(
             f"mtcore train: GPT ({self.model.style}) {self.model.num_params() / 1e6:.2f}M params, "

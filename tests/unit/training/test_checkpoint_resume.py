@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from mtcore.training.checkpoint import read_model_weights, write_model_weights
+from mtcore.training.checkpoint import CheckpointError, read_model_weights, write_model_weights
 from mtcore.training.overrides import validate
 from mtcore.training.trainer import train
 
@@ -85,3 +85,22 @@ def test_low_precision_resume_restores_masters_scaler_and_fp8_history(tiny, tmp_
     assert resumed.losses == whole.losses[2:]  # bitwise (FP8: the amax history came back)
     _, weights, _ = read_model_weights(tmp_path / "again")  # fp32 masters, not the params
     assert any((w.half().float() != w).any() for w in weights.values())
+
+
+def test_another_model_is_refused_and_a_finished_job_trains_nothing(tiny, tmp_path):
+    config = _config(tiny, tmp_path)
+    config["training"]["steps"] = 3
+    trained = train(validate(config), stream=io.StringIO())
+    load = {"dir": str(tmp_path / "next"), "load": str(trained.checkpoint)}
+
+    deeper = {**config, "model": {**config["model"], "num_layers": config["model"]["num_layers"] + 2}}
+    with pytest.raises(CheckpointError, match=r"num_layers: checkpoint \d+, config \d+"):
+        train(validate({**deeper, "checkpoint": load}), stream=io.StringIO())
+
+    # Numerics-only differences load, and are reported; a finished job has nothing to do.
+    theta = {**config, "model": {**config["model"], "rope_theta": 500.0}}
+    stream = io.StringIO()
+    again = train(validate({**theta, "checkpoint": load}), stream=stream)
+    assert "model.rope_theta 10000.0 -> 500.0" in stream.getvalue()
+    assert "nothing to train: the checkpoint is at step 3" in stream.getvalue()
+    assert again.start_step == 3 and again.losses == []

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from mtcore.training.checkpoint import manifest as mf
+from mtcore.training.checkpoint.compat import check_model_matches
 from mtcore.training.checkpoint.engine_state import EngineState
 from mtcore.training.checkpoint.safe_reader import dcp_load, dcp_save, tensor_shapes
 
@@ -50,6 +51,7 @@ class Loaded:
     trainer_state: dict | None
     rng: bool
     kind: str
+    notes: tuple[str, ...] = ()  # numerics-only differences from the checkpoint's model
 
 
 class Checkpointer:
@@ -186,6 +188,7 @@ class Checkpointer:
         directory = mf.resolve_checkpoint(path)
         self._verify_on_rank0(directory)
         manifest = mf.read_manifest(directory)
+        notes = check_model_matches(manifest.get("model_config"), self.engine.config, directory)
         available = tensor_shapes(directory)
         full = manifest.get("kind") == "training" and not finetune
         targets, apply = self.state.load_targets(available, optimizer=full)
@@ -205,7 +208,8 @@ class Checkpointer:
             self._restore_optimizer_scalars(trainer_state)
             if rng_targets:
                 self._restore_rng(rng_targets)
-        return Loaded(directory, step, trainer_state, bool(rng_targets), manifest.get("kind", "?"))
+        kind = manifest.get("kind", "?")
+        return Loaded(directory, step, trainer_state, bool(rng_targets), kind, tuple(notes))
 
     def _verify_on_rank0(self, directory: Path) -> None:
         """Rank 0 checks every checksum; the others wait for its verdict."""

@@ -54,6 +54,8 @@ class TrainerCheckpoints:
         loaded = self.checkpointer.load(path, finetune=finetune)
         if loaded.trainer_state is not None:
             loader.load_state_dict(loaded.trainer_state["data"])
+        for note in loaded.notes:
+            self.say(f"checkpoint: {note} (differs from the checkpoint's model)")
         if loaded.step == 0:
             self.say(f"checkpoint: model weights from {loaded.directory}; fresh optimizer, step 0")
         else:
