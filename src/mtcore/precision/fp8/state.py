@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from mtcore.precision.fp8.recipes import ROLES, FP8Recipe
 
 _BUFFERS = ("amax_history", "scale")
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _in_backward() -> bool:
@@ -121,7 +122,10 @@ class FP8Scaling(nn.Module):
 
     def _scale_from(self, amax: Tensor, fp8_max: float) -> Tensor:
         top = amax * 2.0**self.recipe.margin
-        return torch.where(top > 0, fp8_max / top, torch.ones_like(top))
+        # Capped like the just-in-time scale of ``fp8_quantize``: an amax below
+        # fp8_max / float32_max would give inf (zeros -> NaN, the rest -> 0).
+        scale = torch.where(top > 0, fp8_max / top, torch.ones_like(top))
+        return scale.clamp(max=_FP32_MAX)
 
     @torch.no_grad()
     def _record(self, i: int, amax: Tensor, fp8_max: float) -> None:
