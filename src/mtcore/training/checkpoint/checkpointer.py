@@ -70,6 +70,7 @@ class Checkpointer:
         }
         self._sections: dict | None = None
         self._pending = None  # (future, staging, header) of an asynchronous save
+        self._commit_error: Exception | None = None  # rank 0's failed commit in poll()
         self._group = None
         if async_save and self.world > 1:
             import torch.distributed as dist
@@ -97,24 +98,14 @@ class Checkpointer:
         tensors = self.state.save_tensors(optimizer=True)  # collective under ZeRO-1
         tensors.update(self._rng_tensors())
         staging = root / (mf.step_dir_name(step) + mf.PARTIAL_SUFFIX)
+        error = None
         if self.is_main:
-            staging = mf.begin(root, step)
-            opt = self.engine.optimizer
-            state = {
-                "step": step,
-                "optimizer": {
-                    "step_count": opt.step_count,
-                    "param_groups": [
-                        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
-                    ],
-                },
-                "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None,
-                **trainer_state,
-            }
-            mf.write_json_atomic(staging / TRAINER_STATE, state)
-            for name, data in (files or {}).items():
-                (staging / name).write_bytes(data)
-        self._barrier()
+            try:
+                self._prepare(staging, root, step, trainer_state, files)
+            except Exception as e:
+                error = e
+        # Also the barrier: no rank writes into staging before rank 0 has created it.
+        self._settle(error, f"prepare {staging}")
         header = {
             "step": step,
             "kind": "training",
@@ -134,30 +125,80 @@ class Checkpointer:
             self._pending = (future, staging, header)
             return None
         dcp_save(tensors, staging, self.world)
-        return self._commit(staging, header)
+        return self._commit(staging, header, collective=True)
+
+    def _prepare(self, staging, root, step, trainer_state, files) -> None:
+        """Rank 0: the staging directory with the trainer's JSON and extra files."""
+        mf.begin(root, step)
+        opt = self.engine.optimizer
+        state = {
+            "step": step,
+            "optimizer": {
+                "step_count": opt.step_count,
+                "param_groups": [
+                    {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+                ],
+            },
+            "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None,
+            **trainer_state,
+        }
+        mf.write_json_atomic(staging / TRAINER_STATE, state)
+        for name, data in (files or {}).items():
+            (staging / name).write_bytes(data)
 
     def poll(self) -> Path | None:
-        """Commit an asynchronous save that has finished; its directory (rank 0) or None."""
+        """Commit an asynchronous save that has finished; its directory (rank 0) or None.
+        Not collective (ranks see the write finish at different steps): a failed commit on
+        rank 0 is kept and raised on every rank by the next ``save``/``wait``."""
         if self._pending is None or not self._pending[0].done():
             return None
-        return self.wait()
+        return self._finish(collective=False)
 
     def wait(self) -> Path | None:
-        """Finish and commit the asynchronous save in flight, if any."""
-        if self._pending is None:
-            return None
-        future, staging, header = self._pending
-        self._pending = None
-        future.result()  # re-raises a failed write
-        return self._commit(staging, header)
+        """Finish and commit the asynchronous save in flight, if any. Collective."""
+        return self._finish(collective=True)
 
-    def _commit(self, staging: Path, header: dict) -> Path | None:
-        if not self.is_main:
-            return None
-        delay = float(os.environ.get(COMMIT_DELAY_ENV, "0") or 0)
-        if delay > 0:
-            time.sleep(delay)
-        return mf.commit(staging, header, self.keep_last)
+    def _finish(self, collective: bool) -> Path | None:
+        done = None
+        if self._pending is not None:
+            future, staging, header = self._pending
+            self._pending = None
+            future.result()  # re-raises a failed write (on every rank: DCP gathers errors)
+            done = self._commit(staging, header, collective=False)
+        if collective:
+            error, self._commit_error = self._commit_error, None
+            self._settle(error, "commit the asynchronous save")
+        return done
+
+    def _commit(self, staging: Path, header: dict, collective: bool) -> Path | None:
+        """Rank 0 commits. ``collective``: every rank learns whether it did (an error
+        raises everywhere); otherwise rank 0's error waits for the next ``wait``."""
+        done, error = None, None
+        if self.is_main:
+            try:
+                delay = float(os.environ.get(COMMIT_DELAY_ENV, "0") or 0)
+                if delay > 0:
+                    time.sleep(delay)
+                done = mf.commit(staging, header, self.keep_last)
+            except Exception as e:
+                error = e
+        if collective:
+            self._settle(error, f"commit {staging}")
+        elif error is not None:
+            self._commit_error = error
+        return done
+
+    def _settle(self, error: Exception | None, what: str) -> None:
+        """Rank 0's outcome of a step only it performs, on every rank (a broadcast, so also
+        a barrier): rank 0 re-raises its error and the others raise a CheckpointError, so
+        no rank is left waiting in a collective that a failed rank 0 never joins."""
+        if self.world > 1:
+            flag = torch.tensor([1.0 if error else 0.0], device=self.engine.ddp.device)
+            self.collective.broadcast(flag, src=0)
+            if flag.item() and error is None:
+                raise mf.CheckpointError(f"rank 0 failed to {what} (see rank 0's error)")
+        if error is not None:
+            raise error
 
     def _rng_tensors(self) -> dict[str, torch.Tensor]:
         prefix = f"rng.rank{self.rank}"
@@ -176,10 +217,6 @@ class Checkpointer:
                 self.state.sections(), self.collective, self.world, self.engine.ddp.device
             )
         return self._sections
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            self.collective.barrier()
 
     # -- load ---------------------------------------------------------------------------
     def load(self, path: str | Path, finetune: bool = False) -> Loaded:
@@ -219,13 +256,9 @@ class Checkpointer:
                 mf.verify_files(directory, mf.read_manifest(directory))
             except mf.CheckpointError as e:
                 error = e
-        if self.world > 1:
-            flag = torch.tensor([1.0 if error else 0.0], device=self.engine.ddp.device)
-            self.collective.broadcast(flag, src=0)
-            if flag.item() and error is None:
-                raise mf.CheckpointError(f"rank 0 rejected checkpoint {directory} (see its error)")
-        if error is not None:
-            raise error
+            except Exception as e:  # a malformed manifest entry, an unreadable file
+                error = mf.CheckpointError(f"cannot verify checkpoint {directory}: {e!r}")
+        self._settle(error, f"verify checkpoint {directory} (it rejected it)")
 
     def _restore_optimizer_scalars(self, state: dict) -> None:
         opt = self.engine.optimizer
