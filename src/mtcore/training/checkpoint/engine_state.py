@@ -206,22 +206,32 @@ class EngineState:
                 targets[piece.key] = self._logical(piece)
             plans.append((apply, pieces))
 
+        flat: dict[str, dict[int, Tensor]] = self._empty_optimizer_state() if optimizer else {}
         for entry in self.params:
-            pieces = self._pieces(entry, entry.param.detach(), "model")
-            want(pieces, entry.param.data.copy_)
+            state = {}
+            if optimizer and entry.param.requires_grad:
+                state = self._param_state(entry, flat)
+            masters = self._pieces(entry, entry.param.detach(), "optim.master")
+            saved_masters = all(p.key in available for p in masters)
+            if "master" in state and not saved_masters:
+                # An fp32 checkpoint in a low-precision run: its params are the masters.
+                master, param = state.pop("master"), entry.param
+                apply_both = lambda t, m=master, p=param: (m.copy_(t), p.data.copy_(t))  # noqa: E731
+                want(self._pieces(entry, master, "model"), apply_both)
+            elif "master" not in state and saved_masters:
+                # A low-precision checkpoint in an fp32 run: the weights are its fp32 masters
+                # (its params are their rounded copies).
+                want(masters, entry.param.data.copy_)
+            else:
+                want(self._pieces(entry, entry.param.detach(), "model"), entry.param.data.copy_)
+            for kind, local in state.items():
+                want(self._pieces(entry, local, f"optim.{kind}"), local.copy_)
         for name, value in self.buffers.items():
             # Through load_state_dict, so a module's own load hook sees its state (FP8
             # scaling derives its "fresh" flags from the loaded amax history).
             chunk = self._chunk_of[name]
             load = lambda t, c=chunk, n=name: c.load_state_dict({n: t}, strict=False)  # noqa: E731
             want([Piece(f"model.{name}", value.detach(), None)], load, required=False)
-        flat: dict[str, dict[int, Tensor]] = {}
-        if optimizer:
-            flat = self._empty_optimizer_state()
-            for entry in self.params:
-                if entry.param.requires_grad:
-                    for kind, local in self._param_state(entry, flat).items():
-                        want(self._pieces(entry, local, f"optim.{kind}"), local.copy_)
 
         def apply() -> None:
             with torch.no_grad():
