@@ -9,8 +9,8 @@ assignments for its grouped matmul and sums each token's weighted expert
 outputs *before* sending them back, so the return trip is deduplicated too.
 
 Per rank and direction that is ``T * (distinct destination ranks per token)``
-rows instead of ``T * k``: the same at top-1, up to ``k / min(k, ep)`` times
-fewer at top-k. The price: weights applied on the expert side (their gradient
+rows instead of ``T * k``: the same at top-1; at top-k at least ``k / min(k, ep)``
+times fewer, up to ``k`` times when all of a token's experts share a rank. The price: weights applied on the expert side (their gradient
 travels back through the all-to-all) and one more index step per side.
 """
 
