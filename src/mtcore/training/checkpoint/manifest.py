@@ -29,6 +29,9 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 PARTIAL_SUFFIX = ".partial"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# A committed step set aside while the same step is committed again (``commit``); found
+# only when the kill came between the two renames and ``step_N`` is missing.
+_SET_ASIDE = re.compile(r"^step_(\d+)\.replaced-\d+$")
 
 log = logging.getLogger("mtcore.checkpoint")
 
@@ -144,15 +147,16 @@ def report_partials(root: Path) -> list[Path]:
 
 
 def committed_steps(root: Path) -> list[tuple[int, Path]]:
-    """``(step, directory)`` of every committed checkpoint under ``root``, oldest first."""
+    """``(step, directory)`` of every committed checkpoint under ``root``, oldest first (a
+    step set aside by an interrupted re-commit counts while its ``step_N`` is missing)."""
     if not root.is_dir():
         return []
-    out = []
+    out, aside = {}, {}
     for path in root.iterdir():
-        m = _STEP_DIR.match(path.name)
+        m = _STEP_DIR.match(path.name) or _SET_ASIDE.match(path.name)
         if m and path.is_dir() and (path / MANIFEST).is_file():
-            out.append((int(m.group(1)), path))
-    return sorted(out)
+            (out if m.re is _STEP_DIR else aside).setdefault(int(m.group(1)), path)
+    return sorted({**aside, **out}.items())
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -177,6 +181,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
         target = path / latest.read_text().strip()
         if (target / MANIFEST).is_file():
             return target
+        if _STEP_DIR.match(target.name):  # killed while committing the same step again
+            step = int(_STEP_DIR.match(target.name).group(1))
+            aside = [p for s, p in committed_steps(path) if s == step]
+            if aside:
+                return aside[0]
         log.warning("%s names %s, which is not a committed checkpoint", latest, target)
     steps = committed_steps(path)
     if not steps:
@@ -219,6 +228,8 @@ def commit(staging: Path, header: dict, keep_last: int = 0) -> Path:
     _fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    for aside in root.glob(final.name + ".replaced-*"):  # left by a kill mid-swap
+        shutil.rmtree(aside, ignore_errors=True)
     if keep_last > 0:
         apply_retention(root, keep_last, protect=final)
     return final
