@@ -62,3 +62,12 @@ def test_precision_change_on_resume_keeps_the_fp32_weights(tmp_path):
     Checkpointer(bf16).save(tmp_path / "again", 2, {}, model_config=MODEL)
     again = read_model_weights(tmp_path / "again")[1]  # the bf16 run's masters
     assert all(torch.equal(again[k], weights[k]) for k in weights)
+
+
+def test_a_save_without_model_config_loads(tmp_path):
+    """``Checkpointer.save``'s ``model_config`` defaults to None, and ``load`` refuses a
+    manifest without one: the default must record the engine's model."""
+    engine = _engine("fp32", seed=0)
+    Checkpointer(engine).save(tmp_path / "ck", 1, {})
+    assert Checkpointer(_engine("fp32", seed=1)).load(tmp_path / "ck").step == 1
+    assert read_model_weights(tmp_path / "ck")[0] == MODEL

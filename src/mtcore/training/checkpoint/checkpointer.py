@@ -91,7 +91,8 @@ class Checkpointer:
         model_config=None,
     ) -> Path | None:
         """Write step ``step``; returns the committed directory (None on other ranks, or
-        while an asynchronous save is still being written)."""
+        while an asynchronous save is still being written). ``model_config``: recorded in
+        the manifest (None: the engine's)."""
         root = Path(root)
         self.wait()  # one save in flight at a time
         sections = self._gathered_sections()
@@ -110,7 +111,8 @@ class Checkpointer:
             "step": step,
             "kind": "training",
             "layout": self.layout_record,
-            "model_config": model_config.model_dump(mode="json") if model_config else None,
+            # load() refuses a checkpoint without one: default to the engine's model.
+            "model_config": (model_config or self.engine.config).model_dump(mode="json"),
             "sections": sections,
         }
         if self.async_save:
