@@ -11,11 +11,11 @@ What a training checkpoint ``<root>/step_<N>/`` holds:
 * ``manifest.json`` (written last, see ``manifest``), and the trainer's extra
   files (``tokenizer.json``, ``config.yaml``).
 
-Asynchronous save (``async_save=True``): the state is copied to host memory
-(DCP's stager) during the call, then written by a background thread over a
-separate gloo process group, so it never interleaves with the training
-collectives; rank 0 commits it when it finishes (``poll`` at each step,
-``wait`` at the end).
+Asynchronous save (``async_save=True``): the state is copied during the call
+(``host_copy``: to host memory, DTensor pieces on their own device), then
+written by a background thread over a separate gloo process group, so it never
+interleaves with the training collectives; rank 0 commits it when it finishes
+(``poll`` at each step, ``wait`` at the end).
 """
 
 from __future__ import annotations
