@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from mtcore.models import GPT, ModelConfig
+from mtcore.models.full_weights import full_weight_shapes
 from mtcore.parallel.tensor import named_tp_parameters
 from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.checkpoint.logical import join_full, section_entry, split_full
@@ -52,7 +53,39 @@ def _read(path) -> tuple[ModelConfig, dict[str, Tensor], int, Path]:
     dcp_load(targets, directory, world=1)
     flat = {k.removeprefix("model."): targets[masters.get(k, k)] for k in model_keys}
     weights = join_full(flat, manifest.get("sections") or {})
-    return config, weights, int(manifest["step"]), directory
+    # Buffers GPT(config) lacks are an FP8 run's training state (amax history, scale),
+    # which the one-process model (and HuggingFace export) has no place for.
+    return config, _model_entries(config, weights), int(manifest["step"]), directory
+
+
+def _model_entries(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    if config.moe is None:  # the names follow from the config alone
+        known = set(full_weight_shapes(config))
+        return {k: v for k, v in weights.items() if k in known}
+    model, period = _template(config)
+    known = set(model.state_dict())
+    return {k: v for k, v in weights.items() if _layer_key(k, period) in known}
+
+
+def _layer_key(name: str, period: int) -> str:
+    m = re.match(r"^layers\.(\d+)\.(.*)$", name)
+    return f"layers.{int(m.group(1)) % period}.{m.group(2)}" if m else name
+
+
+def _template(config: ModelConfig) -> tuple[GPT, int]:
+    """A one-process GPT of the first ``period`` layers (the MoE period), which stand for
+    every layer, and ``period``."""
+    from mtcore.backend import select_backend
+    from mtcore.models import single_context
+
+    period = config.moe_layer_freq if config.moe is not None else 1
+    template = config.model_copy(update={"num_layers": min(config.num_layers, period)})
+    host = torch.get_rng_state()  # building a model seeds the generators: leave them as found
+    try:
+        model = GPT(template, single_context(template, select_backend("cpu")))
+    finally:
+        torch.set_rng_state(host)
+    return model, period
 
 
 def write_model_weights(
@@ -88,22 +121,12 @@ def write_model_weights(
 def model_sections(config: ModelConfig, names) -> dict[str, dict]:
     """The multi-section (fused) parameters among ``names``, from a small template model:
     its first ``k`` layers, ``k`` the MoE period, stand for every layer."""
-    from mtcore.backend import select_backend
-    from mtcore.models import single_context
-
-    period = config.moe_layer_freq if config.moe is not None else 1
-    template = config.model_copy(update={"num_layers": min(config.num_layers, period)})
-    host = torch.get_rng_state()  # building a model seeds the generators: leave them as found
-    try:
-        model = GPT(template, single_context(template, select_backend("cpu")))
-    finally:
-        torch.set_rng_state(host)
+    model, period = _template(config)
     known = {name: section_entry(part) for name, _, part, _ in named_tp_parameters(model)}
     known.update({name: None for name, _ in model.named_buffers()})
     out = {}
     for name in names:
-        m = re.match(r"^layers\.(\d+)\.(.*)$", name)
-        key = f"layers.{int(m.group(1)) % period}.{m.group(2)}" if m else name
+        key = _layer_key(name, period)
         if key not in known and not _owned_by_a_module(model, key):
             raise mf.CheckpointError(f"weight {name!r} is not a parameter of GPT({config.style})")
         if key not in known:  # a buffer the template lacks (FP8 amax history): replicated
