@@ -355,8 +355,14 @@ def read_safetensors(directory: Path) -> dict[str, Tensor]:
     if (directory / WEIGHTS).is_file():
         files = [directory / WEIGHTS]
     elif (directory / INDEX).is_file():
-        index = json.loads((directory / INDEX).read_text())
-        files = [directory / name for name in sorted(set(index["weight_map"].values()))]
+        try:
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HFInteropError(
+                f"{directory / INDEX} is not a safetensors index (a 'weight_map' of tensor "
+                f"name -> file): {type(e).__name__}: {e}"
+            ) from e
     else:
         found = sorted(p.name for p in directory.iterdir())
         raise HFInteropError(
