@@ -14,7 +14,9 @@ default stream (``backend.device.get/set_rng_state``) and every stream of the
 model-parallel ``RNGTracker`` are snapshotted when the checkpointed forward
 starts, set back for the recompute, and returned to their current values after
 it. The outer stream therefore advances exactly as it would without recompute:
-``recompute="full"`` gives the same numbers as ``recompute="none"``.
+``recompute="full"`` gives the same numbers as ``recompute="none"``. The
+delayed FP8 scales of the linears inside ``fn`` (when it is a module) are
+treated alike: the recompute quantizes with the scales its forward used.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import contextlib
 from collections.abc import Callable
 from typing import Literal
 
+from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from mtcore.precision.fp8 import replay_delayed_scales, snapshot_delayed_scales
 
 Recompute = Literal["none", "full", "selective"]
 MODES = ("none", "full", "selective")
@@ -40,18 +45,19 @@ def checkpoint(fn: Callable, *args, backend, tracker=None, **kwargs):
         *args,
         use_reentrant=False,
         preserve_rng_state=False,  # done below, through the backend
-        context_fn=lambda: _rng_contexts(backend.device, tracker),
+        context_fn=lambda: _rng_contexts(backend.device, tracker, fn),
         **kwargs,
     )
 
 
-def _rng_contexts(device, tracker):
+def _rng_contexts(device, tracker, fn=None):
     saved: dict[str, object] = {}
 
     @contextlib.contextmanager
     def forward():
         saved["default"] = device.get_rng_state()
         saved["tracked"] = tracker.get_states() if tracker is not None else None
+        saved["fp8"] = snapshot_delayed_scales(fn) if isinstance(fn, nn.Module) else []
         yield
 
     @contextlib.contextmanager
@@ -62,7 +68,8 @@ def _rng_contexts(device, tracker):
         if tracker is not None:
             tracker.set_states(saved["tracked"])
         try:
-            yield
+            with replay_delayed_scales(saved["fp8"]):
+                yield
         finally:
             device.set_rng_state(now_default)
             if tracker is not None:

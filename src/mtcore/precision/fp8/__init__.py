@@ -12,7 +12,12 @@ from mtcore.precision.fp8.recipes import (
     FP8Recipe,
     check_backend_fp8,
 )
-from mtcore.precision.fp8.state import FP8Scaling, accept_fp8_state
+from mtcore.precision.fp8.state import (
+    FP8Scaling,
+    accept_fp8_state,
+    replay_delayed_scales,
+    snapshot_delayed_scales,
+)
 
 __all__ = [
     "FORMATS",
@@ -23,4 +28,6 @@ __all__ = [
     "accept_fp8_state",
     "check_backend_fp8",
     "fp8_linear",
+    "replay_delayed_scales",
+    "snapshot_delayed_scales",
 ]

@@ -15,9 +15,13 @@ Delayed scaling, per role (input, weight, grad), on every quantization:
 
 The first call of a role (empty history) has no past to go on: it is scaled
 just in time from its own (reduced) amax instead of saturating at scale 1.
-Forward passes replayed by activation recomputation inside backward reuse the
-latest scale and record nothing, so a recomputed step does not advance the
-history twice. Forward passes without autograd (evaluation) record nothing
+Forward passes replayed by activation recomputation inside backward record
+nothing, so a recomputed step does not advance the history twice, and quantize
+with the scales their original forward used (``snapshot_delayed_scales`` /
+``replay_delayed_scales``, called by ``mtcore.parallel.recompute``), so they
+reproduce the forward exactly: by then that forward and later micro-batches
+have moved the scales, and a MoE router fed other activations would choose
+other experts. Forward passes without autograd (evaluation) record nothing
 either: evaluating must not change how training quantizes.
 
 Checkpoints cross the FP8 boundary both ways: a model built without FP8 accepts
@@ -26,6 +30,8 @@ an FP8 model loading a checkpoint without it starts with a fresh history.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor, nn
@@ -172,3 +178,32 @@ def accept_fp8_state(module: nn.Module) -> None:
             state_dict.pop(f"{prefix}fp8.{name}", None)
 
     module._register_load_state_dict_pre_hook(drop)
+
+
+def snapshot_delayed_scales(module: nn.Module) -> list:
+    """The scales (and first-call flags) that every delayed-scaling FP8 linear in
+    ``module`` quantizes its next forward with. Taken when a checkpointed forward
+    starts, so that its recomputation can quantize the same (``replay_delayed_scales``)."""
+    return [
+        (m, m.scale.clone(), list(m._fresh))
+        for m in module.modules()
+        if isinstance(m, FP8Scaling) and m.recipe.delayed
+    ]
+
+
+@contextlib.contextmanager
+def replay_delayed_scales(snapshot: list):
+    """Quantize with the ``snapshot``'s scales inside the block (a recomputation, which
+    records nothing), then put the current scales back."""
+    current = [(m, m.scale.clone(), list(m._fresh)) for m, _, _ in snapshot]
+    try:
+        with torch.no_grad():
+            for m, scale, fresh in snapshot:
+                m.scale.copy_(scale)
+                m._fresh = list(fresh)
+        yield
+    finally:
+        with torch.no_grad():
+            for m, scale, fresh in current:
+                m.scale.copy_(scale)
+                m._fresh = fresh
