@@ -8,17 +8,26 @@ Two gloo ranks, a tiny dense GPT under dp=2:
   its ``bytes``; not a CheckpointError inside the check itself);
 * a save whose commit fails on rank 0 (a directory stands where ``latest.tmp`` goes),
   written synchronously or in the background (its commit fails in ``wait``).
+
+And the converse: a choice rank 0 makes is every rank's. Loading a root while another
+job commits into it (``checkpoint.load: runs/a/checkpoints`` of a live run) must load
+one step on all ranks: here rank 1 commits step 3 after rank 0 has resolved ``latest``
+(rank 1 sleeps first; were rank 0 slower still, both would pick step 3 and the check
+passes anyway).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models import ModelConfig
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.checkpoint import Checkpointer
+from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.engine import Engine
 
 MODEL = ModelConfig(
@@ -62,6 +71,19 @@ def _rank_main(ctx, root: str):
     background = Checkpointer(engine, async_save=True)
     background.save(root / "late", 4, {}, model_config=MODEL)
     out["async_commit_fails"] = _outcome(background.wait)
+
+    live = root / "live"
+    ck.save(live, 2, {}, model_config=MODEL)
+    ctx.backend.collective.barrier()
+    if ctx.rank == 1:  # another job commits step 3 while rank 0 is already loading
+        time.sleep(2)
+        staging = live / "step_000003.partial"
+        shutil.copytree(live / "step_000002", staging)
+        header = json.loads((staging / "manifest.json").read_text())
+        (staging / "manifest.json").unlink()
+        header = {k: v for k, v in header.items() if k not in ("format", "files")}
+        mf.commit(staging, {**header, "step": 3})
+    out["live_load"] = ck.load(live).directory.name
     return out
 
 
@@ -73,3 +95,4 @@ def test_rank0_failures_raise_on_every_rank(tmp_path):
             assert out[name] != "ok", (name, rank, out[name])
     assert "rank 0" in results[1]["save_into_file"]
     assert "blocked" in results[0]["save_into_file"]
+    assert results[0]["live_load"] == results[1]["live_load"], results

@@ -224,7 +224,7 @@ class Checkpointer:
     def load(self, path: str | Path, finetune: bool = False) -> Loaded:
         """Restore from ``path`` (a root: its latest committed step). A weights-only
         checkpoint, or ``finetune``, loads the model only: fresh optimizer, step 0."""
-        directory = mf.resolve_checkpoint(path)
+        directory = self._resolve_on_rank0(path)
         self._verify_on_rank0(directory)
         manifest = mf.read_manifest(directory)
         notes = check_model_matches(manifest.get("model_config"), self.engine.config, directory)
@@ -249,6 +249,20 @@ class Checkpointer:
                 self._restore_rng(rng_targets)
         kind = manifest.get("kind", "?")
         return Loaded(directory, step, trainer_state, bool(rng_targets), kind, tuple(notes))
+
+    def _resolve_on_rank0(self, path: str | Path) -> Path:
+        """Rank 0 picks the step directory and every rank loads that one: a root's
+        ``latest`` moves when the job that owns it commits, and ranks resolving it a moment
+        apart would load different steps."""
+        error, found = None, {}
+        if self.is_main:
+            try:
+                found = {"directory": str(mf.resolve_checkpoint(path))}
+            except Exception as e:
+                error = e
+        self._settle(error, f"resolve checkpoint {path}")
+        found = gather_json(found, self.collective, self.world, self.engine.ddp.device)
+        return Path(found["directory"])
 
     def _verify_on_rank0(self, directory: Path) -> None:
         """Rank 0 checks every checksum; the others wait for its verdict."""
