@@ -93,7 +93,7 @@ class Checkpointer:
         """Write step ``step``; returns the committed directory (None on other ranks, or
         while an asynchronous save is still being written). ``model_config``: recorded in
         the manifest (None: the engine's)."""
-        root = Path(root)
+        root = Path(root).expanduser()  # as resolve_checkpoint and has_checkpoint do
         self.wait()  # one save in flight at a time
         sections = self._gathered_sections()
         tensors = self.state.save_tensors(optimizer=True)  # collective under ZeRO-1
