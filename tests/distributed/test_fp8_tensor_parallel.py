@@ -86,6 +86,11 @@ def _rank_main(ctx, tokens, targets):
     for name, (_, layout_kw, _, _) in CASES.items():
         layout = ParallelLayout.build(LayoutSpec(**layout_kw), ctx.backend.collective, ctx.rank, 2)
         out[name] = _run(_engine(name, layout, ctx.backend, BATCH // MB), tokens, targets)
+    # dp=2: each replica trains on its half of every batch.
+    layout = ParallelLayout.build(LayoutSpec(dp=2), ctx.backend.collective, ctx.rank, 2)
+    half = slice(ctx.rank * BATCH // 2, (ctx.rank + 1) * BATCH // 2)
+    engine = _engine("delayed", layout, ctx.backend, BATCH // MB // 2)
+    out["delayed_dp2"] = _run(engine, tokens[:, half], targets[:, half])
     return out
 
 
@@ -133,3 +138,16 @@ def test_delayed_amax_history_is_identical_on_tp_ranks_and_matches_one_process(r
             assert err <= 1e-2, (
                 f"{case} {name}: {hist} vs one process {refs[case]['history'][name]}"
             )
+
+
+def test_delayed_amax_history_is_identical_on_data_parallel_replicas(runs):
+    """Replicas reduce their amaxes over dp too (as TransformerEngine does over dp x tp):
+    one history, so a checkpoint (which stores one replica's) resumes every replica."""
+    ranks, refs = runs
+    first, second = ranks[0]["delayed_dp2"]["history"], ranks[1]["delayed_dp2"]["history"]
+    assert first and set(first) == set(second)
+    for name, hist in first.items():
+        assert torch.equal(hist, second[name]), f"{name}: {hist} vs {second[name]}"
+    for step, loss in enumerate(ranks[0]["delayed_dp2"]["loss"]):
+        ref = refs["delayed"]["loss"][step]
+        assert abs(loss - ref) / ref <= 1e-2, (step, loss, ref)

@@ -108,6 +108,8 @@ def _linear_kwargs(c: Context, generator: torch.Generator, std: float) -> dict:
     )
     if c.fp8 is not None:
         kwargs["fp8"] = c.fp8
+        if c.layout is not None and c.layout.size("dp_cp") > 1:  # one FP8 history per replica set
+            kwargs["fp8_replicas"] = (c.backend.collective, c.layout.group("dp_cp"))
     return kwargs
 
 

@@ -86,6 +86,8 @@ class ColumnParallelLinear(nn.Module):
       is ``[part0_r | part1_r | ...]`` and splits like the full one.
     fp8: an ``FP8Recipe``: the three matmuls run in FP8 (``mtcore.precision.fp8``)
       and the recipe's state is the submodule ``fp8``; None: the model dtype.
+    fp8_replicas: ``(collective, group)`` of this layer's data-parallel replicas;
+      delayed-scaling amaxes are reduced over it as well as over tp.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class ColumnParallelLinear(nn.Module):
         device=None,
         dtype=None,
         fp8: FP8Recipe | None = None,
+        fp8_replicas=None,
     ):
         super().__init__()
         sections = tuple(sections or (out_features,))
@@ -120,7 +123,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if bias:
             _add_sharded_param(self, "bias", (out_features,), rows, _zeros, None, device, dtype)
-        self.fp8 = _fp8_scaling(fp8, tp, device, self)
+        self.fp8 = _fp8_scaling(fp8, tp, device, self, fp8_replicas)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:  # FP8: the collectives around the matmul, not overlapped
@@ -164,6 +167,7 @@ class RowParallelLinear(nn.Module):
         device=None,
         dtype=None,
         fp8: FP8Recipe | None = None,
+        fp8_replicas=None,
     ):
         super().__init__()
         self.tp = tp
@@ -182,7 +186,7 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
             if self.sequence_parallel:
                 mark_sequence_parallel(self, "bias")
-        self.fp8 = _fp8_scaling(fp8, tp, device, self)
+        self.fp8 = _fp8_scaling(fp8, tp, device, self, fp8_replicas)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
@@ -256,15 +260,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _fp8_scaling(
-    recipe: FP8Recipe | None, tp: TPGroup, device, module: nn.Module
+    recipe: FP8Recipe | None, tp: TPGroup, device, module: nn.Module, replicas=None
 ) -> FP8Scaling | None:
     """The FP8 state of a linear (None: high precision, which still loads checkpoints
-    that carry FP8 state); delayed scales agree over tp."""
+    that carry FP8 state); delayed scales agree over tp and the ``replicas`` group."""
     if recipe is None:
         accept_fp8_state(module)
         return None
     group = (tp.collective, tp.group) if tp.size > 1 else None
-    return FP8Scaling(recipe, tp.backend.fp8, amax_group=group, device=device)
+    return FP8Scaling(
+        recipe, tp.backend.fp8, amax_group=group, device=device, replica_group=replicas
+    )
 
 
 def _zeros(t: Tensor, generator: torch.Generator | None) -> None:

@@ -9,7 +9,8 @@ Delayed scaling, per role (input, weight, grad), on every quantization:
 
 1. quantize with ``scale`` (computed from the history before this call);
 2. all-reduce (max) this call's amax over ``amax_group`` (the tensor-parallel
-   group), so every rank records the amax of the whole logical tensor;
+   group), so every rank records the amax of the whole logical tensor, and over
+   ``replica_group`` (data parallel), so replicas record the same;
 3. roll the history by one, write the amax into slot 0;
 4. ``scale = fp8_max / (max(history) * 2**margin)`` for the next call.
 
@@ -54,11 +55,16 @@ class FP8Scaling(nn.Module):
     fp8: the backend's FP8 interface (``backend.fp8``).
     amax_group: ``(collective, group)`` whose ranks must agree on the delayed
       scales (the tensor-parallel group), or None in one process.
+    replica_group: ``(collective, group)`` of the data-parallel replicas of this
+      layer, or None: the amax is reduced over it too (as TransformerEngine reduces
+      over dp x tp), so replicas keep one history and a checkpoint, which stores one
+      replica's, resumes every replica exactly.
     """
 
-    def __init__(self, recipe: FP8Recipe, fp8, amax_group=None, device=None):
+    def __init__(self, recipe: FP8Recipe, fp8, amax_group=None, device=None, replica_group=None):
         super().__init__()
         self.recipe, self.fp8, self.amax_group = recipe, fp8, amax_group
+        self.amax_groups = [g for g in (amax_group, replica_group) if g is not None]
         self._fresh = [True] * len(ROLES)
         if recipe.delayed:
             n = len(ROLES)
@@ -115,12 +121,12 @@ class FP8Scaling(nn.Module):
         return qx, qw
 
     def _reduce(self, amax: Tensor) -> Tensor:
-        """Max over the tp group (a scalar, or several stacked: one collective)."""
+        """Max over the tp group, then the replicas (a scalar, or several stacked: one
+        collective per group)."""
         amax = amax.detach().float().clone()
         if amax.numel() == 1:
             amax = amax.reshape(())
-        if self.amax_group is not None:
-            collective, group = self.amax_group
+        for collective, group in self.amax_groups:
             collective.all_reduce(amax, op="max", group=group)
         # A non-finite amax (an overflowing step the trainer will skip) must not
         # poison the history for the next amax_history_len steps.
