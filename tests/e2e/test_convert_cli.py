@@ -126,5 +126,8 @@ def test_convert_refuses_what_does_not_map(tmp_path, capsys):
     assert main(["convert", "from-hf", str(scaled), str(tmp_path / "no-ckpt")]) == 1
     assert "rope_type='llama3'" in capsys.readouterr().err
     assert not (tmp_path / "no-ckpt").exists()
+    # Into a root that holds checkpoints: the import would become its latest.
+    assert main(["convert", "from-hf", str(scaled), str(tmp_path / "gpt2")]) == 1
+    assert "already holds checkpoints" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: a direction is required
         main(["convert"])

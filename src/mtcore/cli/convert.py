@@ -76,11 +76,15 @@ def _from_hf(args: argparse.Namespace):
     from pathlib import Path
 
     from mtcore.models.hf import TOKENIZER, import_llama
-    from mtcore.training.checkpoint import write_model_weights
+    from mtcore.training.checkpoint import has_checkpoint, write_model_weights
     from mtcore.training.data import DataError, load_tokenizer
 
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if has_checkpoint(args.out_root):
+        # The import would become the root's latest: a resumed run there would silently
+        # restart from these weights at step 0.
+        raise ValueError(f"{args.out_root} already holds checkpoints; convert into a new directory")
     config, weights = import_llama(args.hf_dir, seq_len=args.seq_len)
     tokenizer = None
     path = Path(args.hf_dir) / TOKENIZER
