@@ -13,7 +13,7 @@ And the converse: a choice rank 0 makes is every rank's. Loading a root while an
 job commits into it (``checkpoint.load: runs/a/checkpoints`` of a live run) must load
 one step on all ranks: here rank 1 commits step 3 after rank 0 has resolved ``latest``
 (rank 1 sleeps first; were rank 0 slower still, both would pick step 3 and the check
-passes anyway).
+passes anyway). Likewise whether ``resume`` finds a checkpoint is rank 0's answer.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ def _rank_main(ctx, root: str):
         header = {k: v for k, v in header.items() if k not in ("format", "files")}
         mf.commit(staging, {**header, "step": 3})
     out["live_load"] = ck.load(live).directory.name
+    # Whether to resume: rank 0's view is every rank's (here each rank looks at another
+    # root, as ranks would whose file-system views disagree).
+    out["holds"] = ck.holds_checkpoint(good if ctx.rank == 0 else root / "empty")
     return out
 
 
@@ -96,3 +99,4 @@ def test_rank0_failures_raise_on_every_rank(tmp_path):
     assert "rank 0" in results[1]["save_into_file"]
     assert "blocked" in results[0]["save_into_file"]
     assert results[0]["live_load"] == results[1]["live_load"], results
+    assert [out["holds"] for out in results] == [True, True]

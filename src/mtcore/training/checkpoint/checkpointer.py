@@ -250,6 +250,13 @@ class Checkpointer:
         kind = manifest.get("kind", "?")
         return Loaded(directory, step, trainer_state, bool(rng_targets), kind, tuple(notes))
 
+    def holds_checkpoint(self, root: str | Path) -> bool:
+        """Whether ``root`` holds a committed checkpoint, as rank 0 sees it, on every rank
+        (collective): ranks that judged it from their own view of a shared file system
+        could split between resuming and starting fresh, and hang in different collectives."""
+        found = {"holds": mf.has_checkpoint(root)} if self.is_main else {}
+        return bool(gather_json(found, self.collective, self.world, self.engine.ddp.device)["holds"])
+
     def _resolve_on_rank0(self, path: str | Path) -> Path:
         """Rank 0 picks the step directory and every rank loads that one: a root's
         ``latest`` moves when the job that owns it commits, and ranks resolving it a moment

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from mtcore.training.checkpoint.checkpointer import Checkpointer
-from mtcore.training.checkpoint.manifest import MANIFEST, has_checkpoint, partial_dirs
+from mtcore.training.checkpoint.manifest import MANIFEST, partial_dirs
 
 
 class TrainerCheckpoints:
@@ -43,7 +43,7 @@ class TrainerCheckpoints:
         if self.ck.resume and self.ck.dir is not None:
             root = Path(self.ck.dir).expanduser()
             self._report_partials(root)
-            if has_checkpoint(root):
+            if self.checkpointer.holds_checkpoint(root):  # collective: rank 0 decides
                 path, finetune = str(root), False
             elif path is None:
                 self.say(f"checkpoint: nothing to resume under {root}; starting at step 0")
