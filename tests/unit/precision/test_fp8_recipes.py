@@ -278,3 +278,34 @@ def test_engine_keeps_bf16_params_fp32_masters_and_fp32_fp8_state():
     assert fc1.fp8.amax_history[:, 0].count_nonzero() == 3  # input, weight, grad recorded
     assert {s.master.dtype for s in engine.optimizer.segments} == {torch.float32}
     assert not torch.equal(fc1.weight.float(), before)  # the step reached the FP8 weight
+
+
+@pytest.mark.parametrize("scaling", ["current", "blockwise"])
+def test_fp8_linear_gemms_are_their_definitions(scaling):
+    """Forward, dgrad and wgrad of the FP8 linear equal the products of the quantized
+    operands as the module docstring defines them (on CPU blockwise takes the dequantize
+    path, per-tensor torch._scaled_mm). Odd sizes: partial 1x128 and 128x128 blocks,
+    whose scales must follow the transposes (fused quantize-transpose for x and dy,
+    W^T as W's blocks transposed)."""
+    recipe = FP8Recipe("hybrid", scaling)
+    fp8, e4m3, e5m2 = BACKEND.fp8, torch.float8_e4m3fn, torch.float8_e5m2
+    g = torch.Generator().manual_seed(0)
+    m, k, n = 130, 200, 150
+    x = torch.randn(m, k, generator=g).requires_grad_()
+    w = (torch.randn(n, k, generator=g) * 0.05).requires_grad_()
+    dy = torch.randn(m, n, generator=g) * 1e-3
+    fp8_linear(x, w, None, FP8Scaling(recipe, fp8)).backward(dy)
+
+    act, wgt = recipe.granularity("input"), recipe.granularity("weight")
+
+    def deq(t, dtype, granularity):
+        return fp8.quantize(t.detach().contiguous(), dtype, granularity).dequantize()
+
+    y = deq(x, e4m3, act) @ deq(w, e4m3, wgt).t()
+    dx = deq(dy, e5m2, act) @ deq(w.t(), e4m3, wgt).t()
+    dw = deq(dy.t(), e5m2, act) @ deq(x.t(), e4m3, act).t()
+    with torch.no_grad():
+        got = fp8_linear(x, w, None, FP8Scaling(recipe, fp8))
+    torch.testing.assert_close(got, y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, dx, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(w.grad, dw, rtol=1e-5, atol=1e-9)

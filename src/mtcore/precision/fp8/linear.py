@@ -15,10 +15,12 @@ wgrad    dW = dy^T x [N, K]   dy^T   along M     x^T    along M
 Per-tensor scaling (delayed, current) has one scale per tensor, so the
 transposed operands of the backward are the forward's FP8 bytes transposed:
 only the FP8 ``x`` and ``W`` are kept for backward, never the high-precision
-ones, and each tensor is quantized once. Blockwise scaling quantizes along a
-different dimension in each GEMM, so it keeps ``x`` and quantizes ``x^T`` and
-``dy^T`` again in 1x128 blocks (``W^T`` in 128x128 blocks has the same blocks
-as ``W``).
+ones, and each tensor is quantized once. Blockwise scaling quantizes ``x`` and
+``dy`` along a different dimension in each GEMM: the fused quantize-and-transpose
+(``FP8.quantize_transpose``) writes both 1x128 forms in one pass, and backward
+keeps the FP8 ``x^T``. ``W^T`` in 128x128 blocks has the same blocks (and scales)
+as ``W``, so it is ``W``'s FP8 bytes and scales transposed. Either way only FP8
+copies are saved for backward.
 
 The parameters stay in the model dtype and the optimizer keeps fp32 master
 weights; the FP8 copies exist only inside one forward/backward.
@@ -34,40 +36,47 @@ from mtcore.precision.fp8.state import FP8Scaling
 
 
 def _transposed(q: Quantized) -> Quantized:
-    """The same per-tensor-scaled values, transposed (an FP8 byte copy, no rounding)."""
-    return Quantized(q.data.t().contiguous(), q.scale_inv, q.amax, q.granularity)
+    """The same values transposed (an FP8 byte copy, no rounding): per tensor, or in
+    128x128 blocks, whose scales transpose with them."""
+    scale_inv, amax = (t.t().contiguous() if t.dim() == 2 else t for t in (q.scale_inv, q.amax))
+    return Quantized(q.data.t().contiguous(), scale_inv, amax, q.granularity)
 
 
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, scaling: FP8Scaling, record: bool):
-        fp8 = scaling.fp8
-        qx, qw = scaling.quantize_forward(x, weight, record)
-        y = fp8.scaled_matmul(qx, qw, out_dtype=x.dtype)
+        fp8, recipe = scaling.fp8, scaling.recipe
         ctx.scaling, ctx.x_dtype, ctx.w_dtype = scaling, x.dtype, weight.dtype
-        ctx.per_tensor = qx.granularity == "tensor"
+        ctx.per_tensor = recipe.granularity("input") == "tensor"
         if ctx.per_tensor:
-            ctx.save_for_backward(qx.data, qx.scale_inv, qw.data, qw.scale_inv)
-        else:
-            ctx.save_for_backward(x, weight)
-        return y
+            qx, qw = scaling.quantize_forward(x, weight, record)
+            keep = (qx, qw)
+        else:  # blockwise: x along K for this GEMM, along M (x^T) for wgrad, in one pass
+            qx, x_t = fp8.quantize_transpose(x, recipe.dtype("input"), "1x128")
+            qw = fp8.quantize(weight, recipe.dtype("weight"), "128x128")
+            keep = (x_t, qw)
+        ctx.granularities = [q.granularity for q in keep]
+        ctx.save_for_backward(*(t for q in keep for t in (q.data, q.scale_inv)))
+        return fp8.scaled_matmul(qx, qw, out_dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         scaling = ctx.scaling
         fp8, recipe = scaling.fp8, scaling.recipe
         dy = dy.contiguous()
-        qg = scaling.quantize(dy, "grad")
+        saved = ctx.saved_tensors
+        kept = [
+            Quantized(saved[2 * i], saved[2 * i + 1], saved[2 * i + 1], g)
+            for i, g in enumerate(ctx.granularities)
+        ]
         if ctx.per_tensor:
-            x_data, x_sinv, w_data, w_sinv = ctx.saved_tensors
-            qx = Quantized(x_data, x_sinv, x_sinv, "tensor")
-            qw = Quantized(w_data, w_sinv, w_sinv, "tensor")
+            qx, qw = kept
+            qg = scaling.quantize(dy, "grad")
             w_t, g_t, x_t = _transposed(qw), _transposed(qg), _transposed(qx)
         else:
-            x, weight = ctx.saved_tensors
-            w_t = fp8.quantize(weight.t().contiguous(), recipe.dtype("weight"), "128x128")
-            g_t = fp8.quantize(dy.t().contiguous(), recipe.dtype("grad"), "1x128")
-            x_t = fp8.quantize(x.t().contiguous(), recipe.dtype("input"), "1x128")
+            x_t, qw = kept
+            qg, g_t = fp8.quantize_transpose(dy, recipe.dtype("grad"), "1x128")
+            w_t = _transposed(qw)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = fp8.scaled_matmul(qg, w_t, out_dtype=ctx.x_dtype)
