@@ -38,20 +38,20 @@ step() {  # step NAME LIMIT_S COMMAND...
 }
 
 if [ -d .whl ]; then
-    step wheels 120 $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
+    step wheels 60 $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
 fi
 # Installed (not editable) into a side folder: its dist-info carries the entry points
 # through which mtcore finds the plugin and pytest finds the conformance kit.
-step install 180 $PY -m pip install -q --no-deps --no-build-isolation --no-compile \
+step install 120 $PY -m pip install -q --no-deps --no-build-isolation --no-compile \
     --target "$SITE" . ./plugins/mtcore_cuda
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/gpu.txt" 2>&1
-step doctor 120 $PY -m mtcore.cli.main doctor --backend cuda
-step conformance 240 $PY -m pytest -q -p no:cacheprovider --pyargs mtcore.testing.conformance \
+step doctor 60 $PY -m mtcore.cli.main doctor --backend cuda
+step conformance 150 $PY -m pytest -q -p no:cacheprovider --pyargs mtcore.testing.conformance \
     --mtcore-backend cuda
-step kernels 150 $PY benchmarks/bench_kernels.py --dtype bfloat16
-step kernels_fp32 90 $PY benchmarks/bench_kernels.py --dtype float32
-step fp8 180 $PY benchmarks/bench_fp8.py --steps 20
+step kernels 90 $PY benchmarks/bench_kernels.py --dtype bfloat16
+step kernels_fp32 60 $PY benchmarks/bench_kernels.py --dtype float32
+step fp8 90 $PY benchmarks/bench_fp8.py --steps 20
 echo "gpu_check: $failed step(s) failed; logs in $OUT"
 exit "$failed"
