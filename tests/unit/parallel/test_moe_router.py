@@ -166,3 +166,14 @@ def test_bad_input_names_the_numbers():
         MoESpec(num_experts=4, ffn_size=8, capacity_factor=0.0)
     with pytest.raises(ValueError, match="extra"):
         MoESpec(num_experts=4, ffn_size=8, experts=3)
+
+
+def test_top1_weight_is_the_probability_so_the_router_learns_from_the_loss():
+    """Switch-style top-1: rescaling one weight to 1 (norm_topk) would cut the router off
+    from the language-model loss; the weight stays the router's probability."""
+    for score in ("softmax", "sigmoid"):
+        logits = _logits(8, 4).requires_grad_()
+        r = route(logits, MoESpec(num_experts=4, top_k=1, ffn_size=4, score=score))
+        assert (r.probs < 1).all(), score
+        r.probs.sum().backward()
+        assert logits.grad.abs().sum() > 0, score

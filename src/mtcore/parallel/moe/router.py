@@ -62,7 +62,7 @@ def route(logits: Tensor, spec: MoESpec, bias: Tensor | None = None) -> Routing:
         probs = torch.softmax(logits.gather(-1, experts), dim=-1)
     else:
         probs = (raw if spec.score == "sigmoid" else scores).gather(-1, experts)
-        if spec.norm_topk:
+        if spec.norm_topk and k > 1:  # at k=1 it would make every weight 1: no gradient
             probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-20)
     return Routing(probs, experts, scores)
 

@@ -24,7 +24,8 @@ class MoESpec(BaseModel):
     score: "softmax" (Mixtral, Switch) or "sigmoid" (DeepSeek-V3) router scores.
     topk_then_softmax: softmax over the k chosen logits only (Mixtral's order);
       otherwise scores over all experts first, then top-k (Switch/GShard order).
-    norm_topk: rescale the k chosen weights to sum to 1.
+    norm_topk: rescale the k chosen weights to sum to 1 (only when top_k > 1: a
+      single weight rescaled to 1 would leave the router no gradient from the loss).
     aux_loss: load-balancing loss E * sum_i f_i P_i over the micro-batch ("batch")
       or averaged over its sequences ("seq"), or "none".
     z_loss_coeff: router z-loss mean(logsumexp(logits)^2) (ST-MoE).
