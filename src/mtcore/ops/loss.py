@@ -21,12 +21,7 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100) -> T
         batch...), a training decision, not the kernel's. Ignored positions
         have loss exactly 0 and give zero gradient to their logits row.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [N, V], got {list(logits.shape)}")
-    if target.dim() != 1 or target.shape[0] != logits.shape[0]:
-        raise ValueError(f"target must be [N] with N = {logits.shape[0]}, got {list(target.shape)}")
-    if target.dtype != torch.int64:
-        raise ValueError(f"target must be int64, got {target.dtype}")
+    check_cross_entropy_args(logits, target)
     valid = target != ignore_index
     # Any in-range index serves for ignored rows; their loss is masked below.
     safe_target = torch.where(valid, target, torch.zeros_like(target))
@@ -34,3 +29,14 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100) -> T
     logp = torch.log_softmax(logits.to(acc), dim=-1)
     nll = -logp.gather(1, safe_target[:, None]).squeeze(1)
     return nll.masked_fill(~valid, 0.0)
+
+
+def check_cross_entropy_args(logits: Tensor, target: Tensor) -> None:
+    """The shape and dtype rules of :func:`cross_entropy` (ValueError), for every
+    implementation of the op."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got {list(logits.shape)}")
+    if target.dim() != 1 or target.shape[0] != logits.shape[0]:
+        raise ValueError(f"target must be [N] with N = {logits.shape[0]}, got {list(target.shape)}")
+    if target.dtype != torch.int64:
+        raise ValueError(f"target must be int64, got {target.dtype}")

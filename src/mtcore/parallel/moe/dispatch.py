@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mtcore.parallel.tensor.mappings import TPGroup
+from mtcore.parallel.tensor.mappings import TPGroup, gather_rows, reduce_scatter_rows
 
 
 class _AllToAll(torch.autograd.Function):
@@ -46,32 +46,6 @@ def _all_to_all(x: Tensor, group: TPGroup, out_splits: list[int], in_splits: lis
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     group.collective.all_to_all(out, x, out_splits, in_splits, group=group.group)
     return out
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0; the backward sums the grads and keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: TPGroup):
-        ctx.group = group
-        return group.all_gather(x, 0)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.group.reduce_scatter(grad, 0), None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """Sum over ranks, keep this rank's rows; the backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: TPGroup):
-        ctx.group = group
-        return group.reduce_scatter(x, 0)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.group.all_gather(grad, 0), None
 
 
 def _assignments(experts: Tensor, probs: Tensor, keep: Tensor | None):
@@ -152,8 +126,8 @@ class AllGatherDispatcher(Dispatcher):
     def dispatch(self, x, experts, probs, keep):
         self.tokens = x.shape[0]
         if self.ep.size > 1:
-            x = _GatherRows.apply(x, self.ep)
-            probs = _GatherRows.apply(probs, self.ep)
+            x = gather_rows(x, self.ep)
+            probs = gather_rows(probs, self.ep)
             experts = self.ep.all_gather(experts, 0)
             keep = None if keep is None else self.ep.all_gather(keep.to(torch.uint8), 0).bool()
         token, expert, weight = _assignments(experts, probs, keep)
@@ -169,4 +143,4 @@ class AllGatherDispatcher(Dispatcher):
         weighted = out * self.weight.to(out.dtype).unsqueeze(1)
         y = out.new_zeros((self.gathered, out.shape[1])).index_add(0, self.token, weighted)
         self._forget()
-        return _ReduceScatterRows.apply(y, self.ep) if self.ep.size > 1 else y
+        return reduce_scatter_rows(y, self.ep)

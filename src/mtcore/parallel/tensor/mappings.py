@@ -234,6 +234,17 @@ def gather_from_sp(x: Tensor, tp: TPGroup, reduce_grad: bool = True) -> Tensor:
     return x if tp.size == 1 else _Gather.apply(x, tp, SEQ_DIM, reduce_grad)
 
 
+def gather_rows(x: Tensor, group: TPGroup) -> Tensor:
+    """``[n, ...]`` per rank -> ``[size * n, ...]`` on every rank; each rank's grad is a
+    partial sum, so the backward reduce-scatters (MoE's all-gather dispatch)."""
+    return x if group.size == 1 else _Gather.apply(x, group, 0, True)
+
+
+def reduce_scatter_rows(x: Tensor, group: TPGroup) -> Tensor:
+    """``[size * n, ...]`` partial sums -> ``[n, ...]`` summed, this rank's rows."""
+    return x if group.size == 1 else _ReduceScatter.apply(x, group, 0)
+
+
 def reduce_scatter_to_sp(x: Tensor, tp: TPGroup) -> Tensor:
     """``[b, s, h]`` partial sums -> ``[b, s / tp, h]`` summed over tp, this rank's shard."""
     return x if tp.size == 1 else _ReduceScatter.apply(x, tp, SEQ_DIM)

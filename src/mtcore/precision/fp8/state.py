@@ -63,7 +63,7 @@ class FP8Scaling(nn.Module):
 
     def __init__(self, recipe: FP8Recipe, fp8, amax_group=None, device=None, replica_group=None):
         super().__init__()
-        self.recipe, self.fp8, self.amax_group = recipe, fp8, amax_group
+        self.recipe, self.fp8 = recipe, fp8
         self.amax_groups = [g for g in (amax_group, replica_group) if g is not None]
         self._fresh = [True] * len(ROLES)
         if recipe.delayed:

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtcore.ops.loss import check_cross_entropy_args
 from mtcore_cuda.triton_kernels.rounding import store_rounded
 
 BLOCK_V = 1024
@@ -104,10 +105,5 @@ def cross_entropy(logits, target, ignore_index=-100):
     Targets outside ``[0, V)`` other than ``ignore_index`` are not checked on the
     device (that would synchronise); the reference raises for them.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [N, V], got {list(logits.shape)}")
-    if target.dim() != 1 or target.shape[0] != logits.shape[0]:
-        raise ValueError(f"target must be [N] with N = {logits.shape[0]}, got {list(target.shape)}")
-    if target.dtype != torch.int64:
-        raise ValueError(f"target must be int64, got {target.dtype}")
+    check_cross_entropy_args(logits, target)
     return _CrossEntropy.apply(logits, target.contiguous(), ignore_index)
