@@ -27,7 +27,7 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.distributed import ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe
 from mtcore.training.config import OptimizerConfig
@@ -76,7 +76,7 @@ def main() -> None:
     hidden = args.hidden or (128 if on_cpu else 2048)
     layers = args.layers or (2 if on_cpu else 4)
     seq = args.seq or (128 if on_cpu else 1024)
-    model = ModelConfig(
+    model = GPTConfig(
         vocab_size=8192 if not on_cpu else 1024,
         hidden_size=hidden,
         num_layers=layers,

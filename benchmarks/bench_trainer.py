@@ -39,13 +39,13 @@ from torch import nn
 from mtcore.backend import KernelImpl, select_backend
 from mtcore.backend.spec import Backend
 from mtcore.distributed import ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig
 from mtcore.ops import rope_tables
 from mtcore.ops.torch_native import fused_adamw_step, fused_rms_norm, sdpa_attention
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.engine import Engine
 
-MODEL = ModelConfig(
+MODEL = GPTConfig(
     vocab_size=8192, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, seq_len=256
 )
 OPT = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=5, weight_decay=0.1, max_grad_norm=1.0)
@@ -53,7 +53,7 @@ MICRO, MICROBATCHES = 4, 2
 
 
 class PlainBlock(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: GPTConfig):
         super().__init__()
         h, d, f = c.hidden_size, c.head_dim, c.ffn_size
         self.heads, self.kv_heads, self.d, self.eps = c.num_heads, c.kv_heads, d, c.norm_eps
@@ -89,7 +89,7 @@ def rotate(x, cos, sin):
 class PlainGPT(nn.Module):
     """The same math as ``mtcore.models.GPT`` (llama style, tp=1), in plain PyTorch."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: GPTConfig):
         super().__init__()
         self.embed = nn.Module()
         self.embed.tok = nn.Embedding(c.vocab_size, c.hidden_size)

@@ -37,7 +37,7 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.distributed import ParallelLayout
-from mtcore.models import GPT, single_context
+from mtcore.models.gpt import GPT, single_context
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.checkpoint import read_model_weights, write_model_weights
 from mtcore.training.checkpoint.safe_reader import dcp_load, tensor_shapes

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.checkpoint import Checkpointer
 from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.engine import Engine
 
-MODEL = ModelConfig(
+MODEL = GPTConfig(
     vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=16
 )
 

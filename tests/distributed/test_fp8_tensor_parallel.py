@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig, lm_batches
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe
 from mtcore.testing.compare import rel_error
@@ -38,9 +38,9 @@ from mtcore.training.engine import Engine
 STEPS, BATCH, MB = 3, 8, 2
 SIZES = dict(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=16)
 MODELS = {
-    "llama": ModelConfig(style="llama", init_std=0.1, **SIZES),
-    "gpt2": ModelConfig(style="gpt2", init_std=0.1, **SIZES),
-    "llama_full": ModelConfig(style="llama", init_std=0.1, recompute="full", **SIZES),
+    "llama": GPTConfig(style="llama", init_std=0.1, **SIZES),
+    "gpt2": GPTConfig(style="gpt2", init_std=0.1, **SIZES),
+    "llama_full": GPTConfig(style="llama", init_std=0.1, recompute="full", **SIZES),
 }
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
 # name: (model, layout, recipe, tolerance of (first step, loss, gradient norm))
@@ -71,7 +71,7 @@ def _engine(name, layout, backend, microbatches):
 def _run(engine: Engine, tokens, targets):
     losses, norms = [], []
     for step in range(STEPS):
-        result = engine.train_step(list(tokens[step].split(MB)), list(targets[step].split(MB)))
+        result = engine.train_step(lm_batches(tokens[step].split(MB), targets[step].split(MB)))
         assert not result.skipped, result
         losses.append(result.loss)
         norms.append(result.grad_norm)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig, lm_batches
 from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig
@@ -29,9 +29,9 @@ RTOL = 1e-5
 STEPS, BATCH, MB = 3, 8, 2
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16)
 MODELS = {
-    "llama": ModelConfig(style="llama", init_std=0.1, **SIZES),
-    "gpt2": ModelConfig(style="gpt2", init_std=0.1, **SIZES),
-    "llama_full": ModelConfig(style="llama", init_std=0.1, recompute="full", **SIZES),
+    "llama": GPTConfig(style="llama", init_std=0.1, **SIZES),
+    "gpt2": GPTConfig(style="gpt2", init_std=0.1, **SIZES),
+    "llama_full": GPTConfig(style="llama", init_std=0.1, recompute="full", **SIZES),
 }
 # eps=1e-3: the key bias has an exactly-zero gradient (softmax ignores a shift of all
 # logits), so its numerical gradient is rounding noise that a tiny eps would turn into
@@ -63,11 +63,11 @@ def _run(engine: Engine, tokens, targets, rows: slice):
     out = {"loss": [], "norm": []}
     for step in range(STEPS):
         x, y = tokens[step][rows].split(MB), targets[step][rows].split(MB)
-        result = engine.train_step(list(x), list(y))
+        result = engine.train_step(lm_batches(x, y))
         assert not result.skipped, result
         out["loss"].append(result.loss)
         out["norm"].append(result.grad_norm)
-    out["eval"] = engine.eval_loss(list(tokens[0][rows].split(MB)), list(targets[0][rows].split(MB)))
+    out["eval"] = engine.eval_loss(lm_batches(tokens[0][rows].split(MB), targets[0][rows].split(MB)))
     out["weights"] = engine.full_state_dict()
     return out
 

@@ -17,9 +17,9 @@ import torch
 
 from mtcore.backend.collective import P2P
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models import build_gpt
-from mtcore.models.full_weights import load_full_weights
-from mtcore.models.hf import import_llama
+from mtcore.models.gpt import build_gpt
+from mtcore.models.gpt.hf import import_llama
+from mtcore.models.gpt.weights import load_full_weights
 from mtcore.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")

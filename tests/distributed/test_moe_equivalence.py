@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig, lm_batches
 from mtcore.parallel.clip import clip_grad_norm_
 from mtcore.parallel.tensor import full_tensor, named_tp_parameters
 from mtcore.testing.compare import rel_error
@@ -41,8 +41,8 @@ WORLD, STEPS, BATCH, MB = 4, 3, 8, 2
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16)
 MOE = dict(num_experts=4, top_k=2, ffn_size=32)
 MODELS = {
-    "a2a": ModelConfig(init_std=0.1, moe=dict(MOE, z_loss_coeff=1e-2), **SIZES),
-    "ag": ModelConfig(
+    "a2a": GPTConfig(init_std=0.1, moe=dict(MOE, z_loss_coeff=1e-2), **SIZES),
+    "ag": GPTConfig(
         init_std=0.1,
         moe_layer_freq=2,
         moe=dict(
@@ -54,9 +54,9 @@ MODELS = {
         ),
         **SIZES,
     ),
-    "cap": ModelConfig(init_std=0.1, moe=dict(MOE, capacity_factor=1.0), **SIZES),
-    "dedup": ModelConfig(init_std=0.1, moe=dict(MOE, dispatcher="alltoall_dedup"), **SIZES),
-    "first": ModelConfig(
+    "cap": GPTConfig(init_std=0.1, moe=dict(MOE, capacity_factor=1.0), **SIZES),
+    "dedup": GPTConfig(init_std=0.1, moe=dict(MOE, dispatcher="alltoall_dedup"), **SIZES),
+    "first": GPTConfig(
         init_std=0.1, moe_layer_freq=4, moe=dict(MOE, bias_update_rate=1e-2), **SIZES
     ),
 }
@@ -108,7 +108,7 @@ def _run(engine: Engine, tokens, targets, rows: slice):
     out = {"loss": [], "norm": [], "moe": []}
     for step in range(STEPS):
         x, y = tokens[step][rows].split(MB), targets[step][rows].split(MB)
-        result = engine.train_step(list(x), list(y))
+        result = engine.train_step(lm_batches(x, y))
         assert not result.skipped, result
         out["loss"].append(result.loss)
         out["norm"].append(result.grad_norm)

@@ -20,10 +20,10 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.cli.main import main
-from mtcore.models import GPT, ModelConfig, single_context
-from mtcore.models.hf import import_llama
+from mtcore.data.tokenizer import train_tokenizer
+from mtcore.models.gpt import GPT, GPTConfig, single_context
+from mtcore.models.gpt.hf import import_llama
 from mtcore.training.checkpoint import read_model_weights, resolve_checkpoint, write_model_weights
-from mtcore.training.data.tokenizer import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,7 +101,7 @@ def test_convert_from_hf_and_back(tmp_path):
 def test_convert_refuses_what_does_not_map(tmp_path, capsys):
     """In process (the exit path is the same as above): a GPT-2 checkpoint to-hf, a
     Llama with RoPE scaling from-hf; neither leaves an output behind."""
-    gpt2 = ModelConfig(style="gpt2", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4)
+    gpt2 = GPTConfig(style="gpt2", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4)
     gpt2_weights = GPT(gpt2, single_context(gpt2, select_backend("cpu"))).state_dict()
     write_model_weights(tmp_path / "gpt2", gpt2_weights, gpt2)
     assert main(["convert", "to-hf", str(tmp_path / "gpt2"), str(tmp_path / "no")]) == 1

@@ -6,7 +6,7 @@ the group ``mtcore.plugins``::
     [project.entry-points."mtcore.plugins"]
     myaccel = "mtcore_myaccel.plugin"
 
-and implementing one or both hooks below, each marked with ``@hookimpl``.
+and implementing any of the hooks below, each marked with ``@hookimpl``.
 Hook functions run at discovery time: keep them cheap and never touch the
 hardware there (no device queries, no vendor imports that may fail). Do that
 lazily, in ``Device.availability()``.
@@ -54,4 +54,18 @@ class MtcoreHookSpecs:
         Implementations must match the reference op within the tolerances of
         the conformance kit (``pytest --pyargs mtcore.testing.conformance
         --mtcore-backend NAME``).
+        """
+
+    @hookspec
+    def mtcore_model_families(self):
+        """Contribute model families: return a list of ``mtcore.models.ModelFamily``.
+
+        A family is selected by ``model.family`` in a training config (its
+        ``ModelFamily.name``) and supplies its config class, how to build one
+        rank's pipeline chunks, the tensors that cross pipeline boundaries, its
+        loss as (sum, count) terms, its data pipeline and, optionally, its
+        HuggingFace adapter and generation (docs/models.md has the contract).
+        Import the model code lazily if it is heavy: this hook runs when any
+        config is parsed. A name must not repeat a built-in family (``gpt``,
+        ``bert``) or another plugin's; a clash is an error naming both.
         """

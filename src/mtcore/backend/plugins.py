@@ -135,6 +135,20 @@ class PluginRegistry:
         self._backends_collected = True
         return self.discovery
 
+    def collect(self, hook: str, **kwargs) -> list[tuple[PluginInfo, list]]:
+        """Call ``hook`` of every healthy plugin that implements it: ``(plugin, results)``
+        pairs. A plugin whose hook raises is marked broken (warning, doctor) and skipped."""
+        out = []
+        for hook_impl in getattr(self.manager.hook, hook).get_hookimpls():
+            info = self.discovery.plugins[hook_impl.plugin_name]
+            if info.error is not None:
+                continue
+            try:
+                out.append((info, list(hook_impl.function(**kwargs) or [])))
+            except Exception as exc:
+                self._mark_broken(info, exc, f"raised in {hook}")
+        return out
+
     def kernels_for(self, backend: str, device_type: str) -> list[KernelImpl]:
         """Every plugin's kernels for ``backend``, each tagged with its plugin's name.
 

@@ -1,18 +1,20 @@
-"""Convert between mtcore checkpoints and HuggingFace Llama directories.
+"""Convert between mtcore checkpoints and HuggingFace directories (Llama, BERT).
 
   mtcore convert to-hf CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32]
       CHECKPOINT (a step directory, or a checkpoint root: its latest step) written
-      by `mtcore train`, under any layout, becomes a directory that transformers'
-      LlamaForCausalLM.from_pretrained loads: config.json, model.safetensors and,
-      when the checkpoint has one, tokenizer.json (+ tokenizer_config.json).
+      by `mtcore train`, under any layout, becomes a directory that transformers
+      loads (LlamaForCausalLM for a gpt checkpoint, BertForPreTraining for a bert
+      one): config.json, model.safetensors and, when the checkpoint has one,
+      tokenizer.json (+ tokenizer_config.json).
 
   mtcore convert from-hf HF_DIR OUT_CHECKPOINT_ROOT [--seq-len N]
-      A HuggingFace Llama directory (config.json + model.safetensors or its
-      shards) becomes a weights-only mtcore checkpoint under OUT_CHECKPOINT_ROOT
-      that training starts from under any layout (see docs/hf-interop.md).
+      A HuggingFace directory (config.json + model.safetensors or its shards)
+      becomes a weights-only mtcore checkpoint under OUT_CHECKPOINT_ROOT that
+      training starts from under any layout (see docs/hf-interop.md). config.json's
+      model_type picks the family whose adapter imports it (llama: gpt, bert: bert).
 
-Only llama-style models map (RMSNorm, SwiGLU, RoPE, no biases); anything else is
-refused with an error that names the setting. transformers is not needed.
+What a family's adapter cannot map is refused with an error that names the
+setting. transformers is not needed.
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "convert checkpoints to and from HuggingFace Llama format (to-hf, from-hf)"
+HELP = "convert checkpoints to and from HuggingFace format: Llama, BERT (to-hf, from-hf)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     directions = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    to_hf = directions.add_parser("to-hf", help="mtcore checkpoint -> HuggingFace Llama directory")
+    to_hf = directions.add_parser("to-hf", help="mtcore checkpoint -> HuggingFace directory")
     to_hf.add_argument("checkpoint", help="checkpoint directory (step_N, or the root: latest)")
     to_hf.add_argument("out_dir", help="directory to write (created if missing)")
     to_hf.add_argument(
         "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights (default bf16)"
     )
     from_hf = directions.add_parser(
-        "from-hf", help="HuggingFace Llama directory -> mtcore checkpoint"
+        "from-hf", help="HuggingFace directory (Llama, BERT) -> mtcore checkpoint"
     )
     from_hf.add_argument("hf_dir", help="directory with config.json and model.safetensors")
     from_hf.add_argument("out_root", help="checkpoint root to write the checkpoint under")
@@ -57,27 +59,62 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TOKENIZER = "tokenizer.json"
+
+
+def _adapter(family):
+    if family.hf is None:
+        raise ValueError(f"the {family.name} family has no HuggingFace adapter")
+    return family.hf
+
+
 def _to_hf(args: argparse.Namespace):
-    from mtcore.models.hf import DTYPES, export_llama
+    import torch
+
+    from mtcore.models import family_of
     from mtcore.training.checkpoint import read_model_weights, resolve_checkpoint
 
     config, weights, _step = read_model_weights(args.checkpoint)
-    tokenizer = resolve_checkpoint(args.checkpoint) / "tokenizer.json"
-    return export_llama(
+    tokenizer = resolve_checkpoint(args.checkpoint) / TOKENIZER
+    return _adapter(family_of(config)).export_dir(
         config,
         weights,
         args.out_dir,
-        DTYPES[args.dtype],
+        getattr(torch, DTYPES[args.dtype]),
         tokenizer_json=tokenizer if tokenizer.is_file() else None,
+    )
+
+
+def _hf_family(hf_dir: str):
+    """The family whose adapter imports the transformers ``model_type`` in ``hf_dir``."""
+    import json
+    from pathlib import Path
+
+    from mtcore.models import family_names, get_family
+
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a HuggingFace model directory")
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a JSON object: {e}") from None
+    families = [get_family(name) for name in family_names()]
+    for family in families:
+        if family.hf is not None and model_type in family.hf.model_types:
+            return family
+    known = sorted(t for f in families if f.hf is not None for t in f.hf.model_types)
+    raise ValueError(
+        f"{path}: model_type {model_type!r} is not importable; mtcore imports {', '.join(known)}"
     )
 
 
 def _from_hf(args: argparse.Namespace):
     from pathlib import Path
 
-    from mtcore.models.hf import TOKENIZER, import_llama
+    from mtcore.data import DataError, load_tokenizer
     from mtcore.training.checkpoint import has_checkpoint, write_model_weights
-    from mtcore.training.data import DataError, load_tokenizer
 
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
@@ -85,7 +122,8 @@ def _from_hf(args: argparse.Namespace):
         # The import would become the root's latest: a resumed run there would silently
         # restart from these weights at step 0.
         raise ValueError(f"{args.out_root} already holds checkpoints; convert into a new directory")
-    config, weights = import_llama(args.hf_dir, seq_len=args.seq_len)
+    family = _hf_family(args.hf_dir)
+    config, weights = _adapter(family).import_dir(args.hf_dir, seq_len=args.seq_len)
     tokenizer = None
     path = Path(args.hf_dir) / TOKENIZER
     if path.is_file():
@@ -103,11 +141,7 @@ def _training_hint(config, directory, has_tokenizer: bool) -> str:
     model its config describes, so it must be this one."""
     import yaml
 
-    keys = (
-        "style", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-        "ffn_hidden_size", "seq_len", "norm_eps", "rope_theta", "tie_embeddings",
-    )  # fmt: skip
-    model = {k: v for k, v in config.model_dump(mode="json").items() if k in keys}
+    model = {"family": config.family, **config.model_dump(mode="json", exclude_defaults=True)}
     directory = directory.resolve()
     sections = {"model": model, "checkpoint": {"load": str(directory)}}
     if has_tokenizer:

@@ -1,7 +1,7 @@
 """Check this installation: plugins, backends, and what each available backend provides.
 
-Prints the versions in use, every plugin (broken ones with their error), every
-backend with its availability (and why not) and its notes, then for each
+Prints the versions in use, every plugin (broken ones with their error), the
+model families a config can select, every backend with its availability (and why not) and its notes, then for each
 available backend, or only the one named with --backend: device capabilities,
 collectives (native or fallback per op and dtype), FP8 support, and which
 implementation serves each kernel op.
@@ -71,6 +71,7 @@ def collect(requested: str | None, verbose: bool = False) -> dict:
         backends=report.backend_summaries(registry),
         conflicts=report.conflict_facts(registry),
         selection=report.selection_facts(registry),
+        models=report.family_facts(),
         error=None,
     )
     if requested is not None:

@@ -1,10 +1,11 @@
-"""Continue a prompt with a trained GPT: `mtcore generate CHECKPOINT --prompt TEXT`.
+"""Continue a prompt with a trained model: `mtcore generate CHECKPOINT --prompt TEXT`.
 
 CHECKPOINT is a checkpoint directory written by `mtcore train` (a step_N
 directory, or the checkpoint root: its latest step). One process, the whole
 model, whatever layout trained it. Greedy decoding by default; `--top-k K`
 samples among the K likeliest tokens (--temperature, --seed). Prints the prompt
-and its continuation.
+and its continuation. Families that do not generate (an encoder such as BERT) are
+refused with one line.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mtcore.backend import select_backend
+    from mtcore.data import DataError, load_tokenizer
+    from mtcore.models import family_of
     from mtcore.training.checkpoint import load_model
-    from mtcore.training.data import DataError, load_tokenizer
 
     if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
         print("mtcore generate: error: --max-new-tokens must be >= 0 and --top-k >= 1", file=sys.stderr)
@@ -42,11 +44,13 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, DataError) as e:
         print(f"mtcore generate: error: {e}", file=sys.stderr)
         return 1
-    ids = tokenizer.encode(args.prompt) or [tokenizer.eod_id]
-    device = backend.torch_device()
-    tokens = torch.tensor([ids], device=device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    out = model.generate(tokens, args.max_new_tokens, args.top_k, args.temperature, generator)
-    text = tokenizer.decode(out[0].tolist())
+    family = family_of(model.config)
+    if family.generate is None:
+        print(f"mtcore generate: error: the {family.name} family does not generate text", file=sys.stderr)
+        return 1
+    generator = torch.Generator(device=backend.torch_device()).manual_seed(args.seed)
+    text = family.generate(
+        model, tokenizer, args.prompt, args.max_new_tokens, args.top_k, args.temperature, generator
+    )
     print(text if args.prompt else text.removeprefix(tokenizer.decode([tokenizer.eod_id])))
     return 0

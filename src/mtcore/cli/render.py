@@ -28,6 +28,7 @@ def doctor_text(data: dict, verbose: bool = False) -> str:
     out: list[str] = [rule("mtcore doctor")]
     out += _header(data)
     out += _plugins(data, verbose)
+    out += _families(data)
     out += _backends(data, verbose)
     for backend in data["backends"]:
         if backend["details"] is not None:
@@ -62,6 +63,18 @@ def _plugins(data: dict, verbose: bool) -> list[str]:
         lines.append(f"  {s['name']}  skipped: {s['reason']}")
     if not plugins and not data["skipped_plugins"]:
         lines.append("  none installed: pip install a plugin that provides the 'cpu' backend")
+    return [*lines, ""]
+
+
+def _families(data: dict) -> list[str]:
+    models = data["models"]
+    lines = [f"model families: {len(models['families'])}"]
+    for f in models["families"]:
+        extras = [f"hf: {', '.join(f['hf'])}" if f["hf"] else "no hf adapter"]
+        extras.append("generates" if f["generates"] else "no generation")
+        lines.append(f"  {f['name']:<8} {f['source']:<9} {f['description']} ({'; '.join(extras)})")
+    if models["error"] is not None:
+        lines.append(f"  ERROR: {models['error']['message']}")
     return [*lines, ""]
 
 

@@ -89,6 +89,31 @@ def header_facts() -> dict:
 
 
 # -- plugins -----------------------------------------------------------------------
+def family_facts() -> dict:
+    """The model families ``model.family`` can select: name, where it comes from, what it
+    is, and whether it has a HuggingFace adapter and generation; or the error that
+    listing them raised (a clashing family plugin)."""
+    from mtcore.models import BUILTIN_FAMILIES, FamilyError, family_names, get_family
+
+    try:
+        names = family_names()
+    except FamilyError as exc:
+        return {"families": [], "error": error_facts(exc)}
+    families = []
+    for name in names:
+        family = get_family(name)
+        families.append(
+            {
+                "name": name,
+                "source": "built-in" if name in BUILTIN_FAMILIES else "plugin",
+                "description": family.description,
+                "hf": list(family.hf.model_types) if family.hf is not None else [],
+                "generates": family.generate is not None,
+            }
+        )
+    return {"families": families, "error": None}
+
+
 def plugin_facts(registry: PluginRegistry) -> list[dict]:
     """One entry per loaded or broken plugin, with the backends it provides."""
     found = registry.discovery

@@ -1,20 +1,51 @@
-"""Models built from mtcore's parallel layers: GPT (Llama and GPT-2 styles)."""
+"""Models: the family seam and its registry; one folder per family (``gpt``, ``bert``).
 
-from mtcore.models.config import STYLES, ModelConfig
-from mtcore.models.full_weights import full_weight_shapes, load_full_weights
-from mtcore.models.gpt import GPT, IGNORE_INDEX, build_gpt, make_context, single_context
-from mtcore.models.layers import Block, Context
+The trainer, checkpoints and CLI use only what this package exports: a family is
+found by name (``get_family``) or from a config (``family_of``), and a model
+section is parsed into its family's config class by ``parse_model_config``.
+Concrete models are imported from their family's folder (``mtcore.models.gpt``).
+"""
+
+from mtcore.models.family import (
+    Batch,
+    BuiltModel,
+    FamilyConfig,
+    FamilyData,
+    HFAdapter,
+    Loader,
+    MessageSpecs,
+    ModelFamily,
+    TensorSpec,
+)
+from mtcore.models.registry import (
+    BUILTIN as BUILTIN_FAMILIES,
+)
+from mtcore.models.registry import (
+    DEFAULT_FAMILY,
+    FamilyError,
+    family_names,
+    family_of,
+    get_family,
+    parse_model_config,
+    reset_plugin_families,
+)
 
 __all__ = [
-    "GPT",
-    "IGNORE_INDEX",
-    "STYLES",
-    "Block",
-    "Context",
-    "ModelConfig",
-    "build_gpt",
-    "full_weight_shapes",
-    "load_full_weights",
-    "make_context",
-    "single_context",
+    "BUILTIN_FAMILIES",
+    "DEFAULT_FAMILY",
+    "Batch",
+    "BuiltModel",
+    "FamilyConfig",
+    "FamilyData",
+    "FamilyError",
+    "HFAdapter",
+    "Loader",
+    "MessageSpecs",
+    "ModelFamily",
+    "TensorSpec",
+    "family_names",
+    "family_of",
+    "get_family",
+    "parse_model_config",
+    "reset_plugin_families",
 ]

@@ -1,4 +1,12 @@
-"""The transformer block of the GPT model, from mtcore's tensor-parallel layers.
+"""Transformer building blocks every family shares, from mtcore's tensor-parallel layers.
+
+``Context`` is what one rank's modules share (config, tp group, backend, RNG
+tracker, FP8 recipe); ``Norm``, ``Attention`` and ``MLP`` read their sizes from
+``context.config`` (any family config with the usual field names: hidden_size,
+num_heads, kv_heads, head_dim, ffn_size, activation, norm, norm_eps, bias,
+dropout, init_std, scaled_init, recompute, num_layers; optionally
+``gelu_approximate``: "tanh", GPT-2's and the default, or "none", the exact erf
+GELU of BERT).
 
 Activations are ``[batch, seq, hidden]``, or the sequence shard
 ``[batch, seq / tp, hidden]`` between blocks under sequence parallelism (the
@@ -11,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -19,8 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtcore.models.config import ModelConfig
-from mtcore.parallel.moe import MoELayer
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -28,6 +35,7 @@ from mtcore.parallel.tensor import (
     RowParallelLinear,
     TPGroup,
     mark_sequence_parallel,
+    model_parallel_seed,
     normal_init,
 )
 from mtcore.precision.fp8 import FP8Recipe
@@ -37,7 +45,7 @@ from mtcore.precision.fp8 import FP8Recipe
 class Context:
     """What every module of one rank's model shares."""
 
-    config: ModelConfig
+    config: object  # the family's config (see the module docstring)
     tp: TPGroup
     backend: object
     tracker: RNGTracker
@@ -98,7 +106,7 @@ class Norm(nn.Module):
         return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def _linear_kwargs(c: Context, generator: torch.Generator, std: float) -> dict:
+def linear_kwargs(c: Context, generator: torch.Generator, std: float) -> dict:
     kwargs = dict(
         bias=c.config.bias,
         sequence_parallel=c.sequence_parallel,
@@ -113,28 +121,38 @@ def _linear_kwargs(c: Context, generator: torch.Generator, std: float) -> dict:
     return kwargs
 
 
-def _out_std(cfg: ModelConfig) -> float:
+def out_std(cfg) -> float:
     """GPT-2's scaled init of the projections that write into the residual stream."""
     return cfg.init_std / math.sqrt(2 * cfg.num_layers) if cfg.scaled_init else cfg.init_std
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads; this rank holds heads / tp of them."""
+    """Self-attention with grouped-query heads; this rank holds heads / tp of them.
 
-    def __init__(self, c: Context, generator: torch.Generator):
+    causal: decoder (each position sees itself and the past) or bidirectional
+    (encoder). ``key_padding_mask`` (bool ``[b, s]``, True = a real token) hides
+    padding keys.
+    """
+
+    def __init__(self, c: Context, generator: torch.Generator, causal: bool = True):
         super().__init__()
         cfg, tp = c.config, c.tp
-        self.c, self.d = c, cfg.head_dim
+        self.c, self.d, self.causal = c, cfg.head_dim, causal
         self.heads, self.kv_heads = cfg.num_heads // tp.size, cfg.kv_heads // tp.size
         q, kv = cfg.num_heads * self.d, cfg.kv_heads * self.d
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, q + 2 * kv, tp, sections=(q, kv, kv), **_linear_kwargs(c, generator, cfg.init_std)
+            cfg.hidden_size, q + 2 * kv, tp, sections=(q, kv, kv), **linear_kwargs(c, generator, cfg.init_std)
         )
         self.proj = RowParallelLinear(
-            q, cfg.hidden_size, tp, **_linear_kwargs(c, generator, _out_std(cfg))
+            q, cfg.hidden_size, tp, **linear_kwargs(c, generator, out_std(cfg))
         )
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor] | None = None,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
         qkv = self.qkv(x)  # [b, s, (heads + 2 kv_heads) d]: local heads, whole sequence
         b, s, _ = qkv.shape
         q, k, v = qkv.split([self.heads * self.d, self.kv_heads * self.d, self.kv_heads * self.d], -1)
@@ -145,10 +163,13 @@ class Attention(nn.Module):
             q, k = self.c.kernels.rope(q, cos, sin), self.c.kernels.rope(k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, heads, s, d]
         v = v.view(b, s, self.kv_heads, self.d).transpose(1, 2)
+        attend = functools.partial(
+            self.c.kernels.attention, causal=self.causal, key_padding_mask=key_padding_mask
+        )
         if self.c.config.recompute == "selective":
-            y = checkpoint(self.c.kernels.attention, q, k, v, backend=self.c.backend)
+            y = checkpoint(attend, q, k, v, backend=self.c.backend)
         else:
-            y = self.c.kernels.attention(q, k, v)
+            y = attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.heads * self.d))
 
 
@@ -159,52 +180,39 @@ class MLP(nn.Module):
         super().__init__()
         cfg = c.config
         f, self.c, self.swiglu = cfg.ffn_size, c, cfg.activation == "swiglu"
+        self.gelu_approximate = getattr(cfg, "gelu_approximate", "tanh")
         sections = (f, f) if self.swiglu else (f,)
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, sum(sections), c.tp, sections=sections, **_linear_kwargs(c, generator, cfg.init_std)
+            cfg.hidden_size, sum(sections), c.tp, sections=sections, **linear_kwargs(c, generator, cfg.init_std)
         )
         self.fc2 = RowParallelLinear(
-            f, cfg.hidden_size, c.tp, **_linear_kwargs(c, generator, _out_std(cfg))
+            f, cfg.hidden_size, c.tp, **linear_kwargs(c, generator, out_std(cfg))
         )
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.fc1(x)
-        h = self.c.kernels.swiglu(h) if self.swiglu else F.gelu(h, approximate="tanh")
+        h = self.c.kernels.swiglu(h) if self.swiglu else F.gelu(h, approximate=self.gelu_approximate)
         return self.fc2(h)
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+def make_context(config, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None) -> Context:
+    """Seed this rank's RNG streams (``model_parallel_seed``) and describe its model.
 
-    In a MoE layer (``config.is_moe_layer(index)``) ``mlp`` is a ``MoELayer``.
+    fp8: run the transformer blocks' linears in FP8 under this recipe.
     """
-
-    def __init__(self, c: Context, index: int):
-        super().__init__()
-        self.c = c = c.for_block(index)
-        g = c.generator(f"layers.{index}")
-        self.attn_norm, self.attn = Norm(c), Attention(c, g)
-        self.mlp_norm = Norm(c)
-        self.mlp = _moe(c, g) if c.config.is_moe_layer(index) else MLP(c, g)
-
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        x = x + self.c.dropout(self.attn(self.attn_norm(x), rope), self.training)
-        return x + self.c.dropout(self.mlp(self.mlp_norm(x)), self.training)
+    tp = TPGroup.from_layout(layout, backend)
+    tracker = model_parallel_seed(seed, layout, backend)
+    sp = layout.spec.sequence_parallel and tp.size > 1
+    device = backend.torch_device()
+    return Context(config, tp, backend, tracker, sp, device, seed, fp8, layout=layout)
 
 
-def _moe(c: Context, generator: torch.Generator) -> MoELayer:
-    """The MoE layer of a block; its experts are split over the layout's ep group."""
-    cfg = c.config
-    return MoELayer(
-        cfg.hidden_size,
-        cfg.moe,
-        tp=c.tp,
-        layout=c.layout,
-        backend=c.backend,
-        sequence_parallel=c.sequence_parallel,
-        generator=generator,
-        init_std=cfg.init_std,
-        out_std=_out_std(cfg),
-        bias=cfg.bias,
-        device=c.device,
-    )
+def single_context(config, backend=None, seed: int = 0) -> Context:
+    """The context of a one-process model (tp=1) on ``backend`` (default: selected)."""
+    if backend is None:
+        from mtcore.backend import select_backend
+
+        backend = select_backend()
+    from mtcore.distributed import ParallelLayout
+
+    return make_context(config, ParallelLayout.single(), backend, seed)

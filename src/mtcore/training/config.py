@@ -12,15 +12,15 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, field_validator, model_validator
 
+from mtcore.data import DataConfig
 from mtcore.distributed.layout import LayoutSpec
-from mtcore.models import ModelConfig
+from mtcore.models import FamilyConfig, FamilyError, parse_model_config
 from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
 from mtcore.parallel.pipeline import validate_pipeline
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe, check_backend_fp8
-from mtcore.training.data import DataConfig
 
 
 class ConfigError(ValueError):
@@ -179,7 +179,9 @@ class LoggingConfig(BaseModel, extra="forbid"):
 
 
 class TrainConfig(BaseModel, extra="forbid"):
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    # A discriminated union over the registered families (built-in and plugins'):
+    # ``model.family`` picks the config class; no ``family`` key means gpt.
+    model: SerializeAsAny[FamilyConfig] = Field(default_factory=lambda: parse_model_config({}))
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -187,6 +189,14 @@ class TrainConfig(BaseModel, extra="forbid"):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _family_config(cls, value):
+        try:
+            return parse_model_config(value)
+        except FamilyError as e:
+            raise ValueError(str(e)) from None
 
     @model_validator(mode="after")
     def _one_seq_len(self) -> TrainConfig:

@@ -1,6 +1,9 @@
-"""One rank's share of GPT training under any layout: build, step, evaluate, gather.
+"""One rank's share of training under any layout: build, step, evaluate, gather.
 
-The same path serves every layout. The rank's model chunks (``build_gpt``) sit in
+The engine knows a model only through its family (``mtcore.models.family``): the
+family builds this rank's chunks, names the tensors that cross each pipeline
+boundary, and gives its loss as (sum, count) terms. The same path serves every
+family and layout. The rank's model chunks sit in
 one ``DataParallel`` (fp32 gradient buckets, all-reduce or ZeRO-1
 reduce-scatter over dp) with one mtcore ``AdamW``/``DistributedAdamW``, and a
 ``PipelineRunner`` runs the micro-batches: ``no_pipelining`` (gradient
@@ -12,8 +15,12 @@ accumulation) at pp=1, 1F1B / interleaved / GPipe otherwise. A step:
 2. at pp > 1 the whole step runs under ``no_sync`` and the halves of a tied
    embedding/output weight are summed over the first and last stage *before*
    the dp reduction (a ZeRO-1 shard cannot be summed across stages after it);
-3. the loss is agreed on every rank (sum over pp, mean over dp); a NaN/inf
-   loss skips the step everywhere;
+3. the loss is agreed on every rank (sum over pp and dp); a NaN/inf loss skips
+   the step everywhere. Each term's global count (over micro-batches and dp) is
+   summed before the step from the batches (``ModelFamily.loss_counts``), so a
+   micro-batch's backward is weighted by its share of that count: the loss and the
+   gradients are the token-weighted mean of one process, whatever the split
+   (padding and MLM masks make the counts differ between ranks);
 4. the global gradient norm (over tp and pp ranks, and dp under ZeRO-1) is both
    the clipping norm and the inf/nan check: a non-finite norm skips the step on
    every rank, at no extra pass over the gradients. Under fp16 the optimizer's
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -32,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from mtcore.backend.collective import P2P
-from mtcore.models import GPT, ModelConfig, build_gpt
+from mtcore.models import Batch, FamilyConfig, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
 from mtcore.parallel.data import DataParallel, DataParallelConfig
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW
@@ -58,6 +66,7 @@ class StepOutcome:
     grad_norm: float | None
     loss_scale: float | None
     moe: dict[str, float] | None = None  # load statistics (``MoEStep.finish``); MoE models only
+    terms: dict[str, float] | None = None  # each loss term's global mean (sum of them: loss)
 
 
 class Engine:
@@ -65,7 +74,7 @@ class Engine:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: FamilyConfig,
         layout,
         backend,
         *,
@@ -82,7 +91,9 @@ class Engine:
         precision = precision or MixedPrecision("fp32")
         self.config, self.layout, self.backend = config, layout, backend
         self.collective = backend.collective
-        self.chunks: list[GPT] = build_gpt(config, layout, backend, seed, fp8=precision.fp8)
+        self.family = family_of(config)
+        built = self.family.build(config, layout, backend, seed, fp8=precision.fp8)
+        self.chunks, self.rng_tracker = built.chunks, built.rng_tracker
         for chunk in self.chunks:
             precision.cast_module(chunk)
         self.dtype = precision.param_dtype
@@ -103,112 +114,175 @@ class Engine:
             max_grad_norm=self.max_grad_norm if scaler is not None else None,  # else step 4
         )
         self.groups = PipelineGroups.build(layout, self.collective)
-        experts = config.moe.num_experts if config.moe is not None else 0
+        moe = getattr(config, "moe", None)
+        experts = moe.num_experts if moe is not None else 0
         self.moe = MoEStep(self.chunks, layout, self.collective, self.ddp.device, experts)
         self.tied = [p for chunk in self.chunks for p in chunk.tied_copies()]
         self.pp, self.m = layout.pp, num_microbatches
+        self.dp = layout.size("dp_cp")
         name = "no_pipelining" if self.pp == 1 else schedule
         sched = build_schedule(name, self.pp, num_microbatches, layout.spec.vpp)
-        sp = self.chunks[0].c.sequence_parallel
-        seq = config.seq_len // layout.tp if sp else config.seq_len
-        self.shape = (micro_batch_size, seq, config.hidden_size)
+        self.messages = self.family.messages(config, layout, micro_batch_size, self.dtype)
         self.runner = PipelineRunner(
-            [self.ddp] if self.pp == 1 else self.chunks,
+            self.chunks,
             sched,
             self.groups,
             backend,
-            self.shape,
+            self.messages,
             loss_fn=self._loss,
             dtype=self.dtype,
             timing=False,
+            grad_sync=self.ddp if self.pp == 1 else None,
         )
+        self._counts: dict[str, Tensor] = {}
+        self._terms: dict[str, list[Tensor]] = {}
 
-    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return self.optimizer.scale_loss(self.chunks[-1].loss(logits, targets))
+    # -- the loss ------------------------------------------------------------------
+    def global_counts(self, batches: list[Batch]) -> dict[str, Tensor]:
+        """Each loss term's count over every micro-batch of every dp rank (one
+        all-reduce over dp_cp of a few numbers; every rank holds its batches)."""
+        per_term: dict[str, Tensor] = {}
+        for batch in batches:
+            for name, count in self.family.loss_counts(self.config, batch).items():
+                per_term[name] = per_term.get(name, 0) + count.to(torch.float64)
+        names = sorted(per_term)
+        counts = torch.stack([per_term[n] for n in names]).to(self.ddp.device)
+        if self.dp > 1:
+            self.collective.all_reduce(counts, group=self.layout.group("dp_cp"))
+        return dict(zip(names, counts, strict=True))
+
+    def _loss(self, outputs: dict[str, Tensor], batch: Batch) -> Tensor:
+        """A micro-batch's loss as backpropagated: per term, its mean over the
+        micro-batch divided by the micro-batch's weight ``N / (dp * n)`` (``n`` its
+        count, ``N`` the global count), i.e. ``dp * sum / N``; DataParallel's mean over
+        dp then gives ``sum / N``. With equal counts the weight is exactly the number
+        of micro-batches, so the arithmetic is the plain mean's."""
+        total = None
+        for name, (loss_sum, count) in self.chunks[-1].loss(outputs, batch).items():
+            count = count.clamp(min=1)
+            weight = self._counts[name].clamp(min=1) / (self.dp * count)
+            term = (loss_sum / count) / weight.to(loss_sum.dtype)
+            self._terms.setdefault(name, []).append(term.detach())
+            total = term if total is None else total + term
+        return self.optimizer.scale_loss(total)
 
     # -- training ------------------------------------------------------------------
-    def train_step(self, inputs: list[Tensor], targets: list[Tensor]) -> StepOutcome:
-        """One optimizer step on ``num_microbatches`` micro-batches of this dp rank."""
+    def train_step(self, batches: list[Batch]) -> StepOutcome:
+        """One optimizer step on the ``num_microbatches`` micro-batches of this dp rank
+        (each a family batch: named tensors)."""
+        if len(batches) != self.m:
+            raise ValueError(f"train_step needs {self.m} micro-batches, got {len(batches)}")
         scaler = self.optimizer.loss_scaler
         # Aux losses get the main loss's factor: 1/micro-batches, times the loss scale.
         self.moe.set_aux_loss_scale((scaler.scale if scaler is not None else 1.0) / self.m)
-        out = self._step(inputs, targets)
-        if self.config.moe is None:
+        out = self._step(batches)
+        if getattr(self.config, "moe", None) is None:
             return out
         return dataclasses.replace(out, moe=self.moe.finish(stepped=not out.skipped))
 
-    def _step(self, inputs: list[Tensor], targets: list[Tensor]) -> StepOutcome:
+    def _step(self, batches: list[Batch]) -> StepOutcome:
         self.optimizer.zero_grad()
         scaler = self.optimizer.loss_scaler
         scale = scaler.scale if scaler is not None else 1.0
+        self._counts, self._terms = self.global_counts(batches), {}
         quiet = self.ddp.no_sync() if self.pp > 1 else contextlib.nullcontext()
         with quiet:
-            stats = self.runner.step(inputs, targets)
+            self.runner.step(batches)
         if self.tied:
             allreduce_tied_grads(self.tied, self.groups, self.collective)
         self.ddp.finish_grad_sync()
-        local = stats.loss / scale if stats.loss is not None else None
-        loss = self.agree_loss(local)
+        terms = self._agree_terms(scale)
+        loss = sum(terms.values()) if terms else math.nan
+        outcome = functools.partial(StepOutcome, terms=terms)
         if not math.isfinite(loss):
-            return StepOutcome(loss, "loss", None, scale if scaler else None)
+            return outcome(loss, "loss", None, scale if scaler else None)
         if scaler is not None:
             result = self.optimizer.step()
-            return StepOutcome(loss, "" if result.stepped else "grad", result.grad_norm, scale)
+            return outcome(loss, "" if result.stepped else "grad", result.grad_norm, scale)
         norm = self.optimizer.grad_norm()  # agreed by every rank that holds other gradients
         if not math.isfinite(norm_value := norm.item()):
-            return StepOutcome(loss, "grad", norm_value, None)
+            return outcome(loss, "grad", norm_value, None)
         if self.max_grad_norm is not None:
             grads = [segment.grad for segment in self.optimizer.segments]
             clip_by_total_norm_(grads, self.max_grad_norm, norm)
         self.optimizer.step()
-        return StepOutcome(loss, "", norm_value, None)
+        return outcome(loss, "", norm_value, None)
+
+    def _agree_terms(self, scale: float) -> dict[str, float]:
+        """Each term's global mean on every rank: the last stage's weighted micro-batch
+        losses, summed over micro-batches, pp and dp, divided by dp."""
+        names = sorted(self._counts)
+        local = [
+            torch.stack(self._terms[n]).sum().item() / scale if n in self._terms else 0.0
+            for n in names
+        ]
+        return dict(zip(names, self.agree_sums(local), strict=True))
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def agree_loss(self, local: float | None) -> float:
-        """The last stage's mean loss, summed over pp and averaged over dp, on every rank."""
-        t = torch.tensor([0.0 if local is None else local], device=self.ddp.device)
+    def agree_sums(self, local: list[float], mean_over_dp: bool = True) -> list[float]:
+        """Numbers the last stage holds (zeros elsewhere), summed over pp and dp on every
+        rank; divided by dp when ``mean_over_dp``."""
+        t = torch.tensor(local, dtype=torch.float32, device=self.ddp.device)
         if self.pp > 1:
             self.collective.all_reduce(t, group=self.layout.group("pp"))
-        dp = self.layout.size("dp_cp")
-        if dp > 1:
+        if self.dp > 1:
             self.collective.all_reduce(t, group=self.layout.group("dp_cp"))
-        return t.item() / dp
+        return [value / self.dp if mean_over_dp else value for value in t.tolist()]
 
     # -- evaluation ----------------------------------------------------------------
     @torch.no_grad()
-    def eval_loss(self, inputs: list[Tensor], targets: list[Tensor]) -> float:
-        """Mean loss over the micro-batches, forward only (dropout off), on every rank."""
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        """Forward only (dropout off), on every rank: ``loss`` (the sum of the terms'
+        global means), each loss term's mean, and the family's metrics (accuracies),
+        each as a global sum over its global count."""
         for chunk in self.chunks:
             chunk.train(False)
         try:
-            total = 0.0
-            for x, y in zip(inputs, targets, strict=True):
-                out = self._forward_chain(x)
-                if out is not None:
-                    total += self.chunks[-1].loss(out, y).item()
-            return self.agree_loss(total / len(inputs) if self.runner.has_last else None)
+            sums: dict[str, list[float]] = {}  # name -> [sum, count]
+            for batch in batches:
+                out = self._forward_chain(batch)
+                if out is None:
+                    continue
+                last = self.chunks[-1]
+                for name, (total, count) in {**last.loss(out, batch), **last.metrics(out, batch)}.items():
+                    entry = sums.setdefault(name, [0.0, 0.0])
+                    entry[0] += total.item()
+                    entry[1] += count.item()
+            terms = sorted(self.family.loss_counts(self.config, batches[0]))
+            names = terms + sorted(self.family.metric_names(self.config))
+            local = [value for name in names for value in sums.get(name, [0.0, 0.0])]
+            agreed = self.agree_sums(local, mean_over_dp=False)
+            means = {n: agreed[2 * k] / max(agreed[2 * k + 1], 1.0) for k, n in enumerate(names)}
+            return {"loss": sum(means[n] for n in terms), **means}
         finally:
             for chunk in self.chunks:
                 chunk.train(True)
             self.moe.discard()  # evaluation forwards are no training load
 
-    def _forward_chain(self, tokens: Tensor) -> Tensor | None:
+    def eval_loss(self, batches: list[Batch]) -> float:
+        """The evaluation loss alone (``evaluate(batches)["loss"]``)."""
+        return self.evaluate(batches)["loss"]
+
+    def _forward_chain(self, batch: Batch) -> dict[str, Tensor] | None:
         """One micro-batch through every virtual stage in order (blocking p2p): no
-        schedule is needed without a backward. Returns logits on the last stage."""
+        schedule is needed without a backward. Returns the head outputs on the last stage."""
         ranks, r = self.groups.ranks, self.groups.pp_rank
-        out = None
         for c, chunk in enumerate(self.chunks):
-            x = tokens
-            if not (r == 0 and c == 0):
-                x = torch.empty(self.shape, dtype=self.dtype, device=self.ddp.device)
-                self._p2p("recv", x, ranks[(r - 1) % self.pp])
-            out = chunk(x)
+            inputs = {}
+            stage = c * self.pp + r
+            if stage > 0:
+                specs = self.messages(stage - 1)
+                for name, spec in specs.items():
+                    inputs[name] = torch.empty(spec.shape, dtype=spec.dtype, device=self.ddp.device)
+                    self._p2p("recv", inputs[name], ranks[(r - 1) % self.pp])
+            out = chunk.stage(inputs, batch)
             if chunk.last:
                 return out
-            self._p2p("send", out.contiguous(), ranks[(r + 1) % self.pp])
+            for name in self.messages(stage):
+                self._p2p("send", out[name].contiguous(), ranks[(r + 1) % self.pp])
         return None
 
     def _p2p(self, kind: str, tensor: Tensor, peer: int) -> None:
@@ -218,7 +292,8 @@ class Engine:
     # -- weights -------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, Tensor] | None:
-        """The whole model's weights (unsharded, fp32, names of ``GPT(config)``) on
+        """The whole model's weights (unsharded, fp32, names of the family's one-process
+        model) on
         global rank 0, None elsewhere. Collective: call on every rank.
 
         Ranks of expert-data-parallel index 0 (data-parallel index 0 without MoE)

@@ -1,16 +1,10 @@
-"""What the trainer reports: model FLOPs and MFU, throughput, memory, and where it goes.
+"""What the trainer reports: throughput, TFLOP/s and MFU, memory, and where it goes.
 
-Model FLOPs per iteration follow Narayanan et al. 2021 (arXiv 2104.04473), the
-no-recompute count that MFU uses (recomputation is not useful work)::
-
-    F = 72 B s l h^2 (1 + s / (6 h) + V / (12 l h))
-
-with B the global batch in sequences, s the sequence length, l layers, h the
-hidden size and V the vocabulary. The formula assumes a 4h MLP and as many
-key/value heads as query heads; for SwiGLU or grouped-query models it is the
-paper's count, not an exact one. TFLOP/s are per rank (F / time / ranks); MFU
-divides them by ``backend.device.capabilities().peak_tflops`` for the training
-dtype and is "n/a" where the peak is not known (the CPU backend states none).
+Model FLOPs per step come from the model's family (``FamilyConfig.flops_per_step``,
+the no-recompute count that MFU uses: recomputation is not useful work). TFLOP/s
+are per rank (F / time / ranks); MFU divides them by
+``backend.device.capabilities().peak_tflops`` for the training dtype and is "n/a"
+where the peak is not known (the CPU backend states none).
 """
 
 from __future__ import annotations
@@ -21,23 +15,6 @@ import time
 from typing import TextIO
 
 import torch
-
-from mtcore.models import ModelConfig
-
-
-def model_flops(config: ModelConfig, global_batch: int) -> float:
-    """Model FLOPs of one iteration (forward + backward), no recompute.
-
-    A mixture-of-experts model counts the weights a token goes through (attention,
-    router, top-k experts, shared expert): 6 FLOPs per token and weight, plus the
-    attention scores and the logits as in the formula above, to which this reduces
-    for a dense 4h-MLP model.
-    """
-    s, layers, h, v = config.seq_len, config.num_layers, config.hidden_size, config.vocab_size
-    if config.moe is None:
-        return 72.0 * global_batch * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
-    weights = config.num_params(active=True) - v * h * (1 if config.tie_embeddings else 2)
-    return global_batch * s * (6.0 * weights + 12.0 * s * layers * h + 6.0 * v * h)
 
 
 def format_moe(stats: dict[str, float]) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from mtcore.models import DEFAULT_FAMILY, FamilyConfig, FamilyError, get_family
 from mtcore.training.config import ConfigError, TrainConfig
 
 __all__ = ["ConfigError", "load_config", "parse_overrides", "read_file", "set_key", "validate"]
@@ -25,7 +26,8 @@ __all__ = ["ConfigError", "load_config", "parse_overrides", "read_file", "set_ke
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """The config in ``path`` (YAML or TOML; None: the defaults) with ``overrides`` applied."""
     data = read_file(path) if path is not None else {}
-    for key, value in parse_overrides(overrides):
+    # The family decides which model keys exist: set it before the keys it allows.
+    for key, value in sorted(parse_overrides(overrides), key=lambda kv: kv[0] != "model.family"):
         set_key(data, key, value)
     return validate(data, source=str(path) if path else "the defaults")
 
@@ -110,6 +112,11 @@ def set_key(data: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[: depth + 1])} is not a section")
         node, model = child, _section(annotation)
+        if model is FamilyConfig:  # the model section: its family's own class
+            try:
+                model = get_family(child.get("family", DEFAULT_FAMILY)).config
+            except FamilyError as e:
+                raise ConfigError(str(e)) from None
 
 
 def _section(annotation: Any) -> type[BaseModel] | None:
@@ -139,6 +146,8 @@ def validate(data: dict[str, Any], source: str = "the config") -> TrainConfig:
 
 def _describe(err: dict) -> str:
     loc = [str(p) for p in err["loc"]]
+    if loc == ["model"] and err["type"] == "value_error":  # the family's own message
+        return str(err["ctx"]["error"])
     key = ".".join(loc) or "(top level)"
     if err["type"] == "extra_forbidden":
         model: type[BaseModel] | None = TrainConfig

@@ -18,13 +18,13 @@ from typing import NamedTuple, TextIO
 
 import torch
 
+from mtcore.data import DataError
 from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
-from mtcore.models import GPT, ModelConfig, single_context
+from mtcore.models import FamilyConfig, FamilyData, family_of
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
 from mtcore.training.checkpoint.trainer_io import TrainerCheckpoints
 from mtcore.training.config import ConfigError, TrainConfig
-from mtcore.training.data import DataError, Datasets, TokenLoader, build_datasets
 from mtcore.training.engine import Engine, StepOutcome
 from mtcore.training.metrics import (
     Progress,
@@ -32,7 +32,6 @@ from mtcore.training.metrics import (
     format_bytes,
     format_mfu,
     format_moe,
-    model_flops,
     peak_tflops,
     perplexity,
 )
@@ -45,8 +44,8 @@ class TrainingError(RuntimeError):
 class Prepared(NamedTuple):
     spec: LayoutSpec
     microbatches: int
-    data: Datasets
-    model: ModelConfig
+    data: FamilyData
+    model: FamilyConfig
 
 
 def prepare(config: TrainConfig, world_size: int) -> Prepared:
@@ -58,7 +57,7 @@ def prepare(config: TrainConfig, world_size: int) -> Prepared:
     """
     try:
         spec, microbatches = config.check(world_size)
-        data = build_datasets(config.data)
+        data = family_of(config.model).data(config.data, config.model)
         model = config.model.with_vocab(data.tokenizer.vocab_size)
         model.check_layout(spec)
     except (LayoutError, SplitError, DataError, ValueError) as e:
@@ -76,6 +75,7 @@ class TrainResult:
     wall_s: float = 0.0
     start_step: int = 0  # a resumed run's first step is start_step + 1
     moe: list[dict[str, float]] = field(default_factory=list)  # per step: load statistics
+    val_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # evaluate()
 
 
 class BadStepGuard:
@@ -149,7 +149,7 @@ class _Loop:
         self.guard = BadStepGuard(self.t.max_bad_steps, self.engine.optimizer.loss_scaler)
         self.progress = Progress(self.t.steps, config.logging.progress, stream)
         self.scalars = Scalars(config.logging.tensorboard_dir if is_main else None)
-        self.flops = model_flops(self.model, self.t.global_batch_size)
+        self.flops = self.model.flops_per_step(self.t.global_batch_size)
         self.peak = peak_tflops(backend, mp.param_dtype)
         dp, dp_rank = layout.size("dp_cp"), layout.coordinate("dp_cp")
         self.loader_args = dict(
@@ -159,7 +159,7 @@ class _Loop:
             dp_size=dp,
             seed=self.t.seed,
         )
-        self.train_loader = TokenLoader(prep.data.train, **self.loader_args)
+        self.train_loader = prep.data.loader(prep.data.train, **self.loader_args)
         self.result = TrainResult()
         self.checkpoints = TrainerCheckpoints(config, self.engine, prep, self.say)
         self.result.start_step = self.checkpoints.restore(self.train_loader)  # collective
@@ -180,16 +180,13 @@ class _Loop:
             return self.result
         s, tokens_per_step = self.layout.spec, self.t.global_batch_size * self.model.seq_len
         self.say(
-            f"mtcore train: GPT ({self.model.style}) {self.model.num_params() / 1e6:.2f}M params, "
-            f"{self.model.num_layers} layers, hidden {self.model.hidden_size}, vocab "
-            f"{self.model.vocab_size}, seq {self.model.seq_len} | {self.layout.world_size} ranks: "
+            f"mtcore train: {self.model.describe()} | {self.layout.world_size} ranks: "
             f"tp={s.tp} pp={s.pp} vpp={s.vpp} dp={s.dp} sp={s.sequence_parallel} "
             f"zero1={self.config.parallel.zero1} | {self.config.precision.dtype} on "
             f"{self.backend.name} | {self.prep.microbatches} micro-batches x "
             f"{self.t.micro_batch_size} per dp rank, {tokens_per_step} tokens/step"
         )
-        if self.model.moe is not None:
-            m = self.model.moe
+        if (m := getattr(self.model, "moe", None)) is not None:
             self.say(
                 f"mixture of experts: {m.num_experts} experts, top-{m.top_k}, in "
                 f"{self.model.num_moe_layers} of {self.model.num_layers} layers, ep={s.ep}, "
@@ -204,7 +201,7 @@ class _Loop:
         for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0 = time.perf_counter()
             self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.t.steps))
-            out = self.engine.train_step(*self._batch(self.train_loader))
+            out = self.engine.train_step(self._batch(self.train_loader))
             window_t += time.perf_counter() - t0
             window_steps += 1
             self.result.losses.append(out.loss)
@@ -237,9 +234,12 @@ class _Loop:
     def _due(self, step: int, interval: int) -> bool:
         return (interval > 0 and step % interval == 0) or step == self.t.steps
 
-    def _batch(self, loader) -> tuple[list, list]:
-        pairs = [next(loader) for _ in range(self.prep.microbatches)]
-        return [x.to(self.device) for x, _ in pairs], [y.to(self.device) for _, y in pairs]
+    def _batch(self, loader) -> list[dict]:
+        """This dp rank's micro-batches of the next global batch, on the device."""
+        return [
+            {name: t.to(self.device) for name, t in next(loader).items()}
+            for _ in range(self.prep.microbatches)
+        ]
 
     def _log(self, step: int, out: StepOutcome, lr: float, step_s: float) -> None:
         memory = self._peak_memory()
@@ -279,16 +279,25 @@ class _Loop:
             return
         # A fresh loader with a fixed seed: the same batches at every evaluation, drawn
         # from the whole validation split (in order, they would be its first file or two).
-        loader = TokenLoader(self.prep.data.valid, **self.loader_args)
-        losses = [self.engine.eval_loss(*self._batch(loader)) for _ in range(self.t.eval_batches)]
-        loss = sum(losses) / len(losses)
+        loader = self.prep.data.loader(self.prep.data.valid, **self.loader_args)
+        batches = [mb for _ in range(self.t.eval_batches) for mb in self._batch(loader)]
+        values = self.engine.evaluate(batches)
+        loss = values["loss"]
         self.result.val_losses.append((step, loss))
-        self.say(f"eval step {step} | val loss {loss:.4f} | val ppl {perplexity(loss):.2f}")
-        self.scalars.add(step, {"val/loss": loss, "val/ppl": perplexity(loss)})
+        self.result.val_metrics.append((step, values))
+        extra = [f"{name} {value:.4f}" for name, value in values.items() if name != "loss"]
+        if len(extra) == 1:  # a single term is the loss itself
+            extra = []
+        self.say(
+            " | ".join([f"eval step {step}", f"val loss {loss:.4f}", f"val ppl {perplexity(loss):.2f}", *extra])
+        )
+        scalars = {f"val/{name}": value for name, value in values.items()}
+        self.scalars.add(step, {**scalars, "val/ppl": perplexity(loss)})
 
     def _save(self, step: int, final: bool = False) -> None:
         root = self.config.checkpoint.dir
         want_sample = final and self.t.sample_prompt is not None and self.t.sample_tokens > 0
+        want_sample = want_sample and family_of(self.model).generate is not None
         if root is not None and step > self.result.start_step:  # collective: every rank
             self.result.checkpoint = self.checkpoints.save(step, self.train_loader, final)
         if not want_sample:
@@ -301,13 +310,11 @@ class _Loop:
             self.say(self.result.sample)
 
 
-def sample(config: ModelConfig, weights, tokenizer, prompt: str, n: int, backend, top_k=20) -> str:
+def sample(config: FamilyConfig, weights, tokenizer, prompt: str, n: int, backend, top_k=20) -> str:
     """A continuation of ``prompt`` by the one-process model with ``weights`` (seeded top-k)."""
-    model = GPT(config, single_context(config, backend))
+    family = family_of(config)
+    model = family.one_process(config, backend)
     model.load_state_dict(weights, strict=True)
     model.train(False)
-    ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
-    tokens = torch.tensor([ids], device=backend.torch_device())
-    generator = torch.Generator(device=tokens.device).manual_seed(0)
-    out = model.generate(tokens, n, top_k=top_k, generator=generator)
-    return tokenizer.decode(out[0].tolist())
+    generator = torch.Generator(device=backend.torch_device()).manual_seed(0)
+    return family.generate(model, tokenizer, prompt, n, top_k=top_k, generator=generator)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mtcore.training.data.corpus import find_files
-from mtcore.training.data.tokenizer import get_tokenizer
+from mtcore.data.corpus import find_files
+from mtcore.data.tokenizer import get_tokenizer
 
 _WORDS = [
     "alpha", "beta", "gamma", "delta", "tensor", "shard", "rank", "token", "merge", "batch",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtcore.training.data.blend import BlendedDataset, blending_indices
-from mtcore.training.data.cache import DataError
+from mtcore.data.blend import BlendedDataset, blending_indices
+from mtcore.data.cache import DataError
 
 
 @pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [1, 1], [7, 0.01, 2.5, 1], [1]])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from mtcore.training.data import (
+from mtcore.data import (
     BlendedDataset,
     DataConfig,
     DataError,
@@ -18,7 +18,7 @@ from mtcore.training.data import (
     TokenLoader,
     build_datasets,
 )
-from mtcore.training.data.corpus import stdlib_files
+from mtcore.data.corpus import stdlib_files
 
 
 def test_stdlib_corpus_is_sorted_capped_and_skips_tests():

@@ -8,10 +8,10 @@ import struct
 import numpy as np
 import pytest
 
-from mtcore.training.data import indexed as indexed_mod
-from mtcore.training.data.cache import DataError
-from mtcore.training.data.corpus import find_files, iter_documents
-from mtcore.training.data.indexed import (
+from mtcore.data import indexed as indexed_mod
+from mtcore.data.cache import DataError
+from mtcore.data.corpus import find_files, iter_documents
+from mtcore.data.indexed import (
     MAGIC,
     IndexedDataset,
     get_indexed_dataset,

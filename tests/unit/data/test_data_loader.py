@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from mtcore.training.data.cache import DataError
-from mtcore.training.data.corpus import find_files
-from mtcore.training.data.indexed import get_indexed_dataset
-from mtcore.training.data.loader import EpochSampler, TokenLoader, check_batch_sizes
-from mtcore.training.data.samples import SequenceDataset, split_documents
+from mtcore.data.cache import DataError
+from mtcore.data.corpus import find_files
+from mtcore.data.indexed import get_indexed_dataset
+from mtcore.data.loader import EpochSampler, TokenLoader, check_batch_sizes
+from mtcore.data.samples import SequenceDataset, split_documents
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from mtcore.training.data import tokenizer as tokenizer_mod
-from mtcore.training.data.cache import DataError
-from mtcore.training.data.corpus import find_files
-from mtcore.training.data.tokenizer import EOD_TOKEN, get_tokenizer, load_tokenizer
+from mtcore.data import tokenizer as tokenizer_mod
+from mtcore.data.cache import DataError
+from mtcore.data.corpus import find_files
+from mtcore.data.tokenizer import EOD_TOKEN, get_tokenizer, load_tokenizer
 
 
 def test_trains_round_trips_and_honours_vocab_size(trained):

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from mtcore.backend import select_backend
 from mtcore.distributed import LayoutError, LayoutSpec
-from mtcore.models import GPT, ModelConfig, single_context
+from mtcore.models.gpt import GPT, GPTConfig, single_context
 
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16)
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_trainer.py"
@@ -26,7 +26,7 @@ def one_thread():
 
 
 def _model(seed: int = 0, **kw) -> GPT:
-    config = ModelConfig(**{**SIZES, **kw})
+    config = GPTConfig(**{**SIZES, **kw})
     return GPT(config, single_context(config, select_backend("cpu"), seed))
 
 
@@ -36,34 +36,34 @@ def _batch(seed: int = 0, b: int = 2, s: int = 16):
 
 
 def test_styles_fill_unset_switches_and_keep_set_ones():
-    gpt2 = ModelConfig(style="gpt2", **SIZES)
+    gpt2 = GPTConfig(style="gpt2", **SIZES)
     switches = (gpt2.norm, gpt2.activation, gpt2.position, gpt2.tie_embeddings, gpt2.bias)
     assert switches == ("layernorm", "gelu", "learned", True, True)
     assert gpt2.ffn_size == 4 * 32
-    llama = ModelConfig(style="llama", tie_embeddings=True, **SIZES)
+    llama = GPTConfig(style="llama", tie_embeddings=True, **SIZES)
     assert (llama.norm, llama.activation, llama.tie_embeddings) == ("rmsnorm", "swiglu", True)
-    assert ModelConfig(hidden_size=96, num_heads=4).ffn_size == 256  # 8h/3, up to a multiple of 64
-    assert ModelConfig(hidden_size=96, num_heads=4, ffn_hidden_size=100).ffn_size == 100
+    assert GPTConfig(hidden_size=96, num_heads=4).ffn_size == 256  # 8h/3, up to a multiple of 64
+    assert GPTConfig(hidden_size=96, num_heads=4, ffn_hidden_size=100).ffn_size == 100
 
 
 def test_config_rejects_bad_shapes_and_unknown_keys():
     with pytest.raises(ValidationError, match="not divisible by num_heads"):
-        ModelConfig(hidden_size=30, num_heads=4)
+        GPTConfig(hidden_size=30, num_heads=4)
     with pytest.raises(ValidationError, match="multiple of num_kv_heads"):
-        ModelConfig(hidden_size=32, num_heads=4, num_kv_heads=3)
+        GPTConfig(hidden_size=32, num_heads=4, num_kv_heads=3)
     with pytest.raises(ValidationError, match="hidden_sise"):
-        ModelConfig(hidden_sise=32)
+        GPTConfig(hidden_sise=32)
 
 
 def test_vocab_from_tokenizer_is_padded_and_a_small_vocab_is_an_error():
-    assert ModelConfig().with_vocab(4000).vocab_size == 4096
-    assert ModelConfig(vocab_size=5000).with_vocab(4000).vocab_size == 5000
+    assert GPTConfig().with_vocab(4000).vocab_size == 4096
+    assert GPTConfig(vocab_size=5000).with_vocab(4000).vocab_size == 5000
     with pytest.raises(ValueError, match=r"tokenizer has 4000 token ids but model\.vocab_size is 300"):
-        ModelConfig(vocab_size=300).with_vocab(4000)
+        GPTConfig(vocab_size=300).with_vocab(4000)
 
 
 def test_layout_checks_name_the_numbers():
-    config = ModelConfig(**SIZES)
+    config = GPTConfig(**SIZES)
     config.check_layout(LayoutSpec(tp=2, pp=2, vpp=2).resolve(4))
     with pytest.raises(LayoutError, match="4 layers are not divisible by pp\\*vpp = 2\\*3"):
         config.check_layout(LayoutSpec(pp=2, vpp=3).resolve(2))
@@ -96,7 +96,7 @@ def test_init_is_deterministic_per_layer_so_a_pipeline_stage_matches_the_whole_m
 
 
 def test_tied_output_copy_starts_equal_to_the_embedding():
-    config = ModelConfig(style="gpt2", **SIZES)
+    config = GPTConfig(style="gpt2", **SIZES)
     c = single_context(config, select_backend("cpu"), 0)
     first, last = GPT(config, c, range(0, 2), last=False), GPT(config, c, range(2, 4), first=False)
     assert torch.equal(first.embed.tok.weight, last.output.weight)
@@ -146,4 +146,4 @@ def test_generate_greedy_is_deterministic_and_crops_to_seq_len():
 
 def test_a_model_without_vocab_size_is_rejected():
     with pytest.raises(ValueError, match="vocab_size is unset"):
-        GPT(ModelConfig())
+        GPT(GPTConfig())

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mtcore.models.hf import HFInteropError, import_llama
+from mtcore.models.gpt.hf import HFInteropError, import_llama
 
 HF_CONFIG = {
     "model_type": "llama",

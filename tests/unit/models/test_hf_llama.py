@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mtcore.backend import select_backend
-from mtcore.models import GPT, ModelConfig, single_context
-from mtcore.models.full_weights import load_full_weights
-from mtcore.models.hf import (
+from mtcore.models.gpt import GPT, GPTConfig, single_context
+from mtcore.models.gpt.hf import (
     HFInteropError,
     export_llama,
     import_llama,
     model_config_from_llama,
 )
+from mtcore.models.gpt.weights import load_full_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,7 +67,7 @@ def hf_llama(tied: bool, seed: int = 0):
     return model
 
 
-def mt_gpt(config: ModelConfig, weights=None, seed: int = 0) -> GPT:
+def mt_gpt(config: GPTConfig, weights=None, seed: int = 0) -> GPT:
     model = GPT(config, single_context(config, select_backend("cpu"), seed)).eval()
     if weights is not None:
         model.load_state_dict(weights)
@@ -135,7 +135,7 @@ def test_import_reads_sharded_safetensors(saved_hf, tmp_path):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
-    config = ModelConfig(
+    config = GPTConfig(
         style="llama", tie_embeddings=tied, init_std=0.1, rope_theta=5e5, **MT_SIZES
     )
     model = mt_gpt(config, seed=3)
@@ -163,11 +163,11 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
 
 
 def test_bf16_export_with_a_tokenizer(tmp_path):
-    from mtcore.training.data.tokenizer import train_tokenizer
+    from mtcore.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["hello world, the quick brown fox"] * 20, vocab_size=270)
     tok.save(str(tmp_path / "tok.json"))
-    config = ModelConfig(style="llama", **{**MT_SIZES, "vocab_size": 384})
+    config = GPTConfig(style="llama", **{**MT_SIZES, "vocab_size": 384})
     weights = mt_gpt(config).state_dict()
     out = export_llama(config, weights, tmp_path / "hf", torch.bfloat16, tmp_path / "tok.json")
     hf_config = json.loads((out / "config.json").read_text())
@@ -188,13 +188,13 @@ def test_bf16_export_with_a_tokenizer(tmp_path):
 
 # -- refusals --------------------------------------------------------------------------
 def test_export_refuses_what_llama_cannot_hold(tmp_path):
-    gpt2 = ModelConfig(style="gpt2", **MT_SIZES)
+    gpt2 = GPTConfig(style="gpt2", **MT_SIZES)
     with pytest.raises(HFInteropError, match=r"style='gpt2'.*norm='layernorm'.*position='learned'"):
         export_llama(gpt2, mt_gpt(gpt2).state_dict(), tmp_path)
-    biased = ModelConfig(style="llama", bias=True, **MT_SIZES)
+    biased = GPTConfig(style="llama", bias=True, **MT_SIZES)
     with pytest.raises(HFInteropError, match="bias=True"):
         export_llama(biased, {}, tmp_path)
-    llama = ModelConfig(style="llama", **MT_SIZES)
+    llama = GPTConfig(style="llama", **MT_SIZES)
     weights = mt_gpt(llama).state_dict()
     weights["layers.0.mlp.fc2.weight"] = weights["layers.0.mlp.fc2.weight"][:, :-1]
     del weights["norm.weight"]

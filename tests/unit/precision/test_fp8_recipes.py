@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mtcore.backend import select_backend
+from mtcore.models.gpt import lm_batches
 from mtcore.ops import fp8_dequantize
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe, FP8Scaling, check_backend_fp8, fp8_linear
@@ -225,10 +226,9 @@ def test_doctor_says_which_recipe_gemms_fall_back():
 
 def test_gpt_runs_fp8_in_the_middle_blocks_only():
     from mtcore.distributed import ParallelLayout
-    from mtcore.models import GPT, ModelConfig
-    from mtcore.models.gpt import make_context
+    from mtcore.models.gpt import GPT, GPTConfig, make_context
 
-    config = ModelConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, seq_len=16)
+    config = GPTConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, seq_len=16)
     recipe = FP8Recipe(first_last_high_precision=1)
     model = GPT(config, make_context(config, ParallelLayout.single(), BACKEND, fp8=recipe))
     fp8_linears = {n.rsplit(".fp8", 1)[0] for n, _ in model.named_buffers() if ".fp8." in n}
@@ -262,17 +262,17 @@ def test_checkpoints_load_across_the_fp8_boundary():
 
 def test_engine_keeps_bf16_params_fp32_masters_and_fp32_fp8_state():
     from mtcore.distributed import ParallelLayout
-    from mtcore.models import ModelConfig
+    from mtcore.models.gpt import GPTConfig
     from mtcore.training.engine import Engine
 
-    config = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, seq_len=16)
+    config = GPTConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, seq_len=16)
     engine = Engine(
         config, ParallelLayout.single(), BACKEND, micro_batch_size=2, num_microbatches=1,
         precision=MixedPrecision("bf16", fp8=FP8Recipe()),
     )  # fmt: skip
     tokens = torch.randint(0, 64, (1, 2, 16), generator=torch.Generator().manual_seed(0))
     before = engine.chunks[0].layers["0"].mlp.fc1.weight.detach().float().clone()
-    assert not engine.train_step(list(tokens), list(tokens)).skipped
+    assert not engine.train_step(lm_batches(tokens, tokens)).skipped
     fc1 = engine.chunks[0].layers["0"].mlp.fc1
     assert fc1.weight.dtype == torch.bfloat16 and fc1.fp8.amax_history.dtype == torch.float32
     assert fc1.fp8.amax_history[:, 0].count_nonzero() == 3  # input, weight, grad recorded

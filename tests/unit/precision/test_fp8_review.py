@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mtcore.backend import select_backend
+from mtcore.models.gpt import lm_batches
 from mtcore.precision.fp8 import FP8Recipe, FP8Scaling
 
 
@@ -26,12 +27,12 @@ def test_delayed_scale_stays_finite_for_a_tiny_amax():
 
 def _train(recompute: str, moe: dict | None, steps: int = 2) -> list[tuple[float, float]]:
     from mtcore.distributed import ParallelLayout
-    from mtcore.models import ModelConfig
+    from mtcore.models.gpt import GPTConfig
     from mtcore.precision import MixedPrecision
     from mtcore.training.config import OptimizerConfig
     from mtcore.training.engine import Engine
 
-    config = ModelConfig(
+    config = GPTConfig(
         vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, seq_len=16,
         recompute=recompute, moe=moe,
     )  # fmt: skip
@@ -48,7 +49,7 @@ def _train(recompute: str, moe: dict | None, steps: int = 2) -> list[tuple[float
     out = []
     for _ in range(steps):
         batch = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(2)]
-        result = engine.train_step(batch, batch)
+        result = engine.train_step(lm_batches(batch, batch))
         out.append((result.loss, result.grad_norm))
     return out
 

@@ -10,7 +10,7 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.distributed import ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig, lm_batches
 from mtcore.precision import DynamicLossScaler, LossScaler
 from mtcore.training import trainer as trainer_module
 from mtcore.training.config import OptimizerConfig
@@ -18,7 +18,7 @@ from mtcore.training.engine import Engine, StepOutcome
 from mtcore.training.overrides import validate
 from mtcore.training.trainer import BadStepGuard, TrainingError, train
 
-MODEL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, seq_len=16)
+MODEL = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, seq_len=16)
 
 
 def _engine() -> Engine:
@@ -35,7 +35,7 @@ def _engine() -> Engine:
 def _batch(seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 64, (4, 16), generator=g)
-    return list(x.split(2)), list(x.roll(-1, 1).split(2))
+    return lm_batches(x.split(2), x.roll(-1, 1).split(2))
 
 
 def _weights(engine):
@@ -44,15 +44,15 @@ def _weights(engine):
 
 def test_nan_gradient_skips_the_step_and_leaves_the_weights():
     engine = _engine()
-    assert not engine.train_step(*_batch(0)).skipped
+    assert not engine.train_step(_batch(0)).skipped
     before = _weights(engine)
     weight = engine.chunks[0].layers["0"].mlp.fc2.weight
     hook = weight.register_hook(lambda g: g * math.nan)
-    out = engine.train_step(*_batch(1))
+    out = engine.train_step(_batch(1))
     hook.remove()
     assert out.skipped == "grad" and math.isfinite(out.loss)
     assert all(torch.equal(p, before[n]) for n, p in _weights(engine).items())
-    assert not engine.train_step(*_batch(2)).skipped  # training goes on
+    assert not engine.train_step(_batch(2)).skipped  # training goes on
     assert not torch.equal(_weights(engine)["norm.weight"], before["norm.weight"])
 
 
@@ -60,7 +60,7 @@ def test_nan_loss_skips_the_step():
     engine = _engine()
     with torch.no_grad():
         engine.chunks[0].norm.weight[0] = math.inf
-    out = engine.train_step(*_batch(0))
+    out = engine.train_step(_batch(0))
     assert out.skipped == "loss" and not math.isfinite(out.loss)
 
 
@@ -89,8 +89,8 @@ def test_fp16_overflow_backs_off_and_is_not_a_bad_step():
 def test_trainer_reports_skipped_steps_and_stops(tiny, monkeypatch):
     real_step = Engine.train_step
 
-    def flaky(self, inputs, targets):
-        out = real_step(self, inputs, targets)
+    def flaky(self, batches):
+        out = real_step(self, batches)
         step = len(seen) + 1
         seen.append(step)
         if step == 2 or step >= 4:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.models import GPT, ModelConfig, single_context
+from mtcore.models.gpt import GPT, GPTConfig, single_context
 from mtcore.training.checkpoint import (
     IncompleteCheckpointWarning,
     has_checkpoint,
@@ -21,7 +21,7 @@ from mtcore.training.checkpoint import (
     write_model_weights,
 )
 
-CONFIG = ModelConfig(
+CONFIG = GPTConfig(
     hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, seq_len=16, vocab_size=64
 )
 

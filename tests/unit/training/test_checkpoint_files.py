@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.models import GPT, ModelConfig, single_context
+from mtcore.models.gpt import GPT, GPTConfig, single_context
 from mtcore.training.checkpoint import (
     CheckpointError,
     IncompleteCheckpointWarning,
@@ -23,7 +23,7 @@ from mtcore.training.checkpoint import (
 from mtcore.training.checkpoint.manifest import apply_retention, committed_steps
 from mtcore.training.checkpoint.safe_reader import load_metadata
 
-CONFIG = ModelConfig(
+CONFIG = GPTConfig(
     hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=16, vocab_size=64
 )
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from mtcore.backend import select_backend
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig
 from mtcore.training.checkpoint import Checkpointer, has_checkpoint, resolve_checkpoint
 from mtcore.training.engine import Engine
 
-MODEL = ModelConfig(
+MODEL = GPTConfig(
     vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, seq_len=16
 )
 

@@ -12,12 +12,12 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig, lm_batches
 from mtcore.precision import MixedPrecision
 from mtcore.training.checkpoint import Checkpointer, read_model_weights
 from mtcore.training.engine import Engine
 
-MODEL = ModelConfig(
+MODEL = GPTConfig(
     vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=16
 )
 
@@ -41,7 +41,7 @@ def _trained(dtype: str, root) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = (torch.randint(0, 64, (1, 16), generator=gen) for _ in range(2))
-        engine.train_step([x], [y])
+        engine.train_step(lm_batches([x], [y]))
     Checkpointer(engine).save(root, 2, {}, model_config=MODEL)
     return read_model_weights(root)[1]  # fp32: the masters of a low-precision run
 

@@ -62,7 +62,7 @@ def test_unknown_override_key_names_the_key_and_what_exists():
 
 def test_unknown_key_in_a_file_names_the_key(tmp_path):
     path = _write(tmp_path, {"model": {"hiden_size": 64}})
-    with pytest.raises(ConfigError, match=r"unknown config key 'model\.hiden_size' \(known: style"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.hiden_size' \(known for family gpt: family, vocab_size"):
         load_config(path)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.distributed import ParallelLayout
-from mtcore.models import GPT, ModelConfig
+from mtcore.models.gpt import GPT, GPTConfig, lm_batches
 from mtcore.precision import MixedPrecision
 from mtcore.testing.compare import rel_error
 from mtcore.training.config import ConfigError, OptimizerConfig
@@ -97,7 +97,7 @@ def test_bad_moe_config_fails_before_training(tmp_path, model, parallel, world, 
 
 
 def test_moe_config_defaults_and_parameter_counts():
-    cfg = ModelConfig(
+    cfg = GPTConfig(
         style="gpt2", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, seq_len=16,
         moe_layer_freq=2, moe=dict(MOE, shared_ffn_size=32),
     )  # fmt: skip
@@ -112,7 +112,7 @@ def test_moe_config_defaults_and_parameter_counts():
 
 
 def test_aux_loss_gradient_carries_the_loss_scale():
-    cfg = ModelConfig(
+    cfg = GPTConfig(
         vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, seq_len=16, init_std=0.1,
         moe=dict(MOE, ffn_size=32, aux_loss_coeff=1.0, z_loss_coeff=0.1),
     )  # fmt: skip
@@ -125,7 +125,7 @@ def test_aux_loss_gradient_carries_the_loss_scale():
             num_microbatches=2, optimizer=OptimizerConfig(lr=1e-2, warmup_steps=0),
             precision=MixedPrecision("fp32", loss_scale=scale),
         )  # fmt: skip
-        steps = [engine.train_step(list(b[0]), list(b[1])) for b in batches]
+        steps = [engine.train_step(lm_batches(b[0], b[1])) for b in batches]
         runs.append((steps, engine.full_state_dict()))
     (plain, plain_w), (scaled, scaled_w) = runs
     for a, b in zip(plain, scaled, strict=True):

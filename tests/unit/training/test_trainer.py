@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.models import ModelConfig
+from mtcore.models.gpt import GPTConfig
 from mtcore.training.checkpoint import load_model, resolve_checkpoint
-from mtcore.training.metrics import Progress, format_mfu, model_flops, peak_tflops
+from mtcore.training.metrics import Progress, format_mfu, peak_tflops
 from mtcore.training.overrides import validate
 from mtcore.training.trainer import train
 
@@ -68,10 +68,10 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise():
 
 
 def test_model_flops_is_the_paper_formula():
-    config = ModelConfig(vocab_size=51200, hidden_size=2304, num_layers=24, num_heads=24, seq_len=2048)
+    config = GPTConfig(vocab_size=51200, hidden_size=2304, num_layers=24, num_heads=24, seq_len=2048)
     b, s, layers, h, v = 512, 2048, 24, 2304, 51200
     want = 72 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (12 * layers * h))
-    assert model_flops(config, 512) == pytest.approx(want)
+    assert config.flops_per_step(512) == pytest.approx(want)
     # Narayanan et al. table: 1.7B model at 137 TFLOP/s per GPU is 44% of an A100's 312.
     assert format_mfu(137.0, 312.0) == "43.9%"
     assert format_mfu(1.0, None) == "n/a"

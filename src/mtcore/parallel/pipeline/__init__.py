@@ -12,7 +12,7 @@ from mtcore.parallel.pipeline.groups import (
     allreduce_tied_grads,
     sync_tied_weights,
 )
-from mtcore.parallel.pipeline.runner import PipelineRunner, StepStats
+from mtcore.parallel.pipeline.runner import PipelineRunner, StepStats, TensorSpec
 from mtcore.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -47,6 +47,7 @@ __all__ = [
     "StageModule",
     "StagePlan",
     "StepStats",
+    "TensorSpec",
     "Timeline",
     "allreduce_tied_grads",
     "build_schedule",

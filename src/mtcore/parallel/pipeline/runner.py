@@ -4,9 +4,21 @@ A fused batch of comm actions goes out as one ``Collective.batch_send_recv``
 call and is not waited on: a compute action waits only for the receive it
 needs, and sends are waited for at the end of the step. So sends overlap the
 next compute, and a receive posted a unit early (interleaving) overlaps the
-compute in between. Every transfer has the shape given up front
-(``[micro-batch, seq, hidden]`` for a transformer, seq / tp under sequence
-parallel). The last stage adds ``loss_fn(output, target) / m`` per micro-batch.
+compute in between.
+
+Two ways to describe what crosses a stage boundary:
+
+- a plain shape (``[micro-batch, seq, hidden]``): one tensor of ``dtype``; a chunk
+  maps a tensor (or, on virtual stage 0, the micro-batch input) to a tensor, and
+  the last stage adds ``loss_fn(output, target) / m`` per micro-batch;
+- named messages (``messages(boundary) -> {name: TensorSpec}``, the model-family
+  seam): several tensors per boundary, each with its own shape and dtype, which may
+  change from one boundary to the next. A chunk's ``stage(inputs, batch)`` maps the
+  received tensors and the whole micro-batch (every stage reads its side inputs)
+  to the next boundary's tensors; the last stage's outputs go to
+  ``loss_fn(outputs, batch)``, which returns the micro-batch's loss as it should be
+  backpropagated (already weighted; the runner does not divide by m). Gradients
+  travel back for the floating-point tensors.
 
 Per step the runner records compute time (busy) and time in communication
 calls (wait: posting batches, waiting for receives and, at the end, sends);
@@ -40,6 +52,15 @@ from mtcore.parallel.pipeline.schedules import (
     is_last_stage,
     peer,
 )
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor that crosses a pipeline boundary (known before the
+    step, so receives can be posted early)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass
@@ -76,11 +97,12 @@ class PipelineRunner:
         schedule: Schedule,
         groups: PipelineGroups,
         backend,
-        tensor_shape: Sequence[int],
+        tensor_shape: Sequence[int] | Callable[[int], dict],
         loss_fn: Callable[[Tensor, object], Tensor] | None = None,
         dtype: torch.dtype = torch.float32,
         timing: bool = True,
         trace: bool = False,
+        grad_sync: object | None = None,
     ):
         if len(chunks) != schedule.vpp:
             raise ScheduleError(f"schedule has vpp={schedule.vpp} chunks per rank, got {len(chunks)} modules")
@@ -91,7 +113,14 @@ class PipelineRunner:
         self._sync = backend.device.synchronize
         self.rank, self.pp, self.vpp = groups.pp_rank, schedule.pp, schedule.vpp
         self.actions = schedule.for_rank(self.rank)
-        self.shape, self.dtype, self.loss_fn = tuple(tensor_shape), dtype, loss_fn
+        self.named = callable(tensor_shape)
+        if self.named:  # boundary -> {name: spec with .shape and .dtype}
+            self.messages = tensor_shape
+        else:
+            spec = TensorSpec(tuple(tensor_shape), dtype)
+            self.messages = lambda boundary: {"": spec}
+        self.dtype, self.loss_fn = dtype, loss_fn
+        self.grad_sync = grad_sync  # a DataParallel whose no_sync() quiets all but the last backward
         self.timing, self.trace = timing, trace
         self.has_first = is_first_stage(self.rank, 0)
         self.has_last = is_last_stage(self.rank, self.vpp - 1, self.pp, self.vpp)
@@ -104,14 +133,15 @@ class PipelineRunner:
     def step(self, inputs: Sequence | None = None, targets: Sequence | None = None) -> StepStats:
         """Run every micro-batch forward and backward; gradients accumulate in the chunks."""
         m = self.schedule.microbatches
-        if self.has_first and (inputs is None or len(inputs) != m):
-            raise ValueError(f"the first stage needs {m} micro-batch inputs, got {_len(inputs)}")
-        if self.has_last and (targets is None or len(targets) != m):
+        if (self.has_first or self.named) and (inputs is None or len(inputs) != m):
+            who = "every stage" if self.named else "the first stage"
+            raise ValueError(f"{who} needs {m} micro-batch inputs, got {_len(inputs)}")
+        if self.has_last and not self.named and (targets is None or len(targets) != m):
             raise ValueError(f"the last stage needs {m} micro-batch targets, got {_len(targets)}")
         self._inputs, self._targets = inputs, targets
-        self._saved: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
-        self._outgoing: dict[Action, Tensor] = {}
-        self._recv: dict[Action, tuple[Tensor, list]] = {}
+        self._saved: dict[tuple[int, int], tuple[dict[str, Tensor], object]] = {}
+        self._outgoing: dict[Action, dict[str, Tensor]] = {}
+        self._recv: dict[Action, tuple[dict[str, Tensor], list]] = {}
         self._sends: list[tuple[Tensor, list]] = []
         self._losses: list[Tensor] = []
         self._busy = self._wait = 0.0
@@ -137,6 +167,19 @@ class PipelineRunner:
         loss = torch.stack(self._losses).sum().item() if self._losses else None
         return StepStats(loss, self._busy, self._wait, total, self._peak, self._trace)
 
+    def _forward(self, c: int, inputs: dict[str, Tensor], batch) -> dict[str, Tensor] | Tensor:
+        """Chunk ``c`` on one micro-batch: ``stage(inputs, batch)`` for named messages;
+        for a plain shape, the chunk on the received tensor (or the input on stage 0)."""
+        if self.named:
+            return self.chunks[c].stage(inputs, batch)
+        out = self.chunks[c](inputs[""] if inputs else batch)
+        return out if is_last_stage(self.rank, c, self.pp, self.vpp) else {"": out}
+
+    def _loss(self, out, mb: int) -> Tensor:
+        if self.named:
+            return self.loss_fn(out, self._inputs[mb])
+        return self.loss_fn(out, self._targets[mb]) / self.schedule.microbatches
+
     # -- transfers -----------------------------------------------------------------------
     def _post(self, batch: Sequence[Action]) -> None:
         start = time.perf_counter()
@@ -144,28 +187,41 @@ class PipelineRunner:
         for a in batch:
             dst = self.groups.ranks[peer(a, self.rank, self.pp)]
             if a.kind in (SEND_FWD, SEND_BWD):
-                tensor = self._outgoing.pop(a)
-                ops.append(P2P("send", tensor, dst, self.groups.group))
+                tensors = self._outgoing.pop(a)
+                kind = "send"
             else:
-                tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                ops.append(P2P("recv", tensor, dst, self.groups.group))
-            kept.append((a, tensor))
-        handles = self.collective.batch_send_recv(ops)
+                tensors = self._allocate(a)
+                kind = "recv"
+            first = len(ops)
+            ops.extend(P2P(kind, t, dst, self.groups.group) for t in tensors.values())
+            kept.append((a, tensors, first))
+        handles = self.collective.batch_send_recv(ops) if ops else []
         per_op = len(handles) == len(ops)  # gloo: one work per op; NCCL: one for the batch
-        for k, (a, tensor) in enumerate(kept):
-            mine = [handles[k]] if per_op else handles
+        for a, tensors, first in kept:
+            mine = handles[first : first + len(tensors)] if per_op else handles
             if a.kind in (SEND_FWD, SEND_BWD):
-                self._sends.append((tensor, mine))
+                self._sends.append((tensors, mine))
             else:
-                self._recv[a] = (tensor, mine)
+                self._recv[a] = (tensors, mine)
         # gloo writes a send in the caller's thread once the peer's receive is
         # posted, so posting is communication time too
         self._wait += time.perf_counter() - start
 
-    def _received(self, kind: str, mb: int, chunk: int) -> Tensor:
-        tensor, handles = self._recv.pop(Action(kind, mb, chunk))
+    def _boundary(self, a: Action) -> int:
+        """The virtual-stage boundary an action's tensors cross (sender's stage)."""
+        stage = a.chunk * self.pp + self.rank
+        return stage if a.kind in (SEND_FWD, RECV_BWD) else stage - 1
+
+    def _allocate(self, a: Action) -> dict[str, Tensor]:
+        specs = self.messages(self._boundary(a))
+        if a.kind == RECV_BWD:  # gradients come back for the floating-point tensors only
+            specs = {n: s for n, s in specs.items() if s.dtype.is_floating_point}
+        return {n: torch.empty(s.shape, dtype=s.dtype, device=self.device) for n, s in specs.items()}
+
+    def _received(self, kind: str, mb: int, chunk: int) -> dict[str, Tensor]:
+        tensors, handles = self._recv.pop(Action(kind, mb, chunk))
         self._wait_all(handles)
-        return tensor
+        return tensors
 
     def _wait_all(self, handles) -> None:
         start = time.perf_counter()
@@ -173,44 +229,65 @@ class PipelineRunner:
             h.wait()
         self._wait += time.perf_counter() - start
 
-    def _to_send(self, a: Action, tensor: Tensor) -> None:
-        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+    def _to_send(self, a: Action, tensors: dict[str, Tensor]) -> None:
+        specs = self.messages(self._boundary(a))
+        if a.kind == SEND_BWD:
+            specs = {n: s for n, s in specs.items() if s.dtype.is_floating_point}
+        if set(tensors) != set(specs):
             raise ScheduleError(
-                f"rank {self.rank}: {a} has shape {tuple(tensor.shape)} {tensor.dtype}, but the "
-                f"pipeline moves {self.shape} {self.dtype} (tensor_shape / dtype)"
+                f"rank {self.rank}: {a} sends {sorted(tensors)}, but the pipeline moves "
+                f"{sorted(specs)} across boundary {self._boundary(a)}"
             )
-        self._outgoing[a] = tensor.detach().contiguous()
+        for name, tensor in tensors.items():
+            spec = specs[name]
+            if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
+                what = f" {name!r}" if name else ""
+                raise ScheduleError(
+                    f"rank {self.rank}: {a}{what} has shape {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"but the pipeline moves {tuple(spec.shape)} {spec.dtype} (tensor_shape / dtype)"
+                )
+        self._outgoing[a] = {n: t.detach().contiguous() for n, t in tensors.items()}
 
     # -- compute -------------------------------------------------------------------------
     def _compute(self, a: Action, index: int) -> None:
         mb, c = a.microbatch, a.chunk
         first, last = is_first_stage(self.rank, c), is_last_stage(self.rank, c, self.pp, self.vpp)
         if a.kind == FORWARD:
-            x = inp = None
-            if first:
-                x = self._inputs[mb]
-            else:
-                x = inp = self._received(RECV_FWD, mb, c).requires_grad_()
+            inputs = {}
+            if not first:
+                inputs = self._received(RECV_FWD, mb, c)
+                for tensor in inputs.values():
+                    if tensor.dtype.is_floating_point:
+                        tensor.requires_grad_()
             start = time.perf_counter()
-            out = self.chunks[c](x)
+            out = self._forward(c, inputs, self._inputs[mb] if self.named or first else None)
             if last:
-                out = self.loss_fn(out, self._targets[mb]) / self.schedule.microbatches
+                out = self._loss(out, mb)
                 self._losses.append(out.detach())
             else:
                 self._to_send(Action(SEND_FWD, mb, c), out)
-            self._saved[(mb, c)] = (inp, out)
+            self._saved[(mb, c)] = (inputs, out)
             self._peak = max(self._peak, len(self._saved))
         else:
-            inp, out = self._saved.pop((mb, c))
-            grad = None if last else self._received(RECV_BWD, mb, c)
+            inputs, out = self._saved.pop((mb, c))
+            grads = None if last else self._received(RECV_BWD, mb, c)
             start = time.perf_counter()
-            chunk = self.chunks[c]
-            quiet = index not in self._reduce_at and hasattr(chunk, "no_sync")
-            with chunk.no_sync() if quiet else contextlib.nullcontext():
-                torch.autograd.backward(out, grad_tensors=grad)
+            sync = self.grad_sync if self.grad_sync is not None else self.chunks[c]
+            quiet = index not in self._reduce_at and hasattr(sync, "no_sync")
+            with sync.no_sync() if quiet else contextlib.nullcontext():
+                if last:
+                    torch.autograd.backward(out)
+                else:
+                    names = [n for n in grads if out[n].requires_grad]
+                    if names:  # a message computed from the batch alone carries no gradient
+                        torch.autograd.backward([out[n] for n in names], [grads[n] for n in names])
             if not first:
-                g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                self._to_send(Action(SEND_BWD, mb, c), g)
+                back = {
+                    n: t.grad if t.grad is not None else torch.zeros_like(t)
+                    for n, t in inputs.items()
+                    if t.dtype.is_floating_point
+                }
+                self._to_send(Action(SEND_BWD, mb, c), back)
         if self.timing:
             self._sync()
         end = time.perf_counter()

@@ -4,7 +4,10 @@ Activation layout: ``[batch, seq, hidden]``; sequence-parallel shards split
 dim 1, tensor-parallel shards split the last dim (see ``mappings``).
 """
 
-from mtcore.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from mtcore.parallel.tensor.cross_entropy import (
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+)
 from mtcore.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -65,5 +68,6 @@ __all__ = [
     "set_tp_partition",
     "shard_tensor",
     "unshard_tensor",
+    "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
 ]

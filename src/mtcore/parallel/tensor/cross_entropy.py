@@ -84,3 +84,24 @@ def vocab_parallel_cross_entropy(
     if tp.size == 1:
         return tp.backend.kernels.cross_entropy(logits, target, ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, tp, ignore_index)
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: Tensor, tp: TPGroup) -> Tensor:
+    """The full-vocabulary index of the largest logit, from this rank's shard ``[..., V/tp]``.
+
+    For accuracy metrics over logits that are never gathered: an all-reduce(max) of the
+    per-rank best values, then an all-reduce(min) of the indices that reach it, so a
+    tie goes to the lowest index, as ``torch.argmax`` does. Equal on every tp rank.
+    """
+    local = logits.argmax(dim=-1)
+    if tp.size == 1:
+        return local
+    best = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float()
+    overall = best.clone()
+    tp.collective.all_reduce(overall, op="max", group=tp.group)
+    v_local = logits.shape[-1]
+    index = local + tp.rank * v_local
+    candidate = torch.where(best == overall, index, torch.full_like(index, v_local * tp.size))
+    tp.collective.all_reduce(candidate, op="min", group=tp.group)
+    return candidate

@@ -208,7 +208,7 @@ class Checkpointer:
         device = self.backend.device
         if device.type != "cpu":
             out[f"{prefix}.device"] = device.get_rng_state().cpu()
-        tracker = self.engine.chunks[0].c.tracker
+        tracker = self.engine.rng_tracker
         for name, state in tracker.get_states().items():
             out[f"{prefix}.tracker.{name}"] = state.cpu()
         return out
@@ -296,7 +296,7 @@ class Checkpointer:
         torch.set_rng_state(states[f"{prefix}.host"])
         if f"{prefix}.device" in states:
             self.backend.device.set_rng_state(states[f"{prefix}.device"])
-        tracker = self.engine.chunks[0].c.tracker
+        tracker = self.engine.rng_tracker
         tracker.set_states(
             {
                 k.removeprefix(f"{prefix}.tracker."): v

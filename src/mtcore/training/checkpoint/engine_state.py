@@ -13,8 +13,9 @@ of this rank's (tp/pp-sharded) parameters. At load every rank reads its
 parameters' full state and keeps the range it owns, so a ZeRO-1 checkpoint
 loads under any dp size, with or without ZeRO.
 
-The tied output weight of a last pipeline stage (``output_is_copy``) is not
-saved: it loads from ``embed.tok.weight``, its twin, state included.
+A tied copy on another pipeline stage (a parameter not in the chunk's
+``own_parameter_names``, e.g. GPT's ``output.weight`` on the last stage) is not
+saved: it loads from its twin (``ModelFamily.checkpoint_aliases``), state included.
 
 Mixture-of-experts expert weights are split over ep along their experts dim
 (``named_expert_parameters``) on top of tp: each rank offers its ep x tp
@@ -46,11 +47,16 @@ KINDS = ("exp_avg", "exp_avg_sq", "master")
 
 
 class _Param:
-    def __init__(self, chunk, name, param, partition, expert_dim=None):
+    def __init__(self, name, param, partition, saved: bool, aliases, expert_dim=None):
         self.name, self.param, self.partition = name, param, partition
         self.expert_dim = expert_dim  # the dim split over ep (expert weights), else None
-        self.saved = not (chunk.output_is_copy and name == "output.weight")
-        self.source = name if self.saved else "embed.tok.weight"
+        self.saved = saved
+        if not saved and name not in aliases:
+            raise CheckpointError(
+                f"parameter {name!r} is a tied copy but the model family names no twin for "
+                "it (ModelFamily.checkpoint_aliases)"
+            )
+        self.source = name if saved else aliases[name]
 
 
 class EngineState:
@@ -63,10 +69,13 @@ class EngineState:
         self.params: list[_Param] = []
         self.buffers: dict[str, Tensor] = {}
         self._chunk_of: dict[str, object] = {}
+        aliases = engine.family.checkpoint_aliases
         for chunk in engine.chunks:
             experts = {name: dim for name, _, (dim, _) in named_expert_parameters(chunk)}
+            own = set(chunk.own_parameter_names())
             for name, p, partition, _ in named_tp_parameters(chunk):
-                self.params.append(_Param(chunk, name, p, partition, experts.get(name)))
+                entry = _Param(name, p, partition, name in own, aliases, experts.get(name))
+                self.params.append(entry)
             names = {n for n, _ in chunk.named_parameters()}
             for name, value in chunk.state_dict(keep_vars=True).items():
                 if name not in names and isinstance(value, Tensor):

@@ -16,16 +16,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mtcore.models import GPT, ModelConfig
-from mtcore.models.full_weights import full_weight_shapes
+from mtcore.models import FamilyConfig, family_of
 from mtcore.parallel.tensor import named_tp_parameters
 from mtcore.training.checkpoint import manifest as mf
+from mtcore.training.checkpoint.compat import saved_model_config
 from mtcore.training.checkpoint.logical import join_full, section_entry, split_full
 from mtcore.training.checkpoint.safe_reader import dcp_load, dcp_save, tensor_shapes
 
 
-def read_model_weights(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor], int]:
-    """``(model config, full fp32 weights named as GPT(config) in one process, step)``.
+def read_model_weights(path: str | Path) -> tuple[FamilyConfig, dict[str, Tensor], int]:
+    """``(model config, full fp32 weights named as the family's one-process model, step)``.
 
     Checksums are verified first (a CheckpointError names a bad file). Low-precision
     training checkpoints give their fp32 master weights.
@@ -34,13 +34,11 @@ def read_model_weights(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor]
     return config, weights, step
 
 
-def _read(path) -> tuple[ModelConfig, dict[str, Tensor], int, Path]:
+def _read(path) -> tuple[FamilyConfig, dict[str, Tensor], int, Path]:
     directory = mf.resolve_checkpoint(path)
     manifest = mf.read_manifest(directory)
     mf.verify_files(directory, manifest)
-    if not manifest.get("model_config"):
-        raise mf.CheckpointError(f"{directory / mf.MANIFEST} records no model_config")
-    config = ModelConfig.model_validate(manifest["model_config"])
+    config = saved_model_config(manifest.get("model_config"), directory)
     shapes = tensor_shapes(directory)
     model_keys = [k for k in shapes if k.startswith("model.")]
     targets = {k: torch.empty(shapes[k][0], dtype=torch.float32) for k in model_keys}
@@ -53,15 +51,12 @@ def _read(path) -> tuple[ModelConfig, dict[str, Tensor], int, Path]:
     dcp_load(targets, directory, world=1)
     flat = {k.removeprefix("model."): targets[masters.get(k, k)] for k in model_keys}
     weights = join_full(flat, manifest.get("sections") or {})
-    # Buffers GPT(config) lacks are an FP8 run's training state (amax history, scale),
-    # which the one-process model (and HuggingFace export) has no place for.
+    # Buffers the one-process model lacks are an FP8 run's training state (amax history,
+    # scale), which the one-process model (and HuggingFace export) has no place for.
     return config, _model_entries(config, weights), int(manifest["step"]), directory
 
 
-def _model_entries(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    if config.moe is None:  # the names follow from the config alone
-        known = set(full_weight_shapes(config))
-        return {k: v for k, v in weights.items() if k in known}
+def _model_entries(config: FamilyConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
     model, period = _template(config)
     known = set(model.state_dict())
     return {k: v for k, v in weights.items() if _layer_key(k, period) in known}
@@ -72,17 +67,16 @@ def _layer_key(name: str, period: int) -> str:
     return f"layers.{int(m.group(1)) % period}.{m.group(2)}" if m else name
 
 
-def _template(config: ModelConfig) -> tuple[GPT, int]:
-    """A one-process GPT of the first ``period`` layers (the MoE period), which stand for
-    every layer, and ``period``."""
+def _template(config: FamilyConfig):
+    """The family's one-process model of the first ``period`` layers
+    (``config.layer_period``), which stand for every layer, and ``period``."""
     from mtcore.backend import select_backend
-    from mtcore.models import single_context
 
-    period = config.moe_layer_freq if config.moe is not None else 1
+    period = config.layer_period
     template = config.model_copy(update={"num_layers": min(config.num_layers, period)})
     host = torch.get_rng_state()  # building a model seeds the generators: leave them as found
     try:
-        model = GPT(template, single_context(template, select_backend("cpu")))
+        model = family_of(config).one_process(template, select_backend("cpu"))
     finally:
         torch.set_rng_state(host)
     return model, period
@@ -91,13 +85,13 @@ def _template(config: ModelConfig) -> tuple[GPT, int]:
 def write_model_weights(
     root: str | Path,
     weights: dict[str, Tensor],
-    model_config: ModelConfig,
+    model_config: FamilyConfig,
     *,
     step: int = 0,
     tokenizer=None,
 ) -> Path:
     """Commit ``<root>/step_<step>/`` holding only ``weights`` (full tensors named as in
-    ``GPT(model_config)`` in one process); returns the directory. ``tokenizer``: an mtcore
+    the family's one-process model); returns the directory. ``tokenizer``: an mtcore
     tokenizer (written as ``tokenizer.json``) or None."""
     sections = model_sections(model_config, weights)
     tensors = {
@@ -118,7 +112,7 @@ def write_model_weights(
     return mf.commit(staging, header)
 
 
-def model_sections(config: ModelConfig, names) -> dict[str, dict]:
+def model_sections(config: FamilyConfig, names) -> dict[str, dict]:
     """The multi-section (fused) parameters among ``names``, from a small template model:
     its first ``k`` layers, ``k`` the MoE period, stand for every layer."""
     model, period = _template(config)
@@ -128,7 +122,7 @@ def model_sections(config: ModelConfig, names) -> dict[str, dict]:
     for name in names:
         key = _layer_key(name, period)
         if key not in known and not _owned_by_a_module(model, key):
-            raise mf.CheckpointError(f"weight {name!r} is not a parameter of GPT({config.style})")
+            raise mf.CheckpointError(f"weight {name!r} is not a parameter of this {config.family} model")
         if key not in known:  # a buffer the template lacks (FP8 amax history): replicated
             continue
         if known[key] is not None:
@@ -145,12 +139,10 @@ def _owned_by_a_module(model, name: str) -> bool:
     return bool(prefix)
 
 
-def load_model(path: str | Path, backend=None) -> tuple[GPT, int, Path]:
+def load_model(path: str | Path, backend=None):
     """The one-process model of a checkpoint (eval mode), its step and its directory."""
-    from mtcore.models import single_context
-
     config, weights, step, directory = _read(path)
-    model = GPT(config, single_context(config, backend))
+    model = family_of(config).one_process(config, backend)
     model.load_state_dict(weights, strict=True)
     model.train(False)
     return model, step, directory

@@ -17,11 +17,11 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor
 
-from mtcore.models.config import ModelConfig
+from mtcore.models.gpt.config import GPTConfig
 from mtcore.parallel.tensor import load_full_tensors
 
 
-def full_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def full_weight_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of ``GPT(config).state_dict()`` (vocab_size set)."""
     if config.vocab_size is None:
         raise ValueError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
@@ -54,7 +54,7 @@ def full_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_full_weights(config: ModelConfig, weights: Mapping[str, Tensor], what: str) -> None:
+def check_full_weights(config: GPTConfig, weights: Mapping[str, Tensor], what: str) -> None:
     """Raise ValueError naming every missing, unexpected or misshapen tensor of ``weights``."""
     shapes = full_weight_shapes(config)
     missing = sorted(set(shapes) - set(weights))

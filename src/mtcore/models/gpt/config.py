@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec
+from mtcore.models.family import FamilyConfig
 from mtcore.parallel.moe import MoESpec
 
 STYLES: dict[str, dict[str, Any]] = {
@@ -41,14 +42,31 @@ STYLES: dict[str, dict[str, Any]] = {
 }
 
 
-class ModelConfig(BaseModel):
+# Fields that decide which parameters exist and their shapes (the load-time check).
+_STRUCTURE = (
+    "family",
+    "style",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "kv_heads",
+    "ffn_size",
+    "norm",
+    "activation",
+    "position",
+    "tie_embeddings",
+    "bias",
+    "moe_layer_freq",
+)
+_MOE_STRUCTURE = ("num_experts", "ffn_size", "shared_ffn_size", "activation")
+
+
+class GPTConfig(FamilyConfig):
     """A decoder-only transformer. ``vocab_size=None`` is filled in from the tokenizer."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+    family: Literal["gpt"] = "gpt"
     style: Literal["llama", "gpt2"] = "llama"
-    vocab_size: int | None = Field(None, ge=2, description="None: the tokenizer's, padded")
-    vocab_multiple: int = Field(128, ge=1, description="pad the tokenizer's vocab to this")
     hidden_size: int = Field(256, ge=2)
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
@@ -82,7 +100,7 @@ class ModelConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> ModelConfig:
+    def _check_shapes(self) -> GPTConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
@@ -112,24 +130,6 @@ class ModelConfig(BaseModel):
             return 4 * self.hidden_size
         # Llama: 2/3 of 4h (SwiGLU has three matrices), rounded up to a multiple of 64.
         return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
-
-    def with_vocab(self, tokenizer_vocab: int) -> ModelConfig:
-        """This config with ``vocab_size`` fixed for a tokenizer of ``tokenizer_vocab`` ids.
-
-        None becomes the tokenizer's size rounded up to ``vocab_multiple`` (a vocab
-        shard per tp rank, and friendlier matmul shapes); a set size smaller than
-        the tokenizer's is an error: those token ids would have no embedding row.
-        """
-        if self.vocab_size is None:
-            padded = -(-tokenizer_vocab // self.vocab_multiple) * self.vocab_multiple
-            return self.model_copy(update={"vocab_size": padded})
-        if self.vocab_size < tokenizer_vocab:
-            raise ValueError(
-                f"the tokenizer has {tokenizer_vocab} token ids but model.vocab_size is "
-                f"{self.vocab_size}; set model.vocab_size >= {tokenizer_vocab} (or leave it "
-                "unset to take the tokenizer's)"
-            )
-        return self
 
     # -- mixture of experts --------------------------------------------------------
     def is_moe_layer(self, index: int) -> bool:
@@ -177,6 +177,50 @@ class ModelConfig(BaseModel):
         if not self.tie_embeddings:
             total += v * h
         return total
+
+    def flops_per_step(self, global_batch: int) -> float:
+        """Model FLOPs of one iteration (forward + backward), no recompute, after
+        Narayanan et al. 2021 (arXiv 2104.04473)::
+
+            F = 72 B s l h^2 (1 + s / (6 h) + V / (12 l h))
+
+        with B the global batch in sequences, s the sequence length, l layers, h the
+        hidden size and V the vocabulary. The formula assumes a 4h MLP and as many
+        key/value heads as query heads; for SwiGLU or grouped-query models it is the
+        paper's count, not an exact one. A mixture-of-experts model counts the weights
+        a token goes through (attention, router, top-k experts, shared expert): 6 FLOPs
+        per token and weight, plus the attention scores and the logits as in the
+        formula, to which this reduces for a dense 4h-MLP model.
+        """
+        s, layers, h, v = self.seq_len, self.num_layers, self.hidden_size, self.vocab_size
+        if self.moe is None:
+            return 72.0 * global_batch * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+        weights = self.num_params(active=True) - v * h * (1 if self.tie_embeddings else 2)
+        return global_batch * s * (6.0 * weights + 12.0 * s * layers * h + 6.0 * v * h)
+
+    def describe(self) -> str:
+        return (
+            f"GPT ({self.style}) {self.num_params() / 1e6:.2f}M params, {self.num_layers} layers, "
+            f"hidden {self.hidden_size}, vocab {self.vocab_size}, seq {self.seq_len}"
+        )
+
+    def structure(self) -> dict[str, Any]:
+        fields = {name: getattr(self, name) for name in _STRUCTURE}
+        if self.position == "learned":  # a learned position table has seq_len rows
+            fields["seq_len"] = self.seq_len
+        moe = self.moe
+        fields["moe"] = None if moe is None else {k: getattr(moe, k) for k in _MOE_STRUCTURE}
+        return fields
+
+    def numerics(self) -> dict[str, Any]:
+        fields = {name: getattr(self, name) for name in ("rope_theta", "norm_eps", "dropout")}
+        if self.moe is not None:  # routing options: reported, not refused
+            fields["moe"] = self.moe.model_dump(exclude=set(_MOE_STRUCTURE))
+        return fields
+
+    @property
+    def layer_period(self) -> int:
+        return self.moe_layer_freq if self.moe is not None else 1
 
     def check_layout(self, spec: LayoutSpec) -> None:
         """Reject a layout this model cannot be split by, naming the numbers (LayoutError)."""

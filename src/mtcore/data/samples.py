@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtcore.training.data.cache import DataError
-from mtcore.training.data.indexed import IndexedDataset
+from mtcore.data.cache import DataError
+from mtcore.data.indexed import IndexedDataset
 
 SPLIT_SEED = 0x5EED_DA7A
 

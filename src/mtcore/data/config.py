@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, model_validator
 
-from mtcore.training.data.corpus import DEFAULT_CORPUS_BYTES
+from mtcore.data.corpus import DEFAULT_CORPUS_BYTES
 
 
 def default_cache_dir() -> Path:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mtcore.training.data.cache import DataError
+from mtcore.data.cache import DataError
 
 
 class EpochSampler:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from mtcore.training.data.cache import DataError
+from mtcore.data.cache import DataError
 
 TEXT_SUFFIXES = (".py", ".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
@@ -83,6 +83,20 @@ def stdlib_files(
     if not files:
         raise DataError(f"no standard-library sources found under {root}")
     return files
+
+
+def data_sources(
+    paths: Sequence[str] | None,
+    default_corpus_bytes: int | None = DEFAULT_CORPUS_BYTES,
+    default_corpus_files: int | None = None,
+) -> list[tuple[str, list[Path]]]:
+    """(name, files) per dataset: one per data path, or the default corpus for ``None``.
+
+    Shared by the GPT and the BERT pipelines, so both read the same documents.
+    """
+    if paths is None:
+        return [("stdlib", stdlib_files(default_corpus_bytes, default_corpus_files))]
+    return [(Path(p).expanduser().stem or "data", find_files(p)) for p in paths]
 
 
 def iter_documents(files: Iterable[Path], text_key: str = "text") -> Iterator[str]:

@@ -9,6 +9,12 @@ vocab size retrains and an unchanged one never does.
 
 ``<|endoftext|>`` separates documents in the packed token stream, so the model
 learns where a document ends instead of reading one file as the sequel of another.
+
+Encoder families need more special tokens (BERT: ``[CLS] [SEP] [MASK] [PAD]``).
+They are passed as ``special_tokens``: a trained BPE gets them as single ids right
+after ``<|endoftext|>``, they are part of its cache key (so a GPT tokenizer is never
+reused for BERT or the reverse), and a given ``tokenizer.json`` that lacks one is
+rejected naming it. Like ``<|endoftext|>``, they never come out of ordinary text.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from mtcore.training.data.cache import DataError, atomic_write, build_lock, fingerprint, text_hash
-from mtcore.training.data.corpus import iter_documents
+from mtcore.data.cache import DataError, atomic_write, build_lock, fingerprint, text_hash
+from mtcore.data.corpus import iter_documents
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +42,31 @@ TRAIN_MAX_BYTES = 256_000_000
 
 
 class Tokenizer:
-    """A thin wrapper that exposes what the data pipeline and the trainer need."""
+    """A thin wrapper that exposes what the data pipeline and the trainer need.
 
-    def __init__(self, hf: tokenizers.Tokenizer, path: Path | None = None):
+    ``required_tokens`` must each be one id of ``hf``. When ``[SEP]`` is required and
+    none of the end-of-document tokens exists (a BERT ``tokenizer.json`` has none),
+    ``[SEP]`` ends documents instead: it is what BERT puts at a segment's end.
+    """
+
+    def __init__(
+        self,
+        hf: tokenizers.Tokenizer,
+        path: Path | None = None,
+        required_tokens: Sequence[str] = (),
+    ):
         self.hf = hf
         self.path = path
-        # A literal "<|endoftext|>" inside a source file is text, not a document break.
+        # A literal "<|endoftext|>" (or "[MASK]") inside a source file is text, not a token.
         self.hf.encode_special_tokens = True
-        eod = next(
-            (hf.token_to_id(t) for t in _EOD_CANDIDATES if hf.token_to_id(t) is not None), None
-        )
+        missing = [t for t in required_tokens if hf.token_to_id(t) is None]
+        if missing:
+            raise DataError(
+                f"tokenizer {path or '<in memory>'} lacks the special token(s) {missing} "
+                f"(this job needs {list(required_tokens)})"
+            )
+        candidates = _EOD_CANDIDATES + (("[SEP]",) if "[SEP]" in required_tokens else ())
+        eod = next((hf.token_to_id(t) for t in candidates if hf.token_to_id(t) is not None), None)
         if eod is None:
             raise DataError(
                 f"tokenizer {path or '<in memory>'} has none of the end-of-document tokens {_EOD_CANDIDATES}"
@@ -55,6 +76,19 @@ class Tokenizer:
         self.vocab_size: int = max(hf.get_vocab(with_added_tokens=True).values()) + 1
         """Ids are in ``[0, vocab_size)``: the model's embedding needs at least this many rows."""
         self.fingerprint = text_hash(hf.to_str())
+
+    def token_id(self, token: str) -> int:
+        """The id of ``token`` (e.g. ``"[MASK]"``), or a DataError naming it."""
+        token_id = self.hf.token_to_id(token)
+        if token_id is None:
+            raise DataError(f"tokenizer {self.path or '<in memory>'} has no token {token!r}")
+        return int(token_id)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (never masked, never drawn as random replacements)."""
+        added = self.hf.get_added_tokens_decoder()
+        return frozenset([self.eod_id, *(i for i, tok in added.items() if tok.special)])
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
@@ -70,7 +104,7 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, eod_id={self.eod_id}, path={self.path})"
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, required_tokens: Sequence[str] = ()) -> Tokenizer:
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"tokenizer file does not exist: {path}")
@@ -78,17 +112,19 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         hf = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:
         raise DataError(f"cannot load tokenizer {path}: {e}") from e
-    return Tokenizer(hf, path)
+    return Tokenizer(hf, path, required_tokens)
 
 
-def train_tokenizer(docs: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
-    """Train a byte-level BPE with ``<|endoftext|>`` as its only special token (id 0)."""
+def train_tokenizer(
+    docs: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = ()
+) -> tokenizers.Tokenizer:
+    """Train a byte-level BPE with ``<|endoftext|>`` (id 0) then ``special_tokens`` (ids 1, ...)."""
     hf = tokenizers.Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOD_TOKEN],
+        special_tokens=[EOD_TOKEN, *(t for t in special_tokens if t != EOD_TOKEN)],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is unknown
         show_progress=False,
     )
@@ -102,22 +138,30 @@ def get_tokenizer(
     vocab_size: int,
     tokenizer_path: str | Path | None = None,
     text_key: str = "text",
+    special_tokens: Sequence[str] = (),
 ) -> Tokenizer:
-    """Load ``tokenizer_path`` if given, else the cached BPE for ``files``, training it once."""
+    """Load ``tokenizer_path`` if given, else the cached BPE for ``files``, training it once.
+
+    ``special_tokens`` (beyond ``<|endoftext|>``) are trained in, or required of the file.
+    """
+    special_tokens = tuple(special_tokens)
     if tokenizer_path is not None:
-        return load_tokenizer(tokenizer_path)
+        return load_tokenizer(tokenizer_path, special_tokens)
+    # Only a non-empty list enters the key, so GPT caches built before it existed stay valid.
+    extra = {"special_tokens": list(special_tokens)} if special_tokens else {}
     key = fingerprint(
         files,
         vocab_size=vocab_size,
         text_key=text_key,
         max_bytes=TRAIN_MAX_BYTES,
         kind="bytelevel-bpe-v1",
+        **extra,
     )
     path = Path(cache_dir).expanduser() / f"tokenizer-{key}.json"
     with build_lock(path):
         if not path.exists():
             start = time.perf_counter()
-            hf = train_tokenizer(iter_documents(files, text_key), vocab_size)
+            hf = train_tokenizer(iter_documents(files, text_key), vocab_size, special_tokens)
             log.info(
                 "trained a %d-token byte-level BPE on %d file(s) in %.1f s",
                 hf.get_vocab_size(),
@@ -132,7 +176,7 @@ def get_tokenizer(
                 )
             with atomic_write(path, "w") as f:
                 f.write(hf.to_str())
-    return load_tokenizer(path)
+    return load_tokenizer(path, special_tokens)
 
 
 def _capped(docs: Iterable[str], max_bytes: int) -> Iterable[str]:

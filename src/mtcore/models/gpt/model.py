@@ -19,18 +19,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtcore.models.config import ModelConfig
-from mtcore.models.layers import Block, Context, Norm
+from mtcore.models.family import BuiltModel
+from mtcore.models.gpt.config import GPTConfig
+from mtcore.models.layers import (
+    MLP,
+    Attention,
+    Context,
+    Norm,
+    make_context,
+    out_std,
+    single_context,
+)
 from mtcore.ops import rope_tables
+from mtcore.parallel.moe import MoELayer
 from mtcore.parallel.pipeline import stage_plans
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
-    TPGroup,
     VocabParallelEmbedding,
     column_parallel_matmul,
     mark_sequence_parallel,
-    model_parallel_seed,
     normal_init,
     vocab_parallel_cross_entropy,
 )
@@ -73,13 +81,50 @@ class Embedding(nn.Module):
         return self.c.dropout(x, self.training)
 
 
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    In a MoE layer (``config.is_moe_layer(index)``) ``mlp`` is a ``MoELayer``.
+    """
+
+    def __init__(self, c: Context, index: int):
+        super().__init__()
+        self.c = c = c.for_block(index)
+        g = c.generator(f"layers.{index}")
+        self.attn_norm, self.attn = Norm(c), Attention(c, g)
+        self.mlp_norm = Norm(c)
+        self.mlp = _moe(c, g) if c.config.is_moe_layer(index) else MLP(c, g)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        x = x + self.c.dropout(self.attn(self.attn_norm(x), rope), self.training)
+        return x + self.c.dropout(self.mlp(self.mlp_norm(x)), self.training)
+
+
+def _moe(c: Context, generator: torch.Generator) -> MoELayer:
+    """The MoE layer of a block; its experts are split over the layout's ep group."""
+    cfg = c.config
+    return MoELayer(
+        cfg.hidden_size,
+        cfg.moe,
+        tp=c.tp,
+        layout=c.layout,
+        backend=c.backend,
+        sequence_parallel=c.sequence_parallel,
+        generator=generator,
+        init_std=cfg.init_std,
+        out_std=out_std(cfg),
+        bias=cfg.bias,
+        device=c.device,
+    )
+
+
 class GPT(nn.Module):
     """The whole model (default) or one pipeline chunk: ``layers`` with or without
     the embedding (``first``) and the output layer (``last``)."""
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: GPTConfig,
         context: Context | None = None,
         layers: range | None = None,
         first: bool = True,
@@ -137,12 +182,27 @@ class GPT(nn.Module):
             logits = column_parallel_matmul(
                 x, self.embed.tok.weight, None, self.tp, self.c.sequence_parallel
             )
-        return logits if targets is None else self.loss(logits, targets)
+        if targets is None:
+            return logits
+        total, count = self.loss({"logits": logits}, {"labels": targets})["lm"]
+        return total / count.clamp(min=1)
 
-    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy over the targets that are not ``IGNORE_INDEX``."""
-        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tp)
-        return losses.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+    # -- the pipeline-stage contract (mtcore.models.family) --------------------------
+    def stage(self, inputs: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``{"hidden"}`` from the previous stage (or ``batch["tokens"]`` on the first)
+        -> ``{"hidden"}`` for the next, or ``{"logits"}`` on the last."""
+        out = self(batch["tokens"] if self.first else inputs["hidden"])
+        return {"logits" if self.last else "hidden": out}
+
+    def loss(self, outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, tuple]:
+        """Next-token cross-entropy: ``{"lm": (sum, count)}`` over the labels that are
+        not ``IGNORE_INDEX``."""
+        logits, labels = outputs["logits"], batch["labels"]
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.tp)
+        return {"lm": (losses.sum(), (labels != IGNORE_INDEX).sum())}
+
+    def metrics(self, outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, tuple]:
+        return {}
 
     def tied_copies(self) -> list[nn.Parameter]:
         """This chunk's halves of a tied embedding/output pair split over pipeline stages."""
@@ -182,40 +242,21 @@ class GPT(nn.Module):
         return tokens
 
 
-def single_context(config: ModelConfig, backend=None, seed: int = 0) -> Context:
-    """The context of a one-process model (tp=1) on ``backend`` (default: selected)."""
-    if backend is None:
-        from mtcore.backend import select_backend
-
-        backend = select_backend()
-    from mtcore.distributed import ParallelLayout
-
-    return make_context(config, ParallelLayout.single(), backend, seed)
-
-
-def make_context(
-    config: ModelConfig, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None
-) -> Context:
-    """Seed this rank's RNG streams (``model_parallel_seed``) and describe its model.
-
-    fp8: run the transformer blocks' linears in FP8 under this recipe.
-    """
-    tp = TPGroup.from_layout(layout, backend)
-    tracker = model_parallel_seed(seed, layout, backend)
-    sp = layout.spec.sequence_parallel and tp.size > 1
-    device = backend.torch_device()
-    return Context(config, tp, backend, tracker, sp, device, seed, fp8, layout=layout)
-
-
 def build_gpt(
-    config: ModelConfig, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None
+    config: GPTConfig, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None
 ) -> list[GPT]:
     """This rank's model chunks, chunk 0 first (one chunk unless ``layout.spec.vpp > 1``).
 
     Chunk ``c`` of pipeline rank ``r`` is virtual stage ``c * pp + r`` and owns the
     layers ``mtcore.parallel.pipeline.stage_plans`` gives it.
     """
+    return build(config, layout, backend, seed, fp8).chunks
+
+
+def build(config: GPTConfig, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None) -> BuiltModel:
+    """``build_gpt``'s chunks with the RNG tracker they share (the family's ``build``)."""
     config.check_layout(layout.spec)
     c = make_context(config, layout, backend, seed, fp8)
     plans = stage_plans(config.num_layers, layout.pp, layout.pp_rank, layout.spec.vpp)
-    return [GPT(config, c, p.layers, p.has_embedding, p.has_head) for p in plans]
+    chunks = [GPT(config, c, p.layers, p.has_embedding, p.has_head) for p in plans]
+    return BuiltModel(chunks, c.tracker)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mtcore.training.data.cache import DataError
+from mtcore.data.cache import DataError
 
 
 def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:

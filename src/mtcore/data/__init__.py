@@ -8,6 +8,8 @@ The trainer needs two calls::
     tokens, targets = next(loader)          # int64 [micro_batch_size, seq_len] each
     state = loader.state_dict()             # into the checkpoint; load_state_dict() to resume
 
+BERT jobs use ``build_pair_data`` and ``PairLoader`` instead (see ``pairs.py``).
+
 Everything expensive (tokenizer training, tokenization) happens once and is
 cached on disk, keyed by its inputs; later starts only map files. Size the model's
 embedding from ``tok.vocab_size``: a trained BPE can come out smaller than asked.
@@ -20,32 +22,53 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from mtcore.training.data.blend import BlendedDataset, blending_indices
-from mtcore.training.data.cache import DataError
-from mtcore.training.data.config import DataConfig, default_cache_dir
-from mtcore.training.data.corpus import DEFAULT_CORPUS_BYTES, find_files, stdlib_files
-from mtcore.training.data.indexed import IndexedDataset, get_indexed_dataset
-from mtcore.training.data.loader import EpochSampler, TokenLoader, check_batch_sizes
-from mtcore.training.data.samples import SequenceDataset, split_documents
-from mtcore.training.data.tokenizer import EOD_TOKEN, Tokenizer, get_tokenizer, load_tokenizer
+from mtcore.data.blend import BlendedDataset, blending_indices
+from mtcore.data.cache import DataError
+from mtcore.data.config import DataConfig, default_cache_dir
+from mtcore.data.corpus import DEFAULT_CORPUS_BYTES, data_sources
+from mtcore.data.indexed import IndexedDataset, get_indexed_dataset
+from mtcore.data.loader import EpochSampler, TokenLoader, check_batch_sizes
+from mtcore.data.pair_loader import PairLoader, mask_sequence
+from mtcore.data.pairs import (
+    BERT_SPECIAL_TOKENS,
+    PAIR_TASKS,
+    PairBlend,
+    PairData,
+    PairDataset,
+    PairSample,
+    PairVocab,
+    build_pair_data,
+)
+from mtcore.data.samples import SequenceDataset, split_documents
+from mtcore.data.tokenizer import EOD_TOKEN, Tokenizer, get_tokenizer, load_tokenizer
 
 __all__ = [
+    "BERT_SPECIAL_TOKENS",
     "DEFAULT_CORPUS_BYTES",
     "EOD_TOKEN",
+    "PAIR_TASKS",
     "BlendedDataset",
     "DataConfig",
     "DataError",
     "Datasets",
     "EpochSampler",
     "IndexedDataset",
+    "PairBlend",
+    "PairData",
+    "PairDataset",
+    "PairLoader",
+    "PairSample",
+    "PairVocab",
     "SequenceDataset",
     "TokenLoader",
     "Tokenizer",
     "blending_indices",
     "build_datasets",
+    "build_pair_data",
     "check_batch_sizes",
     "default_cache_dir",
     "load_tokenizer",
+    "mask_sequence",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,7 +117,4 @@ def build_datasets(config: DataConfig | None = None, **overrides) -> Datasets:
 
 
 def _sources(config: DataConfig) -> list[tuple[str, list[Path]]]:
-    if config.paths is None:
-        files = stdlib_files(config.default_corpus_bytes, config.default_corpus_files)
-        return [("stdlib", files)]
-    return [(Path(p).expanduser().stem or "data", find_files(p)) for p in config.paths]
+    return data_sources(config.paths, config.default_corpus_bytes, config.default_corpus_files)

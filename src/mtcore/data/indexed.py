@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mtcore.training.data.cache import DataError, atomic_write, build_lock, fingerprint
-from mtcore.training.data.corpus import batched_documents, iter_documents
-from mtcore.training.data.tokenizer import Tokenizer
+from mtcore.data.cache import DataError, atomic_write, build_lock, fingerprint
+from mtcore.data.corpus import batched_documents, iter_documents
+from mtcore.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

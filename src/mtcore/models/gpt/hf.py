@@ -50,8 +50,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from mtcore.models.config import ModelConfig
-from mtcore.models.full_weights import check_full_weights
+from mtcore.models.gpt.config import GPTConfig
+from mtcore.models.gpt.weights import check_full_weights
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -68,7 +68,7 @@ class HFInteropError(ValueError):
 
 
 # -- config ----------------------------------------------------------------------------
-def llama_config(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+def llama_config(config: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
     """The config.json of ``config`` as a HuggingFace ``LlamaForCausalLM``."""
     _check_exportable(config)
     theta = config.rope_theta
@@ -103,7 +103,7 @@ def llama_config(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
     }
 
 
-def _check_exportable(config: ModelConfig) -> None:
+def _check_exportable(config: GPTConfig) -> None:
     if config.vocab_size is None:
         raise HFInteropError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
     if getattr(config, "moe", None) is not None:
@@ -121,15 +121,15 @@ def _check_exportable(config: ModelConfig) -> None:
         )
 
 
-def model_config_from_llama(hf: dict, seq_len: int | None = None) -> ModelConfig:
-    """The mtcore ModelConfig of a HuggingFace Llama config.json (a dict).
+def model_config_from_llama(hf: dict, seq_len: int | None = None) -> GPTConfig:
+    """The mtcore GPTConfig of a HuggingFace Llama config.json (a dict).
 
     ``seq_len``: mtcore's sequence length (the RoPE table and the training length);
     None takes ``max_position_embeddings``.
     """
     _check_importable(hf)
     try:
-        return ModelConfig(
+        return GPTConfig(
             style="llama",
             vocab_size=_need(hf, "vocab_size"),
             hidden_size=_need(hf, "hidden_size"),
@@ -215,14 +215,14 @@ _FUSED = {  # mtcore fused weight -> its HF parts, in row order
 }
 
 
-def _fused_sections(config: ModelConfig, name: str) -> list[int]:
+def _fused_sections(config: GPTConfig, name: str) -> list[int]:
     if name == "attn.qkv.weight":
         q, kv = config.num_heads * config.head_dim, config.kv_heads * config.head_dim
         return [q, kv, kv]
     return [config.ffn_size, config.ffn_size]
 
 
-def to_llama_tensors(config: ModelConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+def to_llama_tensors(config: GPTConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """HuggingFace Llama tensors (names, unfused) from mtcore full weights."""
     _check_exportable(config)
     check_full_weights(config, weights, "the weights to export")
@@ -240,7 +240,7 @@ def to_llama_tensors(config: ModelConfig, weights: dict[str, Tensor]) -> dict[st
     return out
 
 
-def from_llama_tensors(config: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def from_llama_tensors(config: GPTConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """mtcore full weights (fp32) from HuggingFace Llama tensors; refuses missing,
     unexpected or misshapen tensors, naming them."""
     # Old checkpoints carry the RoPE frequencies as a buffer; mtcore recomputes them.
@@ -282,7 +282,7 @@ def from_llama_tensors(config: ModelConfig, tensors: dict[str, Tensor]) -> dict[
 
 # -- directories -----------------------------------------------------------------------
 def export_llama(
-    model_config: ModelConfig,
+    model_config: GPTConfig,
     full_weights: dict[str, Tensor],
     out_dir: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -336,8 +336,8 @@ def _eos_token(path: Path) -> tuple[str, int] | None:
 
 def import_llama(
     hf_dir: str | Path, seq_len: int | None = None
-) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """The ModelConfig and fp32 full weights (``GPT(config).state_dict()`` names) of a
+) -> tuple[GPTConfig, dict[str, Tensor]]:
+    """The GPTConfig and fp32 full weights (``GPT(config).state_dict()`` names) of a
     HuggingFace Llama directory. ``seq_len`` as in :func:`model_config_from_llama`."""
     directory = Path(hf_dir)
     if not (directory / CONFIG).is_file():
