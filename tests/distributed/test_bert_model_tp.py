@@ -65,7 +65,10 @@ def _step(chunk, batch) -> dict:
     allreduce_sequence_parallel_grads(chunk, chunk.tp)
     return {
         "terms": {name: (total.item(), int(count)) for name, (total, count) in terms.items()},
-        "metrics": {name: (int(a), int(b)) for name, (a, b) in chunk.metrics(out, batch).items()},
+        "metrics": {
+            name: (int(correct), int(count))
+            for name, (correct, count) in chunk.metrics(out, batch).items()
+        },
         "mlm_logits": gather_from_tp(out["mlm_logits"].detach(), chunk.tp),
         "pair_logits": out["pair_logits"].detach(),
         "grads": full_tensors(chunk, chunk.tp, grads=True),

@@ -151,7 +151,9 @@ class _Loop:
         self.scalars = Scalars(config.logging.tensorboard_dir if is_main else None)
         self.flops = self.model.flops_per_step(self.t.global_batch_size)
         self.peak = peak_tflops(backend, mp.param_dtype)
-        dp, dp_rank = layout.size("dp_cp"), layout.coordinate("dp_cp")
+        # Samples are split over dp; the ranks of a cp group read the same samples (each
+        # takes its share of the sequence), as TrainConfig.check counts micro-batches.
+        dp, dp_rank = layout.size("dp"), layout.coordinate("dp")
         self.loader_args = dict(
             micro_batch_size=self.t.micro_batch_size,
             global_batch_size=self.t.global_batch_size,

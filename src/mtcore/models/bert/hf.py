@@ -1,0 +1,343 @@
+"""HuggingFace BERT format <-> mtcore BERT: config and full weights.
+
+A HuggingFace BERT directory is ``config.json`` (``model_type`` "bert") plus
+``model.safetensors`` (or shards listed in ``model.safetensors.index.json``). A model
+with a pair head is a ``BertForPreTraining``, one without (``pair_task: none``) a
+``BertForMaskedLM``. transformers is not needed to read or write them.
+
+The two compute the same function, so the mapping is renaming and (un)fusing
+(``bert.`` prefixes ``embeddings``, ``encoder.layer.i`` and ``pooler``):
+
+====================================  ==================================================
+mtcore (``Bert(config).state_dict()``)  HuggingFace
+====================================  ==================================================
+``embed.word.weight``                 ``embeddings.word_embeddings.weight`` (decoder too)
+``embed.position``                    ``embeddings.position_embeddings.weight``
+``embed.token_type``                  ``embeddings.token_type_embeddings.weight``
+``embed.norm.*``                      ``embeddings.LayerNorm.*``
+``layers.i.attn.qkv.*``               ``attention.self.query | key | value`` (rows)
+``layers.i.attn.proj.*``              ``attention.output.dense.*``
+``layers.i.attn_norm.*``              ``attention.output.LayerNorm.*``
+``layers.i.mlp.fc1.*``                ``intermediate.dense.*``
+``layers.i.mlp.fc2.*``                ``output.dense.*``
+``layers.i.mlp_norm.*``               ``output.LayerNorm.*``
+``pooler.*``                          ``pooler.dense.*``
+``mlm.dense.*`` / ``mlm.norm.*``      ``cls.predictions.transform.dense / LayerNorm.*``
+``mlm.bias``                          ``cls.predictions.bias``
+``pair.*``                            ``cls.seq_relationship.*``
+====================================  ==================================================
+
+The vocabulary keeps its size both ways (an export of a padded mtcore vocab has the
+padded size: transformers accepts an embedding larger than the tokenizer). mtcore has
+no attention-probability dropout: ``attention_probs_dropout_prob`` is not imported and
+is exported as 0. Whatever does not map is refused with an ``HFInteropError`` naming
+it: an activation other than exact GELU, relative position embeddings, decoder or
+cross-attention configs, untied decoders, encoders without biases.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+from safetensors.torch import save_file
+from torch import Tensor
+
+from mtcore.models.bert.config import BertConfig
+from mtcore.models.bert.weights import check_full_weights
+from mtcore.models.gpt.hf import (
+    _DTYPE_NAMES,
+    CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    HFInteropError,
+    _readable_like_other_files,
+    read_safetensors,
+)
+
+# Special tokens a BERT tokenizer config names, and the spellings looked for.
+_SPECIAL = {
+    "cls_token": ("[CLS]", "<cls>", "<s>"),
+    "sep_token": ("[SEP]", "<sep>", "</s>"),
+    "mask_token": ("[MASK]", "<mask>"),
+    "pad_token": ("[PAD]", "<pad>"),
+    "unk_token": ("[UNK]", "<unk>"),
+}
+_LAYER = {  # mtcore name in layer i -> HF name in bert.encoder.layer.i (weight and bias)
+    "attn.proj": "attention.output.dense",
+    "attn_norm": "attention.output.LayerNorm",
+    "mlp.fc1": "intermediate.dense",
+    "mlp.fc2": "output.dense",
+    "mlp_norm": "output.LayerNorm",
+}
+_QKV = ("attention.self.query", "attention.self.key", "attention.self.value")
+_OUTSIDE = {  # mtcore name -> HF name, outside the layers
+    "embed.word.weight": "bert.embeddings.word_embeddings.weight",
+    "embed.position": "bert.embeddings.position_embeddings.weight",
+    "embed.token_type": "bert.embeddings.token_type_embeddings.weight",
+    "embed.norm.weight": "bert.embeddings.LayerNorm.weight",
+    "embed.norm.bias": "bert.embeddings.LayerNorm.bias",
+    "mlm.dense.weight": "cls.predictions.transform.dense.weight",
+    "mlm.dense.bias": "cls.predictions.transform.dense.bias",
+    "mlm.norm.weight": "cls.predictions.transform.LayerNorm.weight",
+    "mlm.norm.bias": "cls.predictions.transform.LayerNorm.bias",
+    "mlm.bias": "cls.predictions.bias",
+}
+_PAIR = {
+    "pooler.weight": "bert.pooler.dense.weight",
+    "pooler.bias": "bert.pooler.dense.bias",
+    "pair.weight": "cls.seq_relationship.weight",
+    "pair.bias": "cls.seq_relationship.bias",
+}
+
+
+def _names(config: BertConfig) -> dict[str, str]:
+    """mtcore name -> HF name of every one-to-one tensor (qkv is fused: see _QKV)."""
+    names = dict(_OUTSIDE, **(_PAIR if config.pair_head else {}))
+    for i in range(config.num_layers):
+        for mine, theirs in _LAYER.items():
+            for kind in ("weight", "bias"):
+                names[f"layers.{i}.{mine}.{kind}"] = f"bert.encoder.layer.{i}.{theirs}.{kind}"
+    return names
+
+
+# -- config ----------------------------------------------------------------------------
+def bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """The config.json of ``config`` as a HuggingFace BertForPreTraining (BertForMaskedLM
+    without a pair head)."""
+    if config.vocab_size is None:
+        raise HFInteropError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
+    if not config.bias:
+        raise HFInteropError(
+            "bias=False cannot be exported: HuggingFace BERT's linears have biases"
+        )
+    return {
+        "architectures": ["BertForPreTraining" if config.pair_head else "BertForMaskedLM"],
+        "model_type": "bert",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "intermediate_size": config.ffn_size,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": config.dropout,
+        "attention_probs_dropout_prob": 0.0,
+        "max_position_embeddings": config.seq_len,
+        "type_vocab_size": config.type_vocab_size,
+        "initializer_range": config.init_std,
+        "layer_norm_eps": config.norm_eps,
+        "position_embedding_type": "absolute",
+        "is_decoder": False,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+def model_config_from_bert(
+    hf: dict, seq_len: int | None = None, pair_head: bool = True
+) -> BertConfig:
+    """The mtcore BertConfig of a HuggingFace BERT config.json (a dict). ``seq_len``: the
+    positions kept (at most ``max_position_embeddings``; None: all of them)."""
+    _check_importable(hf)
+    positions = _need(hf, "max_position_embeddings")
+    if seq_len is not None and seq_len > positions:
+        raise HFInteropError(
+            f"seq_len={seq_len} exceeds max_position_embeddings={positions}: the position "
+            "table has no rows for the extra positions"
+        )
+    try:
+        return BertConfig(
+            vocab_size=_need(hf, "vocab_size"),
+            hidden_size=_need(hf, "hidden_size"),
+            num_layers=_need(hf, "num_hidden_layers"),
+            num_heads=_need(hf, "num_attention_heads"),
+            ffn_hidden_size=_need(hf, "intermediate_size"),
+            seq_len=seq_len or positions,
+            type_vocab_size=hf.get("type_vocab_size", 2),
+            norm_eps=hf.get("layer_norm_eps", 1e-12),
+            dropout=hf.get("hidden_dropout_prob", 0.1),
+            init_std=hf.get("initializer_range") or 0.02,
+            pair_task="nsp" if pair_head else "none",
+        )
+    except ValidationError as e:
+        raise HFInteropError(f"the BERT config does not make an mtcore model: {e}") from e
+
+
+def _need(hf: dict, key: str):
+    if hf.get(key) is None:
+        raise HFInteropError(f"config.json lacks {key!r}")
+    return hf[key]
+
+
+def _check_importable(hf: dict) -> None:
+    if hf.get("model_type") != "bert":
+        raise HFInteropError(
+            f"model_type={hf.get('model_type')!r}: only HuggingFace BERT (model_type 'bert') "
+            "maps onto mtcore's BERT"
+        )
+    if hf.get("quantization_config"):
+        raise HFInteropError("quantized checkpoints (quantization_config) cannot be imported")
+    if hf.get("hidden_act", "gelu") != "gelu":
+        raise HFInteropError(
+            f"hidden_act={hf['hidden_act']!r}: mtcore's BERT uses the exact (erf) GELU, 'gelu'"
+        )
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise HFInteropError(
+            f"position_embedding_type={hf['position_embedding_type']!r}: mtcore's BERT has "
+            "absolute (learned) position embeddings only"
+        )
+    for key in ("is_decoder", "add_cross_attention"):
+        if hf.get(key):
+            raise HFInteropError(
+                f"{key}=true: mtcore's BERT is an encoder, without cross-attention"
+            )
+    if not hf.get("tie_word_embeddings", True):
+        raise HFInteropError(
+            "tie_word_embeddings=false: mtcore's MLM decoder is the word embedding"
+        )
+
+
+# -- weights ---------------------------------------------------------------------------
+def to_bert_tensors(config: BertConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """HuggingFace BERT tensors (names, q/k/v unfused) from mtcore full weights. The tied
+    decoder weight is left out, as ``save_pretrained`` does."""
+    bert_config(config)  # refuses what cannot be exported
+    check_full_weights(config, weights, "the weights to export")
+    out = {theirs: weights[mine] for mine, theirs in _names(config).items()}
+    h = config.hidden_size
+    for i in range(config.num_layers):
+        for kind in ("weight", "bias"):
+            parts = weights[f"layers.{i}.attn.qkv.{kind}"].split(h, dim=0)
+            for theirs, part in zip(_QKV, parts, strict=True):
+                out[f"bert.encoder.layer.{i}.{theirs}.{kind}"] = part
+    return out
+
+
+def from_bert_tensors(config: BertConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """mtcore full weights (fp32) from HuggingFace BERT tensors; refuses missing,
+    unexpected or misshapen tensors, naming them."""
+    tensors = {_current_name(name): tensor for name, tensor in tensors.items()}
+    used: set[str] = set()
+
+    def take(name: str) -> Tensor:
+        if name not in tensors:
+            raise HFInteropError(f"the safetensors files lack {name!r}")
+        used.add(name)
+        return tensors[name].float()
+
+    if "cls.predictions.bias" not in tensors and "cls.predictions.decoder.bias" in tensors:
+        tensors = {**tensors, "cls.predictions.bias": tensors["cls.predictions.decoder.bias"]}
+    weights = {mine: take(theirs) for mine, theirs in _names(config).items()}
+    weights["embed.position"] = weights["embed.position"][: config.seq_len]
+    for i in range(config.num_layers):
+        for kind in ("weight", "bias"):
+            parts = [take(f"bert.encoder.layer.{i}.{theirs}.{kind}") for theirs in _QKV]
+            weights[f"layers.{i}.attn.qkv.{kind}"] = torch.cat(parts, dim=0)
+    for copy, twin in (
+        ("cls.predictions.decoder.weight", "embed.word.weight"),
+        ("cls.predictions.decoder.bias", "mlm.bias"),
+    ):
+        if copy in tensors and not torch.equal(take(copy), weights[twin]):
+            raise HFInteropError(
+                f"{copy} differs from the tensor it is tied to; cannot map an untied decoder"
+            )
+    # Old checkpoints carry the position ids as a buffer; mtcore makes none.
+    extra = sorted(k for k in set(tensors) - used if not k.endswith("embeddings.position_ids"))
+    if extra:
+        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        raise HFInteropError(
+            f"tensors with no place in mtcore's BERT: {', '.join(extra[:5])}{more}"
+        )
+    try:
+        check_full_weights(config, weights, "the imported tensors")
+    except ValueError as e:
+        raise HFInteropError(str(e)) from e
+    return weights
+
+
+def _current_name(name: str) -> str:
+    """The original TensorFlow conversions (bert-base-uncased and kin) call LayerNorm
+    parameters gamma and beta; transformers renames them on load, and so does this."""
+    for old, new in (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias")):
+        if name.endswith(old):
+            return name[: -len(old)] + new
+    return name
+
+
+# -- directories -----------------------------------------------------------------------
+def import_bert(
+    hf_dir: str | Path, seq_len: int | None = None
+) -> tuple[BertConfig, dict[str, Tensor]]:
+    """The BertConfig and fp32 full weights (``Bert(config).state_dict()`` names) of a
+    HuggingFace BERT directory; the pair head is there if ``cls.seq_relationship`` is."""
+    directory = Path(hf_dir)
+    if not (directory / CONFIG).is_file():
+        raise HFInteropError(f"no HuggingFace model at {directory} (expected {directory / CONFIG})")
+    try:
+        hf = json.loads((directory / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise HFInteropError(f"{directory / CONFIG} is not valid JSON: {e}") from e
+    _check_importable(hf)
+    tensors = read_safetensors(directory)
+    pair_head = "cls.seq_relationship.weight" in tensors
+    config = model_config_from_bert(hf, seq_len, pair_head)
+    return config, from_bert_tensors(config, tensors)
+
+
+def export_bert(
+    model_config: BertConfig,
+    full_weights: dict[str, Tensor],
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    tokenizer_json: str | Path | None = None,
+) -> Path:
+    """Write a HuggingFace BERT directory (config.json, model.safetensors and, when given,
+    tokenizer.json with a tokenizer_config.json) that ``BertForPreTraining`` (or
+    ``BertForMaskedLM``) ``.from_pretrained`` loads. Returns ``out_dir``."""
+    if dtype not in _DTYPE_NAMES:
+        raise HFInteropError(f"dtype {dtype} is not one of {list(_DTYPE_NAMES.values())}")
+    config = bert_config(model_config, dtype)
+    # clone(): safetensors refuses tensors that share storage (the split views do).
+    tensors = {
+        k: v.detach().to("cpu", dtype).clone()
+        for k, v in to_bert_tensors(model_config, full_weights).items()
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_json is not None:
+        special = _special_tokens(Path(tokenizer_json))
+        shutil.copyfile(tokenizer_json, out / TOKENIZER)
+        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        tok_config["model_max_length"] = model_config.seq_len
+        tok_config.update({role: token for role, (token, _) in special.items()})
+        if "pad_token" in special:
+            config["pad_token_id"] = special["pad_token"][1]
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    _readable_like_other_files(out / WEIGHTS)
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _special_tokens(path: Path) -> dict[str, tuple[str, int]]:
+    """role -> (token, id) of the BERT special tokens a tokenizer.json has."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HFInteropError(f"cannot read tokenizer {path}: {e}") from e
+    ids = {
+        t.get("content"): t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)
+    }
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):  # WordPiece / BPE keep special tokens in the vocab too
+        ids = {**{k: v for k, v in vocab.items() if k in sum(_SPECIAL.values(), ())}, **ids}
+    found = {}
+    for role, spellings in _SPECIAL.items():
+        token = next((t for t in spellings if ids.get(t) is not None), None)
+        if token is not None:
+            found[role] = (token, ids[token])
+    return found
