@@ -24,6 +24,7 @@ RESHARD_RTOL = 1e-5
 MODEL = dict(
     hidden_size=32, num_layers=4, num_heads=8, num_kv_heads=4, ffn_hidden_size=64, seq_len=16
 )
+BERT = dict(family="bert", hidden_size=32, num_layers=4, num_heads=8, ffn_hidden_size=64, seq_len=16)
 
 
 def _corpus(root: Path) -> Path:
@@ -60,11 +61,14 @@ def job(tmp_path_factory):
         model = {**MODEL, "dropout": dropout, "style": style}
         if style == "gpt2":  # tied embedding: a copy of it on the last pipeline stage
             model.pop("ffn_hidden_size")
+        if style == "bert":  # the tied MLM decoder: a copy on the last pipeline stage
+            model = {**BERT, "dropout": dropout}
         return {
             "model": model,
             "parallel": parallel,
             "precision": {"dtype": "fp32"},
-            "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(root / "cache")),
+            "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(root / "cache"),
+                         valid_fraction=0.2),  # fmt: skip
             "optimizer": dict(lr=1e-2, min_lr=1e-3, warmup_steps=2),
             "training": dict(steps=6, global_batch_size=8, micro_batch_size=2, eval_interval=0,
                              sample_prompt=None),
@@ -73,6 +77,7 @@ def job(tmp_path_factory):
         }  # fmt: skip
 
     prepare(validate(make("warm", {})), 4)  # builds the data cache once, before ranks map it
+    prepare(validate(make("warm_bert", {}, style="bert")), 4)  # and the BERT tokenizer
     return root, make
 
 
@@ -111,6 +116,32 @@ def test_exact_resume_tp2_pp2_and_zero1_then_reshard_to_pp4_and_one_process(job)
     stream = io.StringIO()
     one = train(validate(_resume(make, "to_one", {}, source)), stream=stream)
     _check_reshard(zero_whole, (one.losses, one.start_step, stream.getvalue()), "-> one process")
+
+
+def test_bert_exact_resume_then_reshard_to_pp4_and_one_process(job):
+    """BERT (padding, masks, the tied MLM decoder split over the pipeline) resumes bitwise
+    under tp2 x pp2 with dropout and under tp2 x dp2 with ZeRO-1, and continues under
+    pp4 and in one process."""
+    root, make = job
+    tp_pp, zero = {"tp": 2, "pp": 2}, {"tp": 2, "dp": 2, "zero1": True}
+    source = root / "b_zero" / "checkpoints"
+    jobs = [
+        make("b_tp_pp", tp_pp, dropout=0.1, style="bert"),
+        _resume(make, "b_tp_pp_again", tp_pp, root / "b_tp_pp" / "checkpoints", dropout=0.1, style="bert"),
+        make("b_zero", zero, style="bert"),
+        _resume(make, "b_zero_again", zero, source, style="bert"),
+        _resume(make, "b_pp4", {"pp": 4}, source, style="bert"),
+    ]
+    (tp_pp_whole, _, log), tp_pp_again, (zero_whole, _, _), zero_again, pp4 = run_ranks(
+        _run_jobs, 4, jobs
+    )[0]
+    assert "BERT" in log and "pair task nsp" in log
+    assert tp_pp_again[1] == 3 and tp_pp_again[0] == tp_pp_whole[3:]  # bitwise, dropout included
+    assert zero_again[1] == 3 and zero_again[0] == zero_whole[3:]
+    _check_reshard(zero_whole, pp4, "bert tp2 x dp2 zero1 -> pp4")
+    stream = io.StringIO()
+    one = train(validate(_resume(make, "b_one", {}, source, style="bert")), stream=stream)
+    _check_reshard(zero_whole, (one.losses, one.start_step, stream.getvalue()), "bert -> one process")
 
 
 @pytest.mark.slow

@@ -248,8 +248,10 @@ class _Loop:
         tokens_s = self.t.global_batch_size * self.model.seq_len / step_s
         tflops = self.flops / step_s / self.layout.world_size / 1e12
         norm = f"{out.grad_norm:.3f}" if out.grad_norm is not None else "n/a"
+        terms = out.terms if out.terms and len(out.terms) > 1 else {}  # one term is the loss
+        parts = "".join(f" ({name} {value:.4f})" for name, value in terms.items())
         self.say(
-            f"step {step}/{self.t.steps} | loss {out.loss:.4f} | lr {lr:.2e} | grad norm {norm} | "
+            f"step {step}/{self.t.steps} | loss {out.loss:.4f}{parts} | lr {lr:.2e} | grad norm {norm} | "
             f"{tokens_s:,.0f} tokens/s | {tflops:.3f} TFLOP/s/rank | MFU "
             f"{format_mfu(tflops, self.peak)} | mem {format_bytes(memory)} | {step_s:.2f} s/step"
         )
@@ -264,6 +266,7 @@ class _Loop:
             "train/memory_bytes": float(memory),
             "train/step_s": step_s,
             "train/loss_scale": out.loss_scale if fp16 else None,
+            **{f"train/{name}": value for name, value in terms.items()},
         }
         if out.moe is not None:
             self.say(f"step {step}/{self.t.steps} | {format_moe(out.moe)}")
@@ -287,14 +290,16 @@ class _Loop:
         loss = values["loss"]
         self.result.val_losses.append((step, loss))
         self.result.val_metrics.append((step, values))
-        extra = [f"{name} {value:.4f}" for name, value in values.items() if name != "loss"]
-        if len(extra) == 1:  # a single term is the loss itself
-            extra = []
-        self.say(
-            " | ".join([f"eval step {step}", f"val loss {loss:.4f}", f"val ppl {perplexity(loss):.2f}", *extra])
-        )
+        extra = {name: value for name, value in values.items() if name != "loss"}
+        single = len(extra) == 1  # one loss term and no metrics: the loss itself
+        parts = [f"eval step {step}", f"val loss {loss:.4f}"]
+        if single:  # a perplexity means something for one cross-entropy term only
+            parts.append(f"val ppl {perplexity(loss):.2f}")
+        else:
+            parts += [f"{name} {value:.4f}" for name, value in extra.items()]
+        self.say(" | ".join(parts))
         scalars = {f"val/{name}": value for name, value in values.items()}
-        self.scalars.add(step, {**scalars, "val/ppl": perplexity(loss)})
+        self.scalars.add(step, {**scalars, "val/ppl": perplexity(loss) if single else None})
 
     def _save(self, step: int, final: bool = False) -> None:
         root = self.config.checkpoint.dir

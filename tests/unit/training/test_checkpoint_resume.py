@@ -97,6 +97,18 @@ def test_another_model_is_refused_and_a_finished_job_trains_nothing(tiny, tmp_pa
     with pytest.raises(CheckpointError, match=r"num_layers: checkpoint \d+, config \d+"):
         train(validate({**deeper, "checkpoint": load}), stream=io.StringIO())
 
+    # Another family is refused in one line, before any tensor loads (and the reverse).
+    bert = {"family": "bert", "hidden_size": 32, "num_layers": 2, "num_heads": 4, "seq_len": 32}
+    data = {**config["data"], "valid_fraction": 0.2}  # nsp needs two held-out documents
+    with pytest.raises(CheckpointError, match=r"holds a gpt model, but the config trains a bert"):
+        train(validate({**config, "model": bert, "data": data, "checkpoint": load}), stream=io.StringIO())
+    bert_job = {**config, "model": bert, "data": data, "checkpoint": {"dir": str(tmp_path / "bert")}}
+    bert_job["training"] = {**config["training"], "steps": 1, "sample_prompt": None}
+    bert_checkpoint = train(validate(bert_job), stream=io.StringIO()).checkpoint
+    gpt_from_bert = {**config, "checkpoint": {"dir": str(tmp_path / "g"), "load": str(bert_checkpoint)}}
+    with pytest.raises(CheckpointError, match=r"holds a bert model, but the config trains a gpt"):
+        train(validate(gpt_from_bert), stream=io.StringIO())
+
     # Numerics-only differences load, and are reported; a finished job has nothing to do.
     theta = {**config, "model": {**config["model"], "rope_theta": 500.0}}
     stream = io.StringIO()
