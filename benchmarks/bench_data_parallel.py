@@ -5,7 +5,7 @@
 Target (issue 3): step-time ratio mtcore / torch <= 1.0 for both pairs.
 
 All four run in one launch of 2 ranks (gloo, one thread per rank), on copies
-of the same toy transformer (``mtcore.testing.toy_model``, tp=1, fp32) with
+of the same GPT (``mtcore.models.gpt``, Llama style, tp=1, fp32) with
 the same batches, the same AdamW settings (decay / no-decay groups) and the
 same bucket size. A step is zero_grad + forward + backward + gradient sync +
 optimizer step (ZeRO-1 and FSDP2 include their parameter all-gathers). The
@@ -35,10 +35,10 @@ import time
 import torch
 
 from mtcore.distributed.layout import LayoutSpec, ParallelLayout
+from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.parallel.data import DataParallel, DataParallelConfig
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW
 from mtcore.testing.distributed import run_ranks
-from mtcore.testing.toy_model import ToyConfig, build_toy_model
 
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CONFIGS = ("mtcore DP", "torch DDP", "mtcore ZeRO-1", "torch FSDP2")
@@ -55,13 +55,13 @@ def _torch_adamw(params, flavour: str):
     return torch.optim.AdamW(groups, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], **kwargs)
 
 
-def _setups(ctx, layout, cfg: ToyConfig, args):
+def _setups(ctx, layout, cfg: GPTConfig, args):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     bucket = int(args.bucket_mb * 2**20 / 4)
-    model = lambda: build_toy_model(cfg, layout, ctx.backend, seed=0)  # noqa: E731
+    model = lambda: build_gpt(cfg, layout, ctx.backend, seed=0)[0]  # noqa: E731
     setups = {}
 
     dp = DataParallel(model(), layout, ctx.backend, DataParallelConfig(bucket_size=bucket))
@@ -76,7 +76,7 @@ def _setups(ctx, layout, cfg: ToyConfig, args):
 
     fsdp = model()
     mesh = init_device_mesh("cpu", (ctx.world_size,))
-    for block in fsdp.layers:
+    for block in fsdp.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(fsdp, mesh=mesh, reshard_after_forward=False)
     setups["torch FSDP2"] = (fsdp, _torch_adamw(list(fsdp.parameters()), args.torch_adamw))
@@ -102,21 +102,20 @@ def _step(name, module, opt, tokens, targets, phases):
 def _rank_main(ctx, args):
     torch.manual_seed(0)
     layout = ParallelLayout.build(LayoutSpec(), ctx.backend.collective, ctx.rank, ctx.world_size)
-    cfg = ToyConfig(
-        vocab=args.vocab,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.heads,
-        ffn=args.ffn,
-        layers=args.layers,
-        seq=args.seq,
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        ffn_hidden_size=args.ffn,
+        num_layers=args.layers,
+        seq_len=args.seq,
     )
     setups = _setups(ctx, layout, cfg, args)
     g = torch.Generator().manual_seed(1000 + ctx.rank)  # each rank its own half of the batch
     rounds = args.warmup + args.steps
     shape = (rounds, args.batch, args.seq)
-    tokens = torch.randint(0, cfg.vocab, shape, generator=g)
-    targets = torch.randint(0, cfg.vocab, shape, generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, shape, generator=g)
+    targets = torch.randint(0, cfg.vocab_size, shape, generator=g)
     times = {name: [] for name in CONFIGS}
     phases = {name: [] for name in CONFIGS}
     losses = {}
@@ -154,7 +153,7 @@ def main() -> None:
     ranks = run_ranks(_rank_main, 2, args, timeout_s=1800)
     med = {n: max(r["median"][n] for r in ranks) for n in CONFIGS}
     print(
-        f"toy transformer: {ranks[0]['params'] / 1e6:.2f}M params, {args.layers} layers, hidden "
+        f"GPT (llama): {ranks[0]['params'] / 1e6:.2f}M params, {args.layers} layers, hidden "
         f"{args.hidden}, seq {args.seq}, {args.batch} seq/rank; 2 ranks gloo; bucket "
         f"{args.bucket_mb} MB; torch AdamW {args.torch_adamw}; median of {args.steps} steps"
     )

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_tensor_parallel.py [--steps 30 --warmup 5]
 
 Both sides train the *same* block on the same batch from the same weights:
-mtcore's is a block of the toy model (``mtcore.testing.toy_model``: fused QKV
-and fused gate/up column-parallel, row-parallel outputs); PyTorch's is a plain
+mtcore's is a block of the GPT family's model (``mtcore.models.gpt``, Llama style:
+fused QKV and fused gate/up column-parallel, row-parallel outputs); PyTorch's is a plain
 ``nn.Module`` with separate q/k/v/gate/up/down ``nn.Linear`` layers, sharded by
 ``torch.distributed.tensor.parallel.parallelize_module`` with ColwiseParallel /
 RowwiseParallel on ``DeviceMesh("cpu", [0, 1])`` (torchtitan's Llama plan).
@@ -23,7 +23,6 @@ figure least moved by other load on the machine).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -33,10 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.testing.distributed import run_ranks
-from mtcore.testing.toy_model import ToyConfig, build_toy_model, gather_full_params
 
-CONFIG = ToyConfig(vocab=64, hidden=512, heads=8, kv_heads=4, ffn=1536, layers=1, seq=256)
+CONFIG = GPTConfig(
+    vocab_size=64, hidden_size=512, num_heads=8, num_kv_heads=4, ffn_hidden_size=1536,
+    num_layers=1, seq_len=256,
+)  # fmt: skip
 BATCH = 4
 
 
@@ -52,24 +54,24 @@ class TorchMLP(nn.Module):
 
 
 class TorchRMSNorm(nn.Module):
-    def __init__(self, cfg: ToyConfig, kernels):
+    def __init__(self, cfg: GPTConfig, kernels):
         super().__init__()
         self.eps, self.kernels = cfg.norm_eps, kernels
-        self.weight = nn.Parameter(torch.ones(cfg.hidden))
+        self.weight = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, x):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class TorchAttention(nn.Module):
-    def __init__(self, cfg: ToyConfig, kernels):
+    def __init__(self, cfg: GPTConfig, kernels):
         super().__init__()
-        h, d = cfg.hidden, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
         self.kernels, self.d = kernels, d
-        self.wq = nn.Linear(h, cfg.heads * d, bias=False)
+        self.wq = nn.Linear(h, cfg.num_heads * d, bias=False)
         self.wk = nn.Linear(h, cfg.kv_heads * d, bias=False)
         self.wv = nn.Linear(h, cfg.kv_heads * d, bias=False)
-        self.wo = nn.Linear(cfg.heads * d, h, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * d, h, bias=False)
 
     def forward(self, y, cos, sin):
         k_, b, s = self.kernels, y.shape[0], y.shape[1]
@@ -81,21 +83,21 @@ class TorchAttention(nn.Module):
 
 
 class TorchBlock(nn.Module):
-    """The toy block written the way torchtitan writes Llama."""
+    """The GPT block written the way torchtitan writes Llama; ``rope`` is ``(cos, sin)``."""
 
-    def __init__(self, cfg: ToyConfig, kernels):
+    def __init__(self, cfg: GPTConfig, kernels):
         super().__init__()
         self.attn_norm, self.attn = TorchRMSNorm(cfg, kernels), TorchAttention(cfg, kernels)
-        self.mlp_norm, self.mlp = TorchRMSNorm(cfg, kernels), TorchMLP(cfg.hidden, cfg.ffn)
+        self.mlp_norm, self.mlp = TorchRMSNorm(cfg, kernels), TorchMLP(cfg.hidden_size, cfg.ffn_size)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, rope):
+        x = x + self.attn(self.attn_norm(x), *rope)
         return x + self.mlp(self.mlp_norm(x))
 
 
-def _torch_state(full: dict, cfg: ToyConfig) -> dict:
+def _torch_state(full: dict, cfg: GPTConfig) -> dict:
     """mtcore's full (unsharded) block weights under the torch module's names."""
-    q, kv, f = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_size
     wq, wk, wv = full["attn.qkv.weight"].split([q, kv, kv])
     w1, w3 = full["mlp.fc1.weight"].split([f, f])
     return {
@@ -103,7 +105,7 @@ def _torch_state(full: dict, cfg: ToyConfig) -> dict:
         "attn.wq.weight": wq,
         "attn.wk.weight": wk,
         "attn.wv.weight": wv,
-        "attn.wo.weight": full["attn.out.weight"],
+        "attn.wo.weight": full["attn.proj.weight"],
         "mlp_norm.weight": full["mlp_norm.weight"],
         "mlp.w1.weight": w1,
         "mlp.w3.weight": w3,
@@ -153,24 +155,29 @@ def _torch_plan(prefix: str, sp: bool) -> dict:
     return plan
 
 
-def _workloads(ctx, layout):
-    """name -> (mtcore module, torch module, call(module, x), mtcore finalize, sp)."""
+def _workloads(ctx, layouts):
+    """name -> (mtcore module, torch module, call(module, x), mtcore finalize, sp).
+
+    layouts: sequence parallel (bool) -> the tp=2 layout.
+    """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from mtcore.parallel.tensor import allreduce_sequence_parallel_grads
+    from mtcore.parallel.tensor import allreduce_sequence_parallel_grads, full_tensors
 
     mesh = DeviceMesh("cpu", [0, 1])
     out = {}
+    cfg = CONFIG
     for name, sp in (("mlp", False), ("block", False), ("block+sp", True)):
-        cfg = dataclasses.replace(CONFIG, sequence_parallel=sp)
-        model = build_toy_model(cfg, layout, ctx.backend, seed=0)
-        block = model.layers[0]
-        full = {k[9:]: v for k, v in gather_full_params(model).items() if k.startswith("layers.0.")}
+        (model,) = build_gpt(cfg, layouts[sp], ctx.backend, seed=0)
+        block = model.layers["0"]
+        full = {
+            k[9:]: v for k, v in full_tensors(model, model.tp).items() if k.startswith("layers.0.")
+        }
         state = _torch_state(full, cfg)
-        cos, sin = model.cos, model.sin
+        rope = model.rope
         if name == "mlp":
-            ours, theirs = block.mlp, TorchMLP(cfg.hidden, cfg.ffn)
+            ours, theirs = block.mlp, TorchMLP(cfg.hidden_size, cfg.ffn_size)
             theirs.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("mlp.")})
             parallelize_module(theirs, mesh, _torch_plan("", False))
             call = lambda m, x: m(x)  # noqa: E731
@@ -178,7 +185,7 @@ def _workloads(ctx, layout):
             ours, theirs = block, TorchBlock(cfg, ctx.backend.kernels)
             theirs.load_state_dict(state)
             parallelize_module(theirs, mesh, _torch_plan("mlp.", sp))
-            call = lambda m, x, cos=cos, sin=sin: m(x, cos, sin)  # noqa: E731
+            call = lambda m, x, rope=rope: m(x, rope)  # noqa: E731
         tp = model.tp
         finalize = (lambda m=ours, tp=tp: allreduce_sequence_parallel_grads(m, tp)) if sp else None
         out[name] = (ours, theirs, call, finalize, sp)
@@ -186,14 +193,17 @@ def _workloads(ctx, layout):
 
 
 def _rank_main(ctx, steps: int, warmup: int, with_optimizer: bool, only: list[str] | None):
-    layout = ParallelLayout.build(
-        LayoutSpec(tp=2), ctx.backend.collective, ctx.rank, ctx.world_size
-    )
+    layouts = {
+        sp: ParallelLayout.build(
+            LayoutSpec(tp=2, sequence_parallel=sp), ctx.backend.collective, ctx.rank, ctx.world_size
+        )
+        for sp in (False, True)
+    }
     g = torch.Generator().manual_seed(1)
-    x_full = torch.randn(BATCH, CONFIG.seq, CONFIG.hidden, generator=g)
-    probe_full = torch.randn(BATCH, CONFIG.seq, CONFIG.hidden, generator=g)
+    x_full = torch.randn(BATCH, CONFIG.seq_len, CONFIG.hidden_size, generator=g)
+    probe_full = torch.randn(BATCH, CONFIG.seq_len, CONFIG.hidden_size, generator=g)
     results = {}
-    for name, (ours, theirs, call, finalize, sp) in _workloads(ctx, layout).items():
+    for name, (ours, theirs, call, finalize, sp) in _workloads(ctx, layouts).items():
         if only and name not in only:
             continue
         # Under sequence parallel a block takes and returns this rank's sequence shard.
@@ -249,8 +259,9 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     print(
-        f"tp=2 gloo, 1 thread/rank, fp32, batch {BATCH} x seq {CONFIG.seq}, hidden {CONFIG.hidden}, "
-        f"heads {CONFIG.heads}/{CONFIG.kv_heads}, ffn {CONFIG.ffn}; median of {args.steps} steps "
+        f"tp=2 gloo, 1 thread/rank, fp32, batch {BATCH} x seq {CONFIG.seq_len}, "
+        f"hidden {CONFIG.hidden_size}, heads {CONFIG.num_heads}/{CONFIG.kv_heads}, "
+        f"ffn {CONFIG.ffn_size}; median of {args.steps} steps "
         f"after {args.warmup} warmup; step = fwd + bwd{' + SGD' if args.with_optimizer else ''}"
     )
     print(

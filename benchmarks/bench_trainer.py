@@ -29,11 +29,10 @@ torch and the median of per-round ratios (target: mtcore+native / plain <= 1.0).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from _timing import alternate, load_average, report
 from torch import nn
 
 from mtcore.backend import KernelImpl, select_backend
@@ -145,7 +144,8 @@ class MtcoreLoop:
 
     def step(self, step, inputs, targets) -> float:
         self.engine.set_lr(OPT.lr_at(step, 1000))
-        return self.engine.train_step(inputs, targets).loss
+        batches = [{"tokens": x, "labels": y} for x, y in zip(inputs, targets, strict=True)]
+        return self.engine.train_step(batches).loss
 
 
 def silu_swiglu(x):
@@ -154,14 +154,15 @@ def silu_swiglu(x):
     return F.silu(gate) * up
 
 
-def native_backend():
-    """The CPU backend plus torch-native kernels, registered as a plugin would."""
+def native_backend(extra: tuple[KernelImpl, ...] = ()):
+    """The CPU backend plus torch-native kernels (and ``extra``), registered as a plugin would."""
     cpu = select_backend("cpu")
     kernels = [
         KernelImpl("attention", sdpa_attention, "sdpa", priority=50),
         KernelImpl("rms_norm", fused_rms_norm, "torch-rms-norm", priority=50),
         KernelImpl("swiglu", silu_swiglu, "torch-silu", priority=50),
         KernelImpl("adamw_step", fused_adamw_step, "torch-fused", priority=50),
+        *extra,
     ]
     return Backend(cpu.spec, "bench-native", kernels)
 
@@ -193,29 +194,20 @@ def main() -> None:
     print("loss from the same weights: " + ", ".join(f"{n} {v:.6f}" for n, v in losses.items()))
     assert all(abs(v - ref) / ref < 1e-5 for v in losses.values()), losses
 
-    times: dict[str, list[float]] = {n: [] for n in loops}
-    final: dict[str, float] = {}
-    for i in range(args.warmup + args.steps):
-        for name, loop in loops.items():
-            t0 = time.perf_counter()
-            final[name] = loop.step(i + 1, list(tokens[i]), list(targets[i]))
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-    base = times["plain torch"]
+    print(f"load at start: {load_average()}")
+
+    def step(loop):
+        return lambda i: loop.step(i + 1, list(tokens[i]), list(targets[i]))
+
+    steps = {name: step(loop) for name, loop in loops.items()}
+    timings = alternate(steps, rounds=args.steps, warmup=args.warmup)
     tokens_per_step = MICRO * MICROBATCHES * MODEL.seq_len
     print(
         f"\nGPT {MODEL.num_params() / 1e6:.2f}M params, fp32, {tokens_per_step} tokens/step, "
         f"{args.threads} thread(s), {args.steps} steps after {args.warmup} warm-up"
     )
-    print(f"{'configuration':<15} {'median ms':>10} {'tokens/s':>10} {'ratio':>7} {'paired':>7}  final loss")
-    for name, t in times.items():
-        med = statistics.median(t)
-        ratio = med / statistics.median(base)
-        paired = statistics.median(a / b for a, b in zip(t, base, strict=True))
-        print(
-            f"{name:<15} {med * 1e3:>10.1f} {tokens_per_step / med:>10,.0f} {ratio:>7.3f} "
-            f"{paired:>7.3f}  {final[name]:.6f}"
-        )
+    report(timings, "plain torch", tokens_per_step)
+    print(f"load at end: {load_average()}")
 
 
 if __name__ == "__main__":

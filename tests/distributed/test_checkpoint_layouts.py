@@ -27,16 +27,7 @@ MODEL = dict(
 BERT = dict(family="bert", hidden_size=32, num_layers=4, num_heads=8, ffn_hidden_size=64, seq_len=16)
 
 
-def _corpus(root: Path) -> Path:
-    root.mkdir(parents=True)
-    names = ["alpha", "beta", "gamma", "delta", "token", "layer", "rank", "shard"]
-    for i in range(16):
-        body = "".join(
-            f"def {names[(i + j) % 8]}_{names[j % 8]}(self, x):\n    return self.{names[j % 7]} + x\n"
-            for j in range(30)
-        )
-        (root / f"doc{i:02d}.py").write_text(body)
-    return root
+WORDS = ("alpha", "beta", "gamma", "delta", "token", "layer", "rank", "shard")
 
 
 def _run_jobs(ctx, jobs: list[dict]) -> list[tuple[list[float], int, str]]:
@@ -53,9 +44,9 @@ def _run_jobs(ctx, jobs: list[dict]) -> list[tuple[list[float], int, str]]:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, write_code_corpus):
     root = tmp_path_factory.mktemp("ckpt")
-    corpus = _corpus(root / "docs")
+    corpus = write_code_corpus(root / "docs", n_docs=16, n_lines=30, words=WORDS)
 
     def make(name: str, parallel: dict, dropout=0.0, style="llama", **checkpoint) -> dict:
         model = {**MODEL, "dropout": dropout, "style": style}
@@ -68,13 +59,13 @@ def job(tmp_path_factory):
             "parallel": parallel,
             "precision": {"dtype": "fp32"},
             "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(root / "cache"),
-                         valid_fraction=0.2),  # fmt: skip
+                         valid_fraction=0.2),
             "optimizer": dict(lr=1e-2, min_lr=1e-3, warmup_steps=2),
             "training": dict(steps=6, global_batch_size=8, micro_batch_size=2, eval_interval=0,
                              sample_prompt=None),
             "checkpoint": {"dir": str(root / name / "checkpoints"), "interval": 3, **checkpoint},
             "logging": dict(interval=1, tensorboard_dir=None, progress="lines"),
-        }  # fmt: skip
+        }
 
     prepare(validate(make("warm", {})), 4)  # builds the data cache once, before ranks map it
     prepare(validate(make("warm_bert", {}, style="bert")), 4)  # and the BERT tokenizer

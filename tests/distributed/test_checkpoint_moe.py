@@ -52,16 +52,7 @@ MODEL = dict(
 STEP3 = "step_000003"
 
 
-def _corpus(root: Path) -> Path:
-    root.mkdir(parents=True)
-    names = ["alpha", "beta", "gamma", "delta", "token", "layer", "rank", "expert"]
-    for i in range(12):
-        body = "".join(
-            f"def {names[(i + j) % 8]}_{names[j % 8]}(self, x):\n    return self.{names[j % 7]} + x\n"
-            for j in range(30)
-        )
-        (root / f"doc{i:02d}.py").write_text(body)
-    return root
+WORDS = ("alpha", "beta", "gamma", "delta", "token", "layer", "rank", "expert")
 
 
 def _run_jobs(ctx, jobs: list[tuple[dict, str]]) -> list[tuple]:
@@ -93,9 +84,9 @@ def _in_one_process(jobs: list[tuple[dict, str]]) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, write_code_corpus):
     root = tmp_path_factory.mktemp("moe_ckpt")
-    corpus = _corpus(root / "docs")
+    corpus = write_code_corpus(root / "docs", n_docs=12, n_lines=30, words=WORDS)
 
     def make(name: str, parallel: dict, dropout=0.0, **checkpoint) -> dict:
         return {

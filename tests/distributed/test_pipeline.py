@@ -6,7 +6,7 @@ Cases, each a few optimizer steps on the same global batch:
   pp2_vpp2   PP=2, interleaved 1F1B with 2 chunks per rank, 4 micro-batches (tied)
   pp2_gpipe  PP=2, GPipe, 4 micro-batches (tied)
   pp2_dp2    PP=2 x DP=2: DataParallel chunks, mtcore AdamW, 2 micro-batches per dp rank
-  pp2_tp2    PP=2 x TP=2: mtcore.testing.toy_model split over 2 stages
+  pp2_tp2    PP=2 x TP=2: the GPT's chunks (``build_gpt``) on 2 stages
   pp2_tp2_sp PP=2 (interleaved, 2 chunks) x TP=2 with sequence parallel:
              stages exchange [micro-batch, seq / tp, hidden] shards
 The pure-PP cases run on both pipelines of a pp=2 x dp=2 layout (no gradient
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.parallel.pipeline import (
     PipelineGroups,
     PipelineRunner,
@@ -47,8 +48,13 @@ CASES = {  # name: (spec, schedule, micro-batches, vpp)
     "pp2_gpipe": (dict(pp=2), "gpipe", 4, 1),
     "pp2_dp2": (dict(pp=2), "1f1b", 2, 1),
     "pp2_tp2": (dict(pp=2, tp=2), "1f1b", 4, 1),
-    "pp2_tp2_sp": (dict(pp=2, tp=2), "interleaved_1f1b", 4, 2),
+    "pp2_tp2_sp": (dict(pp=2, tp=2, vpp=2, sequence_parallel=True), "interleaved_1f1b", 4, 2),
 }
+# The pp2_tp2 cases: the GPT family's model (untied embedding and output layer).
+GPT_CONFIG = GPTConfig(
+    vocab_size=V, hidden_size=32, num_layers=L, num_heads=4, num_kv_heads=2,
+    ffn_hidden_size=48, seq_len=SEQ,
+)  # fmt: skip
 
 
 # -- the model: embedding, residual MLP blocks, output head tied to the embedding ------
@@ -152,40 +158,32 @@ def _train(runner, opt, data, rows, finish, grads, params):
     return out
 
 
-def _toy_pipeline(ctx, data, layout, groups, schedule, sp=False):
+def _gpt_pipeline(ctx, data, layout, groups, schedule):
+    """This rank's ``build_gpt`` chunks (one per virtual stage) in the runner's tensor mode."""
     from mtcore.parallel.tensor import (
         allreduce_sequence_parallel_grads,
         full_tensors,
         vocab_parallel_cross_entropy,
     )
-    from mtcore.testing.toy_model import ToyConfig, build_toy_model
 
-    cfg = ToyConfig(layers=L, seq=SEQ, vocab=V, sequence_parallel=sp)
-    model = build_toy_model(cfg, layout, ctx.backend, seed=5)
-    chunks = [
-        StageModule(
-            {i: model.layers[i] for i in plan.layers},
-            pre=model.embed if plan.has_embedding else None,
-            post=_Final(model.norm, model.head) if plan.has_head else None,
-            call_layer=lambda block, x: block(x, model.cos, model.sin),
-            names=("embed", "final"),
-        )
-        for plan in stage_plans(L, layout.pp, groups.pp_rank, schedule.vpp)
-    ]
+    chunks = build_gpt(GPT_CONFIG, layout, ctx.backend, seed=5)
+    assert len(chunks) == schedule.vpp
+    tp = chunks[0].tp
 
     def loss_fn(logits, tgt):
-        return vocab_parallel_cross_entropy(logits.flatten(0, 1), tgt.flatten(), model.tp).mean()
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), tgt.flatten(), tp).mean()
 
     opt = _SGD([p for c in chunks for p in c.parameters()])
-    shape = (MB, SEQ // layout.tp if sp else SEQ, cfg.hidden)
+    sp = layout.spec.sequence_parallel
+    shape = (MB, SEQ // layout.tp if sp else SEQ, GPT_CONFIG.hidden_size)
     runner = PipelineRunner(chunks, schedule, groups, ctx.backend, shape, loss_fn)
 
     def finish():
         for c in chunks:
-            allreduce_sequence_parallel_grads(c, model.tp)
+            allreduce_sequence_parallel_grads(c, tp)
 
     def full(grads=False):
-        return {k: v for c in chunks for k, v in full_tensors(c, model.tp, grads=grads).items()}
+        return {k: v for c in chunks for k, v in full_tensors(c, tp, grads=grads).items()}
 
     return _train(runner, opt, data, slice(None), finish, lambda: full(grads=True), full)
 
@@ -214,15 +212,6 @@ class _SGD:
             p.add_(buf, alpha=-SGD["lr"])
 
 
-class _Final(nn.Module):
-    def __init__(self, norm, head):
-        super().__init__()
-        self.norm, self.head = norm, head
-
-    def forward(self, x):
-        return self.head(self.norm(x))
-
-
 def _rank_main(ctx, tokens, targets):
     data, coll, results = (tokens, targets), ctx.backend.collective, {}
     layouts = {}
@@ -234,7 +223,7 @@ def _rank_main(ctx, tokens, targets):
         layout, groups = layouts[key]
         schedule = build_schedule(sched, layout.pp, m, vpp)
         if name.startswith("pp2_tp2"):
-            results[name] = _toy_pipeline(ctx, data, layout, groups, schedule, sp=name.endswith("sp"))
+            results[name] = _gpt_pipeline(ctx, data, layout, groups, schedule)
         elif name == "pp2_dp2":
             local = BATCH // layout.dp
             rows = slice(layout.dp_rank * local, (layout.dp_rank + 1) * local)
@@ -250,12 +239,10 @@ def _rank_main(ctx, tokens, targets):
 # -- references -------------------------------------------------------------------------
 def _reference(kind: str):
     tokens, targets = _batches()
-    if kind == "toy":
+    if kind == "gpt":
         from mtcore.backend import select_backend
-        from mtcore.testing.toy_model import ToyConfig, build_toy_model
 
-        cfg = ToyConfig(layers=L, seq=SEQ, vocab=V)
-        model = build_toy_model(cfg, ParallelLayout.single(), select_backend("cpu"), seed=5)
+        (model,) = build_gpt(GPT_CONFIG, ParallelLayout.single(), select_backend("cpu"), seed=5)
         opt = torch.optim.SGD(model.parameters(), **SGD)
     else:
         model = Tiny()
@@ -271,7 +258,7 @@ def _reference(kind: str):
     out = {"loss": [], "grads": []}
     for step in range(STEPS):
         opt.zero_grad()
-        loss = model(tokens[step], targets[step]) if kind == "toy" else ce(model(tokens[step]), targets[step])
+        loss = model(tokens[step], targets[step]) if kind == "gpt" else ce(model(tokens[step]), targets[step])
         loss.backward()
         out["loss"].append(loss.item())
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -281,8 +268,6 @@ def _reference(kind: str):
 
 
 def _ref_name(name: str) -> str:
-    if name.startswith("final."):  # the toy model's untied norm and head
-        return name.removeprefix("final.")
     return "embed.weight" if name == "head.weight" else name  # the tiny model's tied head
 
 
@@ -290,14 +275,14 @@ def _ref_name(name: str) -> str:
 def runs():
     tokens, targets = _batches()
     ranks = [torch.load(io.BytesIO(r), weights_only=False) for r in run_ranks(_rank_main, 4, tokens, targets)]
-    refs = {k: _reference(k) for k in ("sgd", "adam", "toy")}
+    refs = {k: _reference(k) for k in ("sgd", "adam", "gpt")}
     return ranks, refs
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_one_process(runs, case):
     ranks, refs = runs
-    ref = refs["toy" if case.startswith("pp2_tp2") else "adam" if case == "pp2_dp2" else "sgd"]
+    ref = refs["gpt" if case.startswith("pp2_tp2") else "adam" if case == "pp2_dp2" else "sgd"]
     seen, losses = set(), []
     for rank, all_cases in enumerate(ranks):
         r = all_cases[case]

@@ -8,17 +8,17 @@ Tolerance: fp32, relative error ``||a - b|| / ||b|| <= 1e-5``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPGroup,
+    allreduce_sequence_parallel_grads,
     copy_to_tp,
     full_tensors,
     gather_from_sp,
@@ -33,20 +33,22 @@ from mtcore.parallel.tensor import (
 )
 from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
-from mtcore.testing.toy_model import ToyConfig, build_toy_model, gather_full_params
 
 RTOL = 1e-5
 SEED = 1234
-BASE = ToyConfig(
-    vocab=64, hidden=32, heads=4, kv_heads=2, ffn=48, layers=2, seq=16, bias=True, init_std=0.1
-)
-CASES = {  # name: (config overrides, dtype); float64 shows the code is exact, not close
-    "tp2": ({}, torch.float32),
-    "tp2_full": ({"recompute": "full"}, torch.float32),
-    "tp2_sp": ({"sequence_parallel": True}, torch.float32),
-    "tp2_sp_full": ({"sequence_parallel": True, "recompute": "full"}, torch.float32),
-    "tp2_sp_selective": ({"sequence_parallel": True, "recompute": "selective"}, torch.float32),
-    "tp2_sp_float64": ({"sequence_parallel": True}, torch.float64),
+SIZES = dict(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    ffn_hidden_size=48, seq_len=16, bias=True, init_std=0.1,
+)  # fmt: skip
+BASE = GPTConfig(**SIZES)
+# name: (config overrides, sequence parallel, dtype); float64 shows the code is exact, not close
+CASES = {
+    "tp2": ({}, False, torch.float32),
+    "tp2_full": ({"recompute": "full"}, False, torch.float32),
+    "tp2_sp": ({}, True, torch.float32),
+    "tp2_sp_full": ({"recompute": "full"}, True, torch.float32),
+    "tp2_sp_selective": ({"recompute": "selective"}, True, torch.float32),
+    "tp2_sp_float64": ({}, True, torch.float64),
 }
 RTOL_OF = {torch.float32: RTOL, torch.float64: 1e-12}
 STEPS = 3
@@ -54,20 +56,37 @@ LR = 0.1
 
 
 # -- rank side ---------------------------------------------------------------------------
-def _batches(cfg: ToyConfig, steps: int):
+def _config(**overrides) -> GPTConfig:
+    return GPTConfig(**{**SIZES, **overrides})
+
+
+def _model(cfg: GPTConfig, layout, backend):
+    (model,) = build_gpt(cfg, layout, backend, seed=SEED)
+    return model
+
+
+def _full(model, grads: bool = False) -> dict:
+    return full_tensors(model, model.tp, grads=grads)
+
+
+def _sum_sequence_parallel_grads(model) -> None:
+    allreduce_sequence_parallel_grads(model, model.tp)
+
+
+def _batches(cfg: GPTConfig, steps: int):
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(steps):
-        tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g)
-        targets = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+        targets = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
         targets[0, :3] = -100  # ignored positions count in neither loss nor grads
         out.append((tokens, targets))
     return out
 
 
 def _train(cfg, layout, backend, dtype=torch.float32):
-    model = build_toy_model(cfg, layout, backend, seed=SEED).to(dtype)
-    init = gather_full_params(model)
+    model = _model(cfg, layout, backend).to(dtype)
+    init = _full(model)
     # SGD keeps param errors linear in grad errors; AdamW would blow a 1e-7
     # rounding difference in a near-zero grad element up to a full ``lr`` step.
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
@@ -76,22 +95,22 @@ def _train(cfg, layout, backend, dtype=torch.float32):
         opt.zero_grad()
         loss = model(tokens, targets)
         loss.backward()
-        model.finalize_grads()
+        _sum_sequence_parallel_grads(model)
         losses.append(loss.detach())
-        grads.append(gather_full_params(model, grads=True))
+        grads.append(_full(model, grads=True))
         opt.step()
-    return init, losses, grads, gather_full_params(model)
+    return init, losses, grads, _full(model)
 
 
-def _equivalence(layout, backend):
+def _equivalence(layouts, backend):
     """Max relative error per case: init, loss, every grad (each step), final params."""
     out = {}
-    for name, (overrides, dtype) in CASES.items():
-        cfg = dataclasses.replace(BASE, **overrides)
+    for name, (overrides, sp, dtype) in CASES.items():
+        cfg = _config(**overrides)
         ref_init, ref_losses, ref_grads, ref_params = _train(
             cfg, ParallelLayout.single(), backend, dtype
         )
-        init, losses, grads, params = _train(cfg, layout, backend, dtype)
+        init, losses, grads, params = _train(cfg, layouts[sp], backend, dtype)
         worst_grad = max(
             (
                 (rel_error(g[k], rg[k]), f"step {i} {k}")
@@ -175,7 +194,7 @@ def _cross_entropy(tp: TPGroup):
     }
 
 
-def _layers(tp: TPGroup, single: TPGroup):
+def _layers(tp: TPGroup, single: TPGroup, layout):
     """gather_output / input_is_parallel=False paths and loading shards from full weights."""
     g = torch.Generator().manual_seed(9)
     x = torch.randn(2, 4, 8, generator=g)
@@ -203,20 +222,20 @@ def _layers(tp: TPGroup, single: TPGroup):
         (y0, gx0, gw0), (y1, gx1, gw1) = outs
         errs[name] = max([rel_error(y1, y0), rel_error(gx1, gx0)] + [rel_error(gw1[k], gw0[k]) for k in gw0])
     # Resharding: a model built from another seed takes the reference's full weights.
-    cfg = BASE
-    ref = build_toy_model(cfg, ParallelLayout.single(), single.backend, seed=1)
-    other = build_toy_model(cfg, _LAYOUT[0], tp.backend, seed=2)
-    load_full_tensors(other, gather_full_params(ref), tp)
-    loaded, want = gather_full_params(other), gather_full_params(ref)
+    (ref,) = build_gpt(BASE, ParallelLayout.single(), single.backend, seed=1)
+    (other,) = build_gpt(BASE, layout, tp.backend, seed=2)
+    load_full_tensors(other, _full(ref), tp)
+    loaded, want = _full(other), _full(ref)
     errs["load_full_tensors"] = max(rel_error(loaded[k], want[k]) for k in want)
     return errs
 
 
-def _rng(layout, backend, tp: TPGroup):
+def _rng(layouts, backend, tp: TPGroup):
     """Which dropout masks agree over tp and which differ (see tensor/random.py).
 
     Values go back as lists: tensors would travel as shared memory that dies with the rank.
     """
+    layout = layouts[False]
     tracker = model_parallel_seed(SEED, layout, backend)
     default_a = torch.rand(64)
     with tracker.fork():
@@ -229,18 +248,18 @@ def _rng(layout, backend, tp: TPGroup):
         "default": tp.all_gather(default_a[None], 0).tolist(),
         "tp_stream": tp.all_gather(tp_a[None], 0).tolist(),
     }
-    # The toy model's hidden dropout follows the rule: sp -> tp stream, else default.
+    # The GPT's hidden dropout follows the rule: sp -> tp stream, else default.
     for sp in (False, True):
-        cfg = ToyConfig(dropout=0.5, sequence_parallel=sp)
-        model = build_toy_model(cfg, layout, backend, seed=SEED)
+        cfg = _config(dropout=0.5)
+        model = _model(cfg, layouts[sp], backend)
         mask = model.c.dropout(torch.ones(1, 4, 32), training=True) != 0
-        out[f"toy_mask_sp={sp}"] = tp.all_gather(mask[None].float(), 0).tolist()
+        out[f"mask_sp={sp}"] = tp.all_gather(mask[None].float(), 0).tolist()
         # Replicated parameters stay identical over tp while training with dropout.
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for tokens, targets in _batches(cfg, 2):
             opt.zero_grad()
             model(tokens, targets).backward()
-            model.finalize_grads()
+            _sum_sequence_parallel_grads(model)
             opt.step()
         replicated = torch.cat(
             [p.detach().reshape(-1) for n, p in model.named_parameters() if "norm" in n]
@@ -249,18 +268,18 @@ def _rng(layout, backend, tp: TPGroup):
     return out
 
 
-def _recompute_with_dropout(layout, backend):
+def _recompute_with_dropout(layout_sp, backend):
     """Under tp=2 + sp, dropout draws from the per-rank stream inside checkpointed
     blocks: recompute must reproduce those masks exactly (max |diff| == 0)."""
     runs = {}
     for mode in ("none", "full", "selective"):
-        cfg = dataclasses.replace(BASE, dropout=0.2, sequence_parallel=True, recompute=mode)
-        model = build_toy_model(cfg, layout, backend, seed=SEED)
+        cfg = _config(dropout=0.2, recompute=mode)
+        model = _model(cfg, layout_sp, backend)
         tokens, targets = _batches(cfg, 1)[0]
         loss = model(tokens, targets)
         loss.backward()
-        model.finalize_grads()
-        runs[mode] = (loss.detach(), gather_full_params(model, grads=True))
+        _sum_sequence_parallel_grads(model)
+        runs[mode] = (loss.detach(), _full(model, grads=True))
     loss0, grads0 = runs["none"]
     return {
         mode: max(
@@ -271,22 +290,21 @@ def _recompute_with_dropout(layout, backend):
     }
 
 
-_LAYOUT: list = []
-
-
 def _tp_rank_main(ctx):
-    layout = ParallelLayout.build(
-        LayoutSpec(tp=2), ctx.backend.collective, ctx.rank, ctx.world_size
-    )
-    _LAYOUT[:] = [layout]
-    tp, single = TPGroup.from_layout(layout, ctx.backend), TPGroup.single(ctx.backend)
+    layouts = {  # sequence parallel -> layout
+        sp: ParallelLayout.build(
+            LayoutSpec(tp=2, sequence_parallel=sp), ctx.backend.collective, ctx.rank, ctx.world_size
+        )
+        for sp in (False, True)
+    }
+    tp, single = TPGroup.from_layout(layouts[False], ctx.backend), TPGroup.single(ctx.backend)
     return {
         "mappings": _mappings(tp),
         "cross_entropy": _cross_entropy(tp),
-        "layers": _layers(tp, single),
-        "rng": _rng(layout, ctx.backend, tp),
-        "recompute_dropout": _recompute_with_dropout(layout, ctx.backend),
-        "equivalence": _equivalence(layout, ctx.backend),
+        "layers": _layers(tp, single, layouts[False]),
+        "rng": _rng(layouts, ctx.backend, tp),
+        "recompute_dropout": _recompute_with_dropout(layouts[True], ctx.backend),
+        "equivalence": _equivalence(layouts, ctx.backend),
     }
 
 
@@ -317,7 +335,7 @@ def test_layers_and_resharding(ranks):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_equals_one_process(ranks, case):
-    rtol = RTOL_OF[CASES[case][1]]
+    rtol = RTOL_OF[CASES[case][2]]
     for r, res in enumerate(ranks):
         e = res["equivalence"][case]
         assert e["grad_names"], f"rank {r} {case}: parameter names differ from one process"
@@ -343,7 +361,7 @@ def test_rng_streams_agree_and_differ_as_documented(ranks):
     assert all(res["rng"]["default_continues"] for res in ranks), "fork advanced the default stream"
     assert rng["default"][0] == rng["default"][1], "default stream differs over tp"
     assert rng["tp_stream"][0] != rng["tp_stream"][1], "tp stream equal over tp"
-    no_sp, sp = rng["toy_mask_sp=False"], rng["toy_mask_sp=True"]
+    no_sp, sp = rng["mask_sp=False"], rng["mask_sp=True"]
     assert no_sp[0] == no_sp[1], "dropout on replicated activations differs over tp"
     assert sp[0] != sp[1], "dropout on sequence shards is the same on every tp rank"
     for sp_on in (False, True):

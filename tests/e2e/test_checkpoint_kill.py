@@ -15,32 +15,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-MTCORE = Path(sys.executable).with_name("mtcore")
 LOSS = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)", re.MULTILINE)
-
-
-def _corpus(root: Path) -> Path:
-    root.mkdir(parents=True)
-    names = ["alpha", "beta", "gamma", "delta", "token", "layer"]
-    for i in range(10):
-        body = "".join(
-            f"def {names[(i + j) % 6]}_{names[j % 6]}(self, x):\n    return self.{names[j % 5]} + x\n"
-            for j in range(30)
-        )
-        (root / f"doc{i:02d}.py").write_text(body)
-    return root
-
-
-def _env(**extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_")}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
 
 
 def _rank_pid(launcher: int, rank: int) -> int | None:
@@ -62,14 +42,16 @@ def _losses(text: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in LOSS.finditer(text)}
 
 
-def test_kill_mid_save_then_resume_from_the_previous_checkpoint(tmp_path):
+def test_kill_mid_save_then_resume_from_the_previous_checkpoint(
+    tmp_path, write_code_corpus, mtcore_script, cli_env, run_command
+):
     ckpt = tmp_path / "checkpoints"
+    corpus = write_code_corpus(tmp_path / "docs", n_docs=10, n_lines=30)
     config = {
         "model": dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=16),
         "parallel": {"pp": 2},
         "precision": {"dtype": "fp32"},
-        "data": dict(paths=[str(_corpus(tmp_path / "docs"))], vocab_size=300,
-                     cache_dir=str(tmp_path / "cache")),
+        "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "cache")),
         "optimizer": dict(lr=1e-2, min_lr=1e-3, warmup_steps=2),
         "training": dict(steps=6, global_batch_size=4, micro_batch_size=2, eval_interval=0,
                          sample_prompt=None),
@@ -78,9 +60,9 @@ def test_kill_mid_save_then_resume_from_the_previous_checkpoint(tmp_path):
     }  # fmt: skip
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [str(MTCORE), "train", str(path), "--nproc", "2"]
+    command = [str(mtcore_script), "train", str(path), "--nproc", "2"]
 
-    env = _env(MTCORE_CHECKPOINT_COMMIT_DELAY_S="8")
+    env = cli_env(PYTHONUNBUFFERED="1", MTCORE_CHECKPOINT_COMMIT_DELAY_S="8")
     first = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
     )
@@ -101,7 +83,7 @@ def test_kill_mid_save_then_resume_from_the_previous_checkpoint(tmp_path):
     assert partial.is_dir() and not (ckpt / "step_000004").exists()
     assert (ckpt / "latest").read_text().strip() == "step_000002"
 
-    second = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=300)
+    second = run_command(*command, PYTHONUNBUFFERED="1")
     log = second.stdout + second.stderr
     assert second.returncode == 0, log
     assert f"ignoring incomplete checkpoint {partial}" in log

@@ -10,9 +10,6 @@ exit status 1 and a message that names the reason (in process: no model is built
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,15 +24,7 @@ from mtcore.training.checkpoint import read_model_weights, resolve_checkpoint, w
 
 transformers = pytest.importorskip("transformers")
 
-MTCORE = Path(sys.executable).with_name("mtcore")
 VOCAB, SEQ = 256, 16
-
-
-def _mtcore(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_")}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    cmd = [str(MTCORE), "convert", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
 def _json(path: Path):
@@ -64,13 +53,13 @@ def _hf_llama(directory: Path):
     return model
 
 
-def test_convert_from_hf_and_back(tmp_path):
+def test_convert_from_hf_and_back(tmp_path, run_mtcore):
     hf_dir, root, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
     model = _hf_llama(hf_dir)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(tokens).logits
-    good = _mtcore("from-hf", hf_dir, root, "--seq-len", SEQ)
+    good = run_mtcore("convert", "from-hf", hf_dir, root, "--seq-len", SEQ)
     assert good.returncode == 0, good.stderr
     directory = resolve_checkpoint(root)
     assert good.stdout.strip() == str(directory)
@@ -83,7 +72,7 @@ def test_convert_from_hf_and_back(tmp_path):
     assert all(torch.equal(weights[k], want_weights[k]) for k in weights)
     assert _json(directory / "tokenizer.json") == _json(hf_dir / "tokenizer.json")
 
-    back = _mtcore("to-hf", root, out, "--dtype", "fp32")
+    back = run_mtcore("convert", "to-hf", root, out, "--dtype", "fp32")
     assert back.returncode == 0, back.stderr
     assert back.stdout.strip() == str(out)
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == SEQ

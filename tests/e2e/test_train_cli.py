@@ -8,40 +8,25 @@ embedding tied across the stages) through `mtcore train --nproc 2`, then
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import yaml
 
-MTCORE = Path(sys.executable).with_name("mtcore")
 LINE = re.compile(r"^step (\d+)/(\d+) \| loss ([0-9.]+)", re.MULTILINE)
 
 
-def _corpus(root: Path) -> Path:
-    root.mkdir(parents=True)
-    names = ["alpha", "beta", "gamma", "delta", "token", "layer"]
-    for i in range(12):
-        body = "".join(
-            f"def {names[(i + j) % 6]}_{names[j % 6]}(self, x):\n    return self.{names[j % 5]} + x\n"
-            for j in range(40)
-        )
-        (root / f"doc{i:02d}.py").write_text(body)
-    return root
-
-
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, write_code_corpus):
     root = tmp_path_factory.mktemp("e2e")
+    corpus = write_code_corpus(root / "docs", n_docs=12, n_lines=40)
     config = {
         "model": dict(style="gpt2", hidden_size=32, num_layers=2, num_heads=4, seq_len=32),
         "parallel": {"pp": 2},
         "precision": {"dtype": "fp32"},
-        "data": dict(paths=[str(_corpus(root / "docs"))], vocab_size=300, cache_dir=str(root / "cache")),
+        "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(root / "cache")),
         "optimizer": dict(lr=1e-2, min_lr=1e-3, warmup_steps=2),
         "training": dict(steps=12, global_batch_size=8, micro_batch_size=2, eval_interval=6,
                          eval_batches=1, sample_tokens=8),
@@ -53,26 +38,14 @@ def job(tmp_path_factory):
     return root, path
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_")}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return env
-
-
-def _run(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(a) for a in args], capture_output=True, text=True, env=_env(), timeout=timeout
-    )
-
-
 def _losses(stdout: str) -> list[float]:
     return [float(m.group(3)) for m in LINE.finditer(stdout)]
 
 
 @pytest.fixture(scope="module")
-def trained(job):
+def trained(job, run_mtcore):
     root, path = job
-    out = _run(MTCORE, "train", path, "--nproc", "2")
+    out = run_mtcore("train", path, "--nproc", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     return root, out
 
@@ -90,22 +63,22 @@ def test_train_on_two_ranks_learns_and_writes_outputs(trained):
     assert "sample (8 tokens after 'def '):" in out.stdout
 
 
-def test_generate_from_the_checkpoint(trained):
+def test_generate_from_the_checkpoint(trained, run_mtcore):
     root, _ = trained
-    greedy = _run(MTCORE, "generate", root / "checkpoints", "--prompt", "def ", "--max-new-tokens", "6")
+    greedy = run_mtcore("generate", root / "checkpoints", "--prompt", "def ", "--max-new-tokens", "6")
     assert greedy.returncode == 0, greedy.stderr
     assert greedy.stdout.startswith("def ") and len(greedy.stdout) > len("def \n")
-    again = _run(MTCORE, "generate", root / "checkpoints", "--prompt", "def ", "--max-new-tokens", "6")
+    again = run_mtcore("generate", root / "checkpoints", "--prompt", "def ", "--max-new-tokens", "6")
     assert again.stdout == greedy.stdout  # greedy is deterministic
-    sampled = _run(MTCORE, "generate", root / "checkpoints" / "step_000012", "--prompt", "def ",
+    sampled = run_mtcore("generate", root / "checkpoints" / "step_000012", "--prompt", "def ",
                    "--top-k", "5", "--max-new-tokens", "6")  # fmt: skip
     assert sampled.returncode == 0 and sampled.stdout.startswith("def "), sampled.stderr
 
 
-def test_torchrun_module_entry_trains_the_same(job, trained):
+def test_torchrun_module_entry_trains_the_same(job, trained, run_command):
     root, path = job
     _, first = trained
-    out = _run(
+    out = run_command(
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "mtcore.train", path, "--checkpoint.dir", root / "ck_torchrun",
         "--logging.tensorboard_dir", "null",
@@ -115,7 +88,7 @@ def test_torchrun_module_entry_trains_the_same(job, trained):
     assert (root / "ck_torchrun" / "step_000012" / "manifest.json").is_file()
 
 
-def test_bad_input_fails_before_any_rank_starts(job):
+def test_bad_input_fails_before_any_rank_starts(job, run_mtcore):
     root, path = job
     cases = {
         "unknown config key 'parallel.tpp'": [path, "--nproc", "2", "--parallel.tpp", "2"],
@@ -125,7 +98,7 @@ def test_bad_input_fails_before_any_rank_starts(job):
             path, "--nproc", "2", "--model.vocab_size", "256"],
     }  # fmt: skip
     with ThreadPoolExecutor(len(cases)) as pool:
-        results = dict(zip(cases, pool.map(lambda a: _run(MTCORE, "train", *a), cases.values()), strict=True))
+        results = dict(zip(cases, pool.map(lambda a: run_mtcore("train", *a), cases.values()), strict=True))
     for message, out in results.items():
         assert out.returncode == 2, (message, out.stdout, out.stderr)
         assert message in out.stderr, (message, out.stderr)

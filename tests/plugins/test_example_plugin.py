@@ -7,90 +7,22 @@ untouched.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "mtcore-example-plugin"
-MTCORE_ENV = (
-    "MTCORE_BACKEND",
-    "MTCORE_PLUGINS",
-    "MTCORE_DISABLE_PLUGIN_AUTOLOAD",
-    "MTCORE_KERNELS",
-)
-
-
-def can_build_offline() -> bool:
-    """Whether this environment's setuptools can build a wheel without fetching anything.
-
-    torch depends on setuptools, so the project's venv has a recent one; bdist_wheel is
-    built into setuptools from 70.1 on, and needs the ``wheel`` package before that.
-    """
-    try:
-        import setuptools
-    except ImportError:
-        return False
-    if importlib.util.find_spec("wheel") is not None:
-        return True
-    major, minor = (int(p) for p in setuptools.__version__.split(".")[:2])
-    return (major, minor) >= (70, 1)
-
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    """The example, pip-installed into a --target directory (offline when setuptools allows)."""
-    tmp = tmp_path_factory.mktemp("example-plugin")
-    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
-    source = tmp / "src"
-    shutil.copytree(
-        EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
-    )
-    target = tmp / "site"
-    isolation = ["--no-build-isolation"] if can_build_offline() else []
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            *isolation,
-            "--no-input",
-            "--disable-pip-version-check",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, (
-        f"pip install of the example failed:\n{result.stdout}\n{result.stderr}"
-    )
-    assert (target / "mtcore_example" / "plugin.py").exists()
-    return target
-
-
-def run(site: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300):
-    full = {k: v for k, v in os.environ.items() if k not in MTCORE_ENV}
-    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    full.update(env or {})
-    return subprocess.run(
-        [sys.executable, *args], env=full, capture_output=True, text=True, timeout=timeout
-    )
+def site(install_example):
+    """The example, pip-installed into a --target directory (see conftest.py)."""
+    example = install_example("mtcore-example-plugin")
+    assert (example.path / "mtcore_example" / "plugin.py").exists()
+    return example
 
 
 def test_mtcore_plugins_lists_the_example(site):
-    result = run(site, "-m", "mtcore.cli.main", "plugins")
+    result = site.run("-m", "mtcore.cli.main", "plugins")
     assert result.returncode == 0, result.stderr
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("mtcore_example ")), None)
     assert line is not None, result.stdout
@@ -121,7 +53,7 @@ def test_select_backend_example_serves_its_own_swiglu(site):
         }))
         """
     )
-    result = run(site, "-c", script)
+    result = site.run("-c", script)
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)
     assert got["name"] == "example" and got["plugin"] == "mtcore_example"
@@ -134,7 +66,7 @@ def test_select_backend_example_serves_its_own_swiglu(site):
 
 
 def test_doctor_shows_the_example_kernel_and_reference_override(site):
-    result = run(site, "-m", "mtcore.cli.main", "doctor", "--backend", "example", "--json")
+    result = site.run("-m", "mtcore.cli.main", "doctor", "--backend", "example", "--json")
     assert result.returncode == 0, result.stderr
     example = next(b for b in json.loads(result.stdout)["backends"] if b["name"] == "example")
     assert example["notes"] and example["plugin"] == "mtcore_example"
@@ -142,8 +74,7 @@ def test_doctor_shows_the_example_kernel_and_reference_override(site):
     assert rows["float32"]["swiglu"]["chosen"][0]["name"] == "sigmoid-swiglu"
     assert rows["float32"]["rms_norm"]["chosen"][0]["name"] == "reference"
 
-    forced = run(
-        site,
+    forced = site.run(
         "-m",
         "mtcore.cli.main",
         "doctor",
@@ -157,8 +88,7 @@ def test_doctor_shows_the_example_kernel_and_reference_override(site):
 
 
 def test_conformance_kit_passes_on_the_example(site):
-    result = run(
-        site,
+    result = site.run(
         "-m",
         "pytest",
         "--pyargs",

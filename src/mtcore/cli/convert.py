@@ -128,7 +128,9 @@ def _from_hf(args: argparse.Namespace):
     path = Path(args.hf_dir) / TOKENIZER
     if path.is_file():
         try:
-            tokenizer = load_tokenizer(path)
+            # Loaded as the family's training loads it (a BERT tokenizer.json has no
+            # end-of-document token; its [SEP] is one when BERT's tokens are required).
+            tokenizer = load_tokenizer(path, _adapter(family).tokenizer_tokens)
         except DataError as e:  # the weights are still worth converting
             print(f"mtcore convert from-hf: warning: tokenizer not carried: {e}", file=sys.stderr)
     directory = write_model_weights(args.out_root, weights, config, step=0, tokenizer=tokenizer)

@@ -1,4 +1,4 @@
-"""Train a GPT: `mtcore train [CONFIG] [--nproc N] [--section.key VALUE ...]`.
+"""Train a model: `mtcore train [CONFIG] [--nproc N] [--section.key VALUE ...]`.
 
 CONFIG is a YAML or TOML file (none: the built-in defaults); each
 `--section.key VALUE` (or `--section.key=VALUE`) overrides one setting, for
@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-HELP = "train a GPT from a YAML/TOML config (local ranks through torch.distributed.run)"
+HELP = "train a model (any family: gpt, bert, ...) from a YAML/TOML config on local ranks"
 EPILOG = """\
 overrides:
   --section.key VALUE    set one config value, e.g. --parallel.tp 2 --precision.dtype fp32

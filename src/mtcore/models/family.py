@@ -14,6 +14,9 @@ The chunk contract (each element of ``built.chunks``, an ``nn.Module``):
 
 ``chunk.first`` / ``chunk.last``
     whether it is virtual stage 0 / the last virtual stage.
+``chunk.tp``
+    its tensor-parallel group (``mtcore.parallel.tensor.TPGroup``): the engine
+    unshards the chunk's weights over it (``full_state_dict``).
 ``chunk.stage(inputs, batch) -> outputs``
     ``inputs``: the named tensors received from the previous stage (``{}`` on
     stage 0); ``batch``: the whole micro-batch (every stage may read its side
@@ -159,11 +162,13 @@ class HFAdapter:
     """A family's HuggingFace interop. ``model_types``: the ``model_type`` values of a
     transformers ``config.json`` it imports. ``import_dir(path, seq_len) -> (config,
     full weights)``; ``export_dir(config, weights, out_dir, dtype, tokenizer_json)``
-    returns the directory it wrote."""
+    returns the directory it wrote. ``tokenizer_tokens``: special tokens an imported
+    ``tokenizer.json`` must hold for the family's data pipeline (BERT's ``[CLS]``...)."""
 
     model_types: tuple[str, ...]
     import_dir: Callable[..., tuple[FamilyConfig, dict[str, Tensor]]]
     export_dir: Callable[..., Any]
+    tokenizer_tokens: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

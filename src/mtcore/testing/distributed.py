@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 300.0
+# Once a rank has failed, the others usually wait in a collective for it forever:
+# they get this long to report, then are killed (a failure costs seconds, not the timeout).
+FAILURE_GRACE_S = 10.0
 START_METHOD_ENV = "MTCORE_START_METHOD"
 # Imported once by the fork server; every rank inherits them already loaded.
 # torch.optim pulls in torch._dynamo on first use (seconds per rank): import it once, here.
@@ -102,6 +105,8 @@ def _collect(results, procs, timeout_s: float) -> dict[int, tuple[bool, object]]
         try:
             rank, ok, value = results.get(timeout=1.0)
             outcome[rank] = (ok, value)
+            if not ok:
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
             continue
         except queue.Empty:
             pass
@@ -117,10 +122,12 @@ def _collect(results, procs, timeout_s: float) -> dict[int, tuple[bool, object]]
                     p.kill()
                     outcome[r] = (False, "killed after another rank died")
         if time.monotonic() > deadline:
+            failed = any(not ok for ok, _ in outcome.values())
+            why = "killed: another rank failed" if failed else f"timed out after {timeout_s:.0f} s"
             for r, p in enumerate(procs):
                 if r not in outcome:
                     p.kill()
-                    outcome[r] = (False, f"timed out after {timeout_s:.0f} s")
+                    outcome[r] = (False, why)
     return outcome
 
 

@@ -249,7 +249,8 @@ class _Loop:
         tflops = self.flops / step_s / self.layout.world_size / 1e12
         norm = f"{out.grad_norm:.3f}" if out.grad_norm is not None else "n/a"
         terms = out.terms if out.terms and len(out.terms) > 1 else {}  # one term is the loss
-        parts = "".join(f" ({name} {value:.4f})" for name, value in terms.items())
+        parts = ", ".join(f"{name} {value:.4f}" for name, value in terms.items())
+        parts = f" ({parts})" if parts else ""
         self.say(
             f"step {step}/{self.t.steps} | loss {out.loss:.4f}{parts} | lr {lr:.2e} | grad norm {norm} | "
             f"{tokens_s:,.0f} tokens/s | {tflops:.3f} TFLOP/s/rank | MFU "

@@ -15,12 +15,7 @@ from mtcore.models.layers import single_context
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, seq_len=16, dropout=0.0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(**kw) -> BertConfig:

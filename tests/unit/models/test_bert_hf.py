@@ -18,45 +18,9 @@ from mtcore.models.layers import single_context
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 96, 16
-HF_SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=48,
-    max_position_embeddings=SEQ,
-    type_vocab_size=2,
-    hidden_act="gelu",
-    initializer_range=0.1,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _inputs():
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, VOCAB, (3, SEQ), generator=g)
-    lengths = torch.tensor([[SEQ], [11], [5]])
-    padding_mask = torch.arange(SEQ)[None] < lengths
-    token_types = (torch.arange(SEQ)[None] >= lengths // 2).long().expand(3, SEQ).clone()
-    return tokens, token_types, padding_mask
-
-
-def _hf_logits(model, tokens, token_types, padding_mask):
-    with torch.no_grad():
-        out = model(
-            input_ids=tokens, token_type_ids=token_types, attention_mask=padding_mask.long()
-        )
-    pair = getattr(out, "seq_relationship_logits", None)
-    return (out.prediction_logits if pair is not None else out.logits), pair
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _mtcore_logits(config, weights, tokens, token_types, padding_mask):
@@ -64,15 +28,6 @@ def _mtcore_logits(config, weights, tokens, token_types, padding_mask):
     model.load_state_dict(weights)
     with torch.no_grad():
         return model(tokens, token_types, padding_mask)
-
-
-def _perturb_ones_and_zeros(model: torch.nn.Module) -> None:
-    """LayerNorms and biases start at 1 and 0; move them so the mapping of each matters."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or ".norm" in name or name.endswith("bias"):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
 
 
 def _legacy_sharded_copy(source, out):
@@ -99,15 +54,11 @@ def _legacy_sharded_copy(source, out):
     return out
 
 
-def test_imported_bert_for_pretraining_gives_transformers_logits(tmp_path):
-    torch.manual_seed(0)
-    model = transformers.BertForPreTraining(
-        transformers.BertConfig(**HF_SIZES, attn_implementation="eager")
-    ).eval()
-    _perturb_ones_and_zeros(model)
+def test_imported_bert_for_pretraining_gives_transformers_logits(tmp_path, tiny_bert):
+    model = tiny_bert.model(vocab_size=VOCAB, max_position_embeddings=SEQ)
     model.save_pretrained(tmp_path, safe_serialization=True)
-    inputs = _inputs()
-    want_mlm, want_pair = _hf_logits(model, *inputs)
+    inputs = tiny_bert.inputs(VOCAB, SEQ)
+    want_mlm, want_pair = tiny_bert.logits(model, *inputs)
 
     config, weights = get_family("bert").hf.import_dir(tmp_path, seq_len=None)
     assert (config.vocab_size, config.seq_len, config.ffn_size) == (VOCAB, SEQ, 48)
@@ -131,14 +82,14 @@ def test_imported_bert_for_pretraining_gives_transformers_logits(tmp_path):
 
 
 @pytest.mark.parametrize("pair_task", ["nsp", "none"])
-def test_exported_bert_loads_in_transformers_with_the_same_logits(tmp_path, pair_task):
+def test_exported_bert_loads_in_transformers_with_the_same_logits(tmp_path, tiny_bert, pair_task):
     tokenizers = pytest.importorskip("tokenizers")
     config = BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, seq_len=SEQ,
         dropout=0.0, init_std=0.1, pair_task=pair_task,
     )  # fmt: skip
     model = Bert(config, single_context(config, select_backend("cpu"), seed=4)).eval()
-    _perturb_ones_and_zeros(model)
+    tiny_bert.perturb_ones_and_zeros(model)
     weights = model.state_dict()
     vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4, "hello": 5}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordPiece(vocab, unk_token="[UNK]"))
@@ -153,11 +104,12 @@ def test_exported_bert_loads_in_transformers_with_the_same_logits(tmp_path, pair
     assert (out / "tokenizer.json").read_bytes() == (tmp_path / "source.json").read_bytes()
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     assert (tok_config["cls_token"], tok_config["mask_token"]) == ("[CLS]", "[MASK]")
+    assert "token_type_ids" in tok_config["model_input_names"]  # pairs keep their segments
 
     loaded = getattr(transformers, architecture).from_pretrained(out, attn_implementation="eager")
-    inputs = _inputs()
+    inputs = tiny_bert.inputs(VOCAB, SEQ)
     want_mlm, want_pair = _mtcore_logits(config, weights, *inputs)
-    mlm, pair = _hf_logits(loaded.eval(), *inputs)
+    mlm, pair = tiny_bert.logits(loaded.eval(), *inputs)
     torch.testing.assert_close(mlm, want_mlm, rtol=1e-5, atol=1e-5)
     if pair_task == "nsp":
         torch.testing.assert_close(pair, want_pair, rtol=1e-5, atol=1e-5)
@@ -178,7 +130,8 @@ def test_exported_bert_loads_in_transformers_with_the_same_logits(tmp_path, pair
         ({"tie_word_embeddings": False}, "tie_word_embeddings=false"),
     ],
 )
-def test_configs_that_do_not_map_are_refused_by_name(tmp_path, change, needle):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", **HF_SIZES, **change}))
+def test_configs_that_do_not_map_are_refused_by_name(tmp_path, tiny_bert, change, needle):
+    hf = {"model_type": "bert", **tiny_bert.SIZES, **change}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(HFInteropError, match=needle):
         import_bert(tmp_path)

@@ -17,12 +17,7 @@ SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_he
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_trainer.py"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _model(seed: int = 0, **kw) -> GPT:
@@ -53,6 +48,8 @@ def test_config_rejects_bad_shapes_and_unknown_keys():
         GPTConfig(hidden_size=32, num_heads=4, num_kv_heads=3)
     with pytest.raises(ValidationError, match="hidden_sise"):
         GPTConfig(hidden_sise=32)
+    with pytest.raises(ValidationError, match="recompute"):
+        GPTConfig(recompute="some")
 
 
 def test_vocab_from_tokenizer_is_padded_and_a_small_vocab_is_an_error():
@@ -115,8 +112,9 @@ def test_recompute_gives_the_same_loss_and_grads(recompute):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-8, msg=n)
 
 
-def test_same_math_as_the_plain_pytorch_model_of_the_benchmark():
+def test_same_math_as_the_plain_pytorch_model_of_the_benchmark(monkeypatch):
     """bench_trainer.py's PlainGPT is a line-by-line PyTorch Llama: equal loss and grads."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # the benchmarks' shared _timing module
     spec = importlib.util.spec_from_file_location("bench_trainer", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

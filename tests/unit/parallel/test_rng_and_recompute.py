@@ -12,9 +12,14 @@ import torch.nn.functional as F
 
 from mtcore.backend import select_backend
 from mtcore.distributed import ParallelLayout
+from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import TP_STREAM, RNGTracker, model_parallel_seed
-from mtcore.testing.toy_model import ToyConfig, build_toy_model
+
+SIZES = dict(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    ffn_hidden_size=48, seq_len=16, bias=True, init_std=0.1,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +63,19 @@ def test_tracker_states_round_trip_and_errors(backend):
         pass
 
 
-def _step(backend, recompute: str, sp: bool = False):
-    cfg = ToyConfig(dropout=0.3, recompute=recompute, bias=True, init_std=0.1, sequence_parallel=sp)
-    model = build_toy_model(cfg, ParallelLayout.single(), backend, seed=3)
+def _tokens_and_targets(cfg: GPTConfig):
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g)
-    targets = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g)
-    loss = model(tokens, targets)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+    return tokens, torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
+
+
+def _step(backend, recompute: str):
+    cfg = GPTConfig(dropout=0.3, recompute=recompute, **SIZES)
+    (model,) = build_gpt(cfg, ParallelLayout.single(), backend, seed=3)
+    loss = model(*_tokens_and_targets(cfg))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return loss.detach(), grads, torch.get_rng_state(), model.tracker.get_states()
+    return loss.detach(), grads, torch.get_rng_state(), model.c.tracker.get_states()
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -84,13 +92,10 @@ def test_recompute_gives_the_same_numbers_with_dropout(backend, mode):
 def test_dropout_is_on_in_the_recompute_test(backend):
     """Guard: the test above compares runs in which dropout really draws masks."""
     loss_a = _step(backend, "none")[0]
-    cfg = ToyConfig(dropout=0.0, bias=True, init_std=0.1)
+    cfg = GPTConfig(dropout=0.0, **SIZES)
     torch.manual_seed(0)
-    model = build_toy_model(cfg, ParallelLayout.single(), backend, seed=3)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g)
-    targets = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=g)
-    assert not torch.equal(loss_a, model(tokens, targets).detach())
+    (model,) = build_gpt(cfg, ParallelLayout.single(), backend, seed=3)
+    assert not torch.equal(loss_a, model(*_tokens_and_targets(cfg)).detach())
 
 
 def test_checkpoint_restores_the_tracked_stream(backend):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from mtcore.backend import select_backend
 from mtcore.distributed import ParallelLayout
+from mtcore.models.gpt import GPT, Context, GPTConfig, build_gpt
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,8 +35,11 @@ from mtcore.parallel.tensor import (
     shard_tensor,
     unshard_tensor,
 )
-from mtcore.testing import toy_model
-from mtcore.testing.toy_model import ToyConfig, build_toy_model, gather_full_params
+
+CONFIG = GPTConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    ffn_hidden_size=48, seq_len=16, bias=True,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +49,13 @@ def backend():
 
 def fake_rank(backend, rank, size=2):
     return TPGroup(backend, None, size, rank)
+
+
+def fake_rank_gpt(backend, rank: int, seed: int, sequence_parallel: bool = False) -> GPT:
+    """The GPT that tp rank ``rank`` of 2 would build (no process group, no RNG tracker)."""
+    c = Context(CONFIG, fake_rank(backend, rank), backend, None, sequence_parallel,
+                backend.torch_device(), seed)  # fmt: skip
+    return GPT(CONFIG, c)
 
 
 def test_mappings_are_the_identity_at_tp1(backend):
@@ -149,36 +160,26 @@ def test_sequence_parallel_flags_only_replicated_params(backend):
 
 
 def test_full_tensors_and_load_at_tp1(backend):
-    cfg = ToyConfig(bias=True)
-    a = build_toy_model(cfg, ParallelLayout.single(), backend, seed=1)
-    b = build_toy_model(cfg, ParallelLayout.single(), backend, seed=2)
-    load_full_tensors(b, gather_full_params(a), b.tp)
+    (a,) = build_gpt(CONFIG, ParallelLayout.single(), backend, seed=1)
+    (b,) = build_gpt(CONFIG, ParallelLayout.single(), backend, seed=2)
+    load_full_tensors(b, full_tensors(a, a.tp), b.tp)
     for name, value in full_tensors(b, b.tp).items():
         assert torch.equal(value, dict(a.named_parameters())[name]), name
-    assert all(v is None for v in gather_full_params(a, grads=True).values())
-    wrong = {**gather_full_params(a), "norm.weight": torch.ones(3)}
+    assert all(v is None for v in full_tensors(a, a.tp, grads=True).values())
+    wrong = {**full_tensors(a, a.tp), "norm.weight": torch.ones(3)}
     with pytest.raises(ValueError, match="does not fit"):
         load_full_tensors(b, wrong, b.tp)
 
 
-def test_toy_model_shards_like_one_process(backend):
-    """A tp=2 rank's toy model holds its slice of every one-process weight."""
-    cfg = ToyConfig(bias=True)
-    ref = build_toy_model(cfg, ParallelLayout.single(), backend, seed=5)
-    ranks = []
-    for r in range(2):
-        c = toy_model._Ctx(
-            cfg, fake_rank(backend, r), backend, None, False, torch.Generator().manual_seed(5), None
-        )
-        ranks.append(toy_model.ToyModel(c))
-    _assert_ranks_unshard_to(ref, ranks)
+def test_gpt_shards_like_one_process(backend):
+    """A tp=2 rank's GPT holds its slice of every one-process weight."""
+    (ref,) = build_gpt(CONFIG, ParallelLayout.single(), backend, seed=5)
+    _assert_ranks_unshard_to(ref, [fake_rank_gpt(backend, r, seed=5) for r in range(2)])
 
 
 def test_shard_metadata_survives_deepcopy(backend):
     """Recorded on modules, not on Parameter objects (which deepcopy recreates bare)."""
-    cfg = ToyConfig(bias=True, sequence_parallel=True)
-    c = toy_model._Ctx(cfg, fake_rank(backend, 0), backend, None, True, torch.Generator(), None)
-    model = toy_model.ToyModel(c)
+    model = fake_rank_gpt(backend, 0, seed=0, sequence_parallel=True)
     twin = copy.deepcopy(model)
     meta = [(n, part, sp) for n, _, part, sp in named_tp_parameters(model)]
     assert meta == [(n, part, sp) for n, _, part, sp in named_tp_parameters(twin)]
@@ -191,10 +192,3 @@ def test_param_list_consumers_see_the_attributes_too(backend):
     row = RowParallelLinear(8, 6, fake_rank(backend, 1), sequence_parallel=True)
     assert row.weight.tp_partition == TPPartition(1, (8,))
     assert row.bias.sequence_parallel and not hasattr(row.bias, "tp_partition")
-
-
-def test_toy_config_checks(backend):
-    with pytest.raises(ValueError, match="recompute"):
-        ToyConfig(recompute="some")
-    with pytest.raises(ValueError, match="kv_heads"):
-        ToyConfig(heads=4, kv_heads=3)

@@ -6,7 +6,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 _NAMES = ["alpha", "beta", "gamma", "delta", "tensor", "shard", "rank", "token", "batch", "layer"]
 
@@ -52,12 +51,8 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a shared two-core machine more threads spin and crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _every_test_on_one_thread(one_thread):
+    """Every trainer test runs on one torch thread (``one_thread``, tests/conftest.py)."""
 
 
 @pytest.fixture

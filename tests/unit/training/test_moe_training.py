@@ -16,10 +16,7 @@
 from __future__ import annotations
 
 import io
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -151,17 +148,14 @@ def test_moe_yaml_is_valid_for_four_ranks():
 
 
 @pytest.mark.slow
-def test_moe_yaml_trains_on_four_ranks(tmp_path):
+def test_moe_yaml_trains_on_four_ranks(tmp_path, run_mtcore):
     """The shipped job, shortened: ep=2 x tp=2 x dp=2 with ZeRO-1 through `mtcore train`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_")}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    mtcore = Path(sys.executable).with_name("mtcore")
-    args = [str(mtcore), "train", str(ROOT / "configs/moe.yaml"), "--nproc", "4",
+    args = ["train", ROOT / "configs/moe.yaml", "--nproc", "4",
             "--training.steps", "60", "--training.eval_interval", "0",
             "--training.sample_tokens", "0", "--logging.tensorboard_dir", "null",
             "--checkpoint.dir", str(tmp_path / "checkpoints"),
             "--data.cache_dir", str(tmp_path / "cache"), "--data.default_corpus_bytes", "1000000"]  # fmt: skip
-    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
+    run = run_mtcore(*args, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+/60 \| loss ([0-9.]+)", run.stdout, re.M)]
     loads = [

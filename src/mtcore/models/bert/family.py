@@ -7,6 +7,7 @@ import functools
 import torch
 from torch import Tensor
 
+from mtcore.data import BERT_SPECIAL_TOKENS
 from mtcore.models.bert import hf
 from mtcore.models.bert.config import BertConfig
 from mtcore.models.bert.model import DECODER_COPY, IGNORE_INDEX, WORD_EMBEDDING, Bert, build
@@ -61,7 +62,7 @@ FAMILY = ModelFamily(
     data=_data,
     checkpoint_aliases={DECODER_COPY: WORD_EMBEDDING},
     metric_names=_metric_names,
-    hf=HFAdapter(("bert",), hf.import_bert, hf.export_bert),
+    hf=HFAdapter(("bert",), hf.import_bert, hf.export_bert, tokenizer_tokens=BERT_SPECIAL_TOKENS),
     generate=None,
     description="bidirectional encoder: masked LM with next-sentence or sentence-order head",
 )

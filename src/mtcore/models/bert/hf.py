@@ -313,6 +313,8 @@ def export_bert(
         shutil.copyfile(tokenizer_json, out / TOKENIZER)
         tok_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
         tok_config["model_max_length"] = model_config.seq_len
+        # A plain fast tokenizer returns no token types unless told: pairs would read as one segment.
+        tok_config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
         tok_config.update({role: token for role, (token, _) in special.items()})
         if "pad_token" in special:
             config["pad_token_id"] = special["pad_token"][1]

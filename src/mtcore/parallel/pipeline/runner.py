@@ -246,7 +246,8 @@ class PipelineRunner:
                     f"rank {self.rank}: {a}{what} has shape {tuple(tensor.shape)} {tensor.dtype}, "
                     f"but the pipeline moves {tuple(spec.shape)} {spec.dtype} (tensor_shape / dtype)"
                 )
-        self._outgoing[a] = {n: t.detach().contiguous() for n, t in tensors.items()}
+        # In the specs' order: the receiver posts its receives in that order.
+        self._outgoing[a] = {n: tensors[n].detach().contiguous() for n in specs}
 
     # -- compute -------------------------------------------------------------------------
     def _compute(self, a: Action, index: int) -> None:

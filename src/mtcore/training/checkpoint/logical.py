@@ -1,7 +1,7 @@
 """Logical tensors: what a checkpoint stores, independent of the layout that saved it.
 
 A parameter is stored as its full, global tensor, named as in the one-process
-``GPT(config)``. A fused parameter whose tensor-parallel shard is not one
+model of its family (``ModelFamily.one_process``). A fused parameter whose tensor-parallel shard is not one
 contiguous slice of the full tensor (QKV: sections q, k, v; SwiGLU ``fc1``:
 gate, up; see ``TPPartition``) is stored as one logical tensor per section,
 ``<name>.section<i>``: every tp rank's share of a section *is* a rectangle

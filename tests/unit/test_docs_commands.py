@@ -1,0 +1,386 @@
+"""Every `mtcore ...` and `make ...` command the documentation shows is one that works.
+
+The shell blocks (```bash, ```sh, ```shell, ```console) of README.md and docs/**/*.md
+are read as a shell would split them (continuation lines, quotes, comments, pipes,
+redirections, ``VAR=value`` prefixes, ``cd``), and every simple command whose program
+is ``mtcore`` (or ``.../bin/mtcore``) or ``make`` is checked without running it:
+
+* ``make X``: the Makefile has a target X;
+* ``mtcore SUB ...``: the real parser (``mtcore.cli.main.build_parser``) accepts it;
+* ``mtcore train CONFIG [--nproc N] [--section.key V ...]``: CONFIG exists (relative
+  to the repository, or to the directory a ``cd`` earlier in the block moved to),
+  ``load_config(CONFIG, overrides)`` validates it (unknown keys, bad values) and the
+  layout and batch sizes fit N processes (``TrainConfig.check``). Nothing is trained
+  and no data is prepared.
+
+A command that cannot pass for a reason of its own (a placeholder the reader fills
+in) is listed in ``ALLOWED`` with that reason and the error it must give; an entry
+whose command is gone from the docs, or that passes, fails the suite, so the list
+stays small and honest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
+HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+CONTROL = {"|", "||", "&&", ";", "&", "(", ")"}
+REDIRECT = {">", ">>", "<", "<<", ">&", "<&", ">|", "&>"}
+
+# Families that come from an example plugin under docs/examples rather than from
+# mtcore: name -> the example's source directory. The test registers the example's
+# plugin module in-process (PluginRegistry.register) when the family is not installed.
+EXAMPLE_FAMILIES = {"gmlp": ROOT / "docs" / "examples" / "mtcore-example-family" / "src"}
+
+# Commands that are expected not to pass, each with the error text it must give
+# (proof that it fails for the stated reason and nothing else) and why that is fine.
+ALLOWED: dict[str, tuple[str, str]] = {}
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@dataclass(frozen=True)
+class Command:
+    doc: str  # path relative to the repository
+    line: int  # 1-based line of the command's first line
+    argv: tuple[str, ...]  # program first, as the shell would pass it
+    cwd: Path  # where the block's `cd`s left the shell
+
+    @property
+    def text(self) -> str:
+        return shlex.join(self.argv)
+
+    @property
+    def program(self) -> str:
+        return Path(self.argv[0]).name
+
+    def __str__(self) -> str:
+        return f"{self.doc}:{self.line}: {self.text}"
+
+
+# -- extraction ------------------------------------------------------------------------
+def shell_blocks(text: str):
+    """``(language, first content line number, lines)`` of every shell fence in ``text``."""
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, lang, indent = m["fence"], m["lang"].lower(), len(m["indent"])
+        body, j = [], i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            line = lines[j]
+            body.append(line[indent:] if line[:indent].strip() == "" else line.lstrip())
+            j += 1
+        if lang in SHELL_LANGUAGES:
+            yield lang, i + 2, body
+        i = j + 1
+
+
+def tokenize(text: str) -> list[str]:
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    return list(lexer)
+
+
+def logical_lines(lang: str, lines: list[str]):
+    """``(index, tokens)`` of each shell command line: continuations joined, heredoc
+    bodies skipped, console output (lines without a ``$`` prompt) left out."""
+    i = 0
+    while i < len(lines):
+        start, line = i, lines[i]
+        i += 1
+        if lang == "console":
+            if not line.startswith("$ "):
+                continue
+            line = line[2:]
+        while line.rstrip().endswith("\\") and i < len(lines):
+            line = line.rstrip()[:-1] + " " + lines[i]
+            i += 1
+        while True:
+            try:
+                tokens = tokenize(line)
+                break
+            except ValueError:  # an open quote: the command goes on
+                if i >= len(lines):
+                    raise
+                line += "\n" + lines[i]
+                i += 1
+        heredoc = HEREDOC.search(line)
+        if heredoc:
+            while i < len(lines) and lines[i].strip() != heredoc.group(1):
+                i += 1
+            i += 1
+        yield start, tokens
+
+
+def simple_commands(tokens: list[str]):
+    """The simple commands of a tokenized line: split at control operators, cut at the
+    first redirection, leading ``VAR=value`` assignments dropped."""
+    segment: list[str] = []
+    for token in [*tokens, ";"]:
+        if token in CONTROL:
+            cut = next((k for k, t in enumerate(segment) if t in REDIRECT), len(segment))
+            words = segment[:cut]
+            while words and ASSIGNMENT.match(words[0]):
+                words = words[1:]
+            if words:
+                yield words
+            segment = []
+        else:
+            segment.append(token)
+
+
+def is_program(word: str, name: str) -> bool:
+    return word == name or word.endswith(f"/bin/{name}")
+
+
+def commands_in(doc: Path, text: str | None = None) -> list[Command]:
+    """Every ``mtcore`` and ``make`` command in ``doc``'s shell blocks."""
+    text = doc.read_text() if text is None else text
+    rel = doc.relative_to(ROOT).as_posix() if doc.is_relative_to(ROOT) else str(doc)
+    found = []
+    for lang, first, lines in shell_blocks(text):
+        cwd = ROOT
+        for index, tokens in logical_lines(lang, lines):
+            for words in simple_commands(tokens):
+                if words[0] == "cd" and len(words) == 2:
+                    cwd = (cwd / words[1]).resolve()
+                elif is_program(words[0], "mtcore") or is_program(words[0], "make"):
+                    found.append(Command(rel, first + index, tuple(words), cwd))
+    return found
+
+
+@cache
+def all_commands() -> tuple[Command, ...]:
+    return tuple(c for doc in doc_files() for c in commands_in(doc))
+
+
+# -- checks ----------------------------------------------------------------------------
+class DocCommandError(AssertionError):
+    """What is wrong with a documented command."""
+
+
+@cache
+def make_targets() -> frozenset[str]:
+    rule = re.compile(r"^([A-Za-z0-9_.%/-]+(?:\s+[A-Za-z0-9_.%/-]+)*)\s*:(?!=)")
+    targets = set()
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        m = rule.match(line)
+        if m:
+            targets.update(m.group(1).split())
+    return frozenset(targets)
+
+
+def check_make(cmd: Command) -> None:
+    for word in cmd.argv[1:]:
+        if word.startswith("-") or "=" in word:
+            continue
+        if word not in make_targets():
+            raise DocCommandError(f"the Makefile has no target {word!r}")
+
+
+@cache
+def cli_parser():
+    from mtcore.cli.main import build_parser
+
+    return build_parser()
+
+
+def parse_cli(args: list[str]):
+    """The namespace the real ``mtcore`` parser makes of ``args``; None for --help or
+    --version (argparse exits 0); DocCommandError with argparse's message otherwise."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            ns = cli_parser().parse_args(args)
+    except SystemExit as e:
+        if e.code in (0, None):
+            return None
+        message = err.getvalue().strip().splitlines()
+        raise DocCommandError(f"the CLI refuses it: {message[-1] if message else e}") from None
+    if ns.command is None:
+        raise DocCommandError("no mtcore command given")
+    return ns
+
+
+@contextlib.contextmanager
+def example_families():
+    """The docs/examples families registered in this process while the block runs
+    (unless already installed), then forgotten again."""
+    from mtcore.backend import plugin_registry
+    from mtcore.models import family_names, reset_plugin_families
+
+    registry = plugin_registry()
+    added, old_path = [], list(sys.path)
+    try:
+        missing = {n: src for n, src in EXAMPLE_FAMILIES.items() if n not in family_names()}
+        for src in missing.values():
+            plugin = next(src.glob("*/plugin.py"))
+            name = plugin.parent.name
+            sys.path.insert(0, str(src))
+            module = importlib.import_module(f"{name}.plugin")
+            registry.register(module, name)
+            added.append(name)
+        reset_plugin_families()
+        yield
+    finally:
+        for name in added:
+            registry.manager.unregister(name=name)
+            registry.discovery.plugins.pop(name, None)
+        sys.path[:] = old_path
+        reset_plugin_families()
+
+
+def check_train(cmd: Command, ns) -> None:
+    from mtcore.training.overrides import load_config
+
+    path = None
+    if ns.config is not None:
+        path = (cmd.cwd / ns.config).resolve()
+        if not path.is_file():
+            raise DocCommandError(f"config file {ns.config} does not exist ({path})")
+    try:
+        with example_families():
+            config = load_config(path, ns.overrides)
+            config.check(ns.nproc)
+    except ValueError as e:  # ConfigError, LayoutError, SplitError
+        raise DocCommandError(f"the config does not validate: {e}") from None
+
+
+def check(cmd: Command) -> None:
+    """Raise DocCommandError when ``cmd`` would not get past argument checking."""
+    if cmd.program == "make":
+        check_make(cmd)
+        return
+    ns = parse_cli(list(cmd.argv[1:]))
+    if ns is not None and ns.command == "train":
+        check_train(cmd, ns)
+
+
+def judge(cmd: Command, allowed: dict[str, tuple[str, str]] = ALLOWED) -> str | None:
+    """What is wrong with ``cmd`` as documented, or None. An allowed command must fail,
+    and with its expected error."""
+    problem = None
+    try:
+        check(cmd)
+    except DocCommandError as e:
+        problem = str(e)
+    if cmd.text not in allowed:
+        return problem
+    expected, reason = allowed[cmd.text]
+    if problem is None:
+        return f"ALLOWED to fail ({reason}), but it passes: remove it from ALLOWED"
+    if expected not in problem:
+        return f"ALLOWED to fail with {expected!r} ({reason}), but: {problem}"
+    return None
+
+
+# -- tests -----------------------------------------------------------------------------
+COMMANDS = all_commands()
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"{c.doc}:{c.line}" for c in COMMANDS])
+def test_documented_command_works(cmd: Command):
+    problem = judge(cmd)
+    if problem is not None:
+        pytest.fail(f"{cmd}\n  {problem}", pytrace=False)
+
+
+def test_allowlist_entries_are_still_documented():
+    documented = {c.text for c in COMMANDS}
+    stale = sorted(set(ALLOWED) - documented)
+    assert not stale, f"ALLOWED names commands no doc shows any more: {stale}"
+
+
+def test_the_docs_show_the_main_commands():
+    texts = {c.text for c in COMMANDS}
+    for expected in (
+        "make train",
+        "make test",
+        "mtcore train configs/default.yaml --nproc 4",
+        "mtcore train configs/bert.yaml --nproc 4",
+        "mtcore train configs/moe.yaml --nproc 4",
+    ):
+        assert expected in texts, f"no doc shows {expected!r}"
+    assert len(COMMANDS) >= 40, len(COMMANDS)
+
+
+# The checker itself: it must catch what it is there to catch.
+SAMPLE = """\
+Text, and a block:
+
+```bash
+make train   # fine
+make trian
+mtcore train configs/nope.yaml --nproc 4
+mtcore train configs/default.yaml --nproc 4 --parallel.tpp 2
+mtcore train configs/default.yaml --nproc 3
+mtcore convert to-hf a b [--dtype bf16]
+OMP_NUM_THREADS=1 .venv/bin/mtcore doctor --json | jq . > out.json  # fine
+cd configs && mtcore train bert.yaml \\
+    --nproc 4 --training.steps 5   # fine
+```
+
+```python
+mtcore train not/a/shell/block.yaml
+```
+
+```console
+$ mtcore plugins
+mtcore_cuda  mtcore-cuda 0.1.0  ok
+```
+"""
+
+
+def test_the_checker_catches_broken_commands():
+    found = commands_in(ROOT / "SAMPLE.md", SAMPLE)
+    verdicts = {}
+    for cmd in found:
+        try:
+            check(cmd)
+            verdicts[cmd.text] = "ok"
+        except DocCommandError as e:
+            verdicts[cmd.text] = str(e)
+    expected = {  # command as extracted -> what its verdict says
+        "make train": "ok",
+        "make trian": "no target 'trian'",
+        "mtcore train configs/nope.yaml --nproc 4": "configs/nope.yaml does not exist",
+        "mtcore train configs/default.yaml --nproc 4 --parallel.tpp 2": "parallel.tpp",
+        "mtcore train configs/default.yaml --nproc 3": "world size 3",
+        "mtcore convert to-hf a b '[--dtype' 'bf16]'": "the CLI refuses it",
+        ".venv/bin/mtcore doctor --json": "ok",
+        "mtcore train bert.yaml --nproc 4 --training.steps 5": "ok",  # after `cd configs`
+        "mtcore plugins": "ok",  # console: prompt lines only
+    }
+    assert list(verdicts) == list(expected)
+    for text, needle in expected.items():
+        ok = verdicts[text] == "ok" if needle == "ok" else needle in verdicts[text]
+        assert ok, (text, verdicts[text])
+    assert found[-2].cwd == ROOT / "configs"
+
+    # The allowlist: an entry must fail, and for its stated reason.
+    placeholder = next(c for c in found if c.program == "mtcore" and c.argv[1] == "convert")
+    fine = next(c for c in found if c.text == "make train")
+    assert judge(placeholder, {placeholder.text: ("unrecognized arguments", "sample")}) is None
+    assert "but:" in judge(placeholder, {placeholder.text: ("config file", "sample")})
+    assert "remove it from ALLOWED" in judge(fine, {fine.text: ("anything", "sample")})
