@@ -65,6 +65,12 @@ def fused_rms_norm(x, weight, eps=1e-6):
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def fused_layer_norm(x, weight, bias, eps=1e-5):
+    """``mtcore.ops.layer_norm`` through ``F.layer_norm`` (one fused kernel: BERT's
+    post-LN blocks run three LayerNorms per layer)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def fused_adamw_available() -> bool:
     return hasattr(torch, "_fused_adamw_")
 

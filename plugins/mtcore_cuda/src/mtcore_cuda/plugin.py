@@ -54,7 +54,7 @@ def mtcore_backends():
         collective=Collective("gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=False)),
         fp8=FP8(native_granularities=_NATIVE_FP8),
         accelerator=False,
-        description="host CPU: gloo collectives, torch fused SDPA/RMSNorm/AdamW kernels, FP8 through torch._scaled_mm",
+        description="host CPU: gloo collectives, torch fused SDPA/RMSNorm/LayerNorm/AdamW kernels, FP8 through torch._scaled_mm",
     )
     cuda_device = _CUDA_DEVICE
     cuda = BackendSpec(
@@ -89,6 +89,16 @@ def mtcore_kernels(backend: str, device_type: str):
     ]
     if backend == "cpu":
         impls.append(KernelImpl("rms_norm", torch_native.fused_rms_norm, "torch-fused", priority=50))
+        # In float32 only, like swiglu: the reference rounds a bf16 result once, from fp32.
+        impls.append(
+            KernelImpl(
+                "layer_norm",
+                torch_native.fused_layer_norm,
+                "torch-fused",
+                priority=50,
+                predicate=lambda q: q.dtype == torch.float32,
+            )
+        )
         # In float32 only: the reference computes bf16 inputs in fp32, F.silu would not.
         impls.append(
             KernelImpl(
