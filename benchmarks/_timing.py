@@ -63,7 +63,8 @@ def alternate(
 
 def report(timings: Timings, baseline: str, tokens_per_step: int) -> None:
     """A row per configuration: median step time, tokens/s, ratio of medians to the
-    baseline's, median over rounds of the per-round ratio, and the last loss."""
+    baseline's, median over rounds of the per-round ratio, and the last loss; then the
+    load average at the end (with the one at the start: how busy the machine was)."""
     base = timings.rounds[baseline]
     base_median = statistics.median(timings.steps(baseline))
     print(f"{'configuration':<15} {'median ms':>10} {'tokens/s':>10} {'ratio':>7} {'paired':>7}  final loss")
@@ -74,3 +75,4 @@ def report(timings: Timings, baseline: str, tokens_per_step: int) -> None:
             f"{name:<15} {med * 1e3:>10.1f} {tokens_per_step / med:>10,.0f} "
             f"{med / base_median:>7.3f} {paired:>7.3f}  {timings.final_loss[name]:.6f}"
         )
+    print(f"load at end: {load_average()}")

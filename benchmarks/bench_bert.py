@@ -43,17 +43,21 @@ import re
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _loops import (
+    check_same_loss,
+    native_backend,
+    one_process_engine,
+    plain_adamw,
+    plain_step,
+)
 from _timing import alternate, load_average, report
-from bench_trainer import native_backend
 from torch import nn
 
 from mtcore.backend import KernelImpl, select_backend
 from mtcore.data.pair_loader import mask_sequence
 from mtcore.data.pairs import PairVocab
-from mtcore.distributed import ParallelLayout
 from mtcore.models.bert import IGNORE_INDEX, BertConfig
 from mtcore.training.config import OptimizerConfig
-from mtcore.training.engine import Engine
 
 OPT = OptimizerConfig(
     lr=1e-4, min_lr=1e-5, betas=(0.9, 0.999), eps=1e-6, warmup_steps=5, weight_decay=0.01,
@@ -127,40 +131,19 @@ class PlainLoop:
     def __init__(self, config: BertConfig, weights: dict[str, torch.Tensor]):
         self.model = PlainBert(config)
         self.model.load_state_dict({plain_name(n): w for n, w in weights.items()}, strict=True)
-        params = list(self.model.parameters())  # the tied word embedding once
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": OPT.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        self.opt = torch.optim.AdamW(groups, lr=OPT.lr, betas=OPT.betas, eps=OPT.eps)
+        self.opt = plain_adamw(self.model, OPT)
 
     def step(self, step: int, batches: list[dict]) -> float:
-        for g in self.opt.param_groups:
-            g["lr"] = OPT.lr_at(step, TOTAL_STEPS)
-        self.opt.zero_grad(set_to_none=True)
         mlm_count = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         pair_count = sum(b["pair_labels"].numel() for b in batches)
-        total = 0.0
-        for batch in batches:
-            loss = self.model.loss(batch, mlm_count, pair_count)
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), OPT.max_grad_norm)
-        self.opt.step()
-        return total
+        losses = (self.model.loss(batch, mlm_count, pair_count) for batch in batches)
+        lr = OPT.lr_at(step, TOTAL_STEPS)
+        return plain_step(self.model, self.opt, lr, OPT.max_grad_norm, losses)
 
 
 class MtcoreLoop:
     def __init__(self, config: BertConfig, backend, micro: int, microbatches: int):
-        self.engine = Engine(
-            config,
-            ParallelLayout.single(),
-            backend,
-            micro_batch_size=micro,
-            num_microbatches=microbatches,
-            optimizer=OPT,
-            seed=0,
-        )
+        self.engine = one_process_engine(config, backend, micro, microbatches, OPT)
 
     def step(self, step: int, batches: list[dict]) -> float:
         self.engine.set_lr(OPT.lr_at(step, TOTAL_STEPS))
@@ -258,9 +241,7 @@ def main() -> None:
         counts = (first["labels"] != IGNORE_INDEX).sum(), first["pair_labels"].numel()
         losses = {"plain torch": loops["plain torch"].model.loss(first, *counts).item()}
         losses |= {n: loop.loss(first) for n, loop in loops.items() if n != "plain torch"}
-    ref = losses["plain torch"]
-    print("loss from the same weights: " + ", ".join(f"{n} {v:.6f}" for n, v in losses.items()))
-    assert all(abs(v - ref) / ref < 1e-4 for v in losses.values()), losses
+    check_same_loss(losses, "plain torch", rtol=1e-4)
 
     def step(loop):
         return lambda i: loop.step(i + 1, batches[i])
@@ -275,7 +256,6 @@ def main() -> None:
         f"{args.rounds} rounds x {args.steps_per_round} step(s) after {args.warmup} warm-up"
     )
     report(timings, "plain torch", tokens_per_step)
-    print(f"load at end: {load_average()}")
 
 
 if __name__ == "__main__":

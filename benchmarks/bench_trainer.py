@@ -32,17 +32,20 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from _loops import (
+    check_same_loss,
+    native_backend,
+    one_process_engine,
+    plain_adamw,
+    plain_step,
+)
 from _timing import alternate, load_average, report
 from torch import nn
 
-from mtcore.backend import KernelImpl, select_backend
-from mtcore.backend.spec import Backend
-from mtcore.distributed import ParallelLayout
+from mtcore.backend import select_backend
 from mtcore.models.gpt import GPTConfig
 from mtcore.ops import rope_tables
-from mtcore.ops.torch_native import fused_adamw_step, fused_rms_norm, sdpa_attention
 from mtcore.training.config import OptimizerConfig
-from mtcore.training.engine import Engine
 
 MODEL = GPTConfig(
     vocab_size=8192, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, seq_len=256
@@ -109,62 +112,21 @@ class PlainLoop:
     def __init__(self, weights):
         self.model = PlainGPT(MODEL)
         self.model.load_state_dict(weights)
-        params = list(self.model.parameters())
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": OPT.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        self.opt = torch.optim.AdamW(groups, lr=OPT.lr, betas=OPT.betas, eps=OPT.eps)
+        self.opt = plain_adamw(self.model, OPT)
 
     def step(self, step, inputs, targets) -> float:
-        for g in self.opt.param_groups:
-            g["lr"] = OPT.lr_at(step, 1000)
-        self.opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in zip(inputs, targets, strict=True):
-            loss = self.model(x, y) / len(inputs)
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), OPT.max_grad_norm)
-        self.opt.step()
-        return total
+        losses = (self.model(x, y) / len(inputs) for x, y in zip(inputs, targets, strict=True))
+        return plain_step(self.model, self.opt, OPT.lr_at(step, 1000), OPT.max_grad_norm, losses)
 
 
 class MtcoreLoop:
     def __init__(self, backend):
-        self.engine = Engine(
-            MODEL,
-            ParallelLayout.single(),
-            backend,
-            micro_batch_size=MICRO,
-            num_microbatches=MICROBATCHES,
-            optimizer=OPT,
-            seed=0,
-        )
+        self.engine = one_process_engine(MODEL, backend, MICRO, MICROBATCHES, OPT)
 
     def step(self, step, inputs, targets) -> float:
         self.engine.set_lr(OPT.lr_at(step, 1000))
         batches = [{"tokens": x, "labels": y} for x, y in zip(inputs, targets, strict=True)]
         return self.engine.train_step(batches).loss
-
-
-def silu_swiglu(x):
-    """``mtcore.ops.swiglu`` as ``F.silu(gate) * up`` (in the input dtype)."""
-    gate, up = x.chunk(2, -1)
-    return F.silu(gate) * up
-
-
-def native_backend(extra: tuple[KernelImpl, ...] = ()):
-    """The CPU backend plus torch-native kernels (and ``extra``), registered as a plugin would."""
-    cpu = select_backend("cpu")
-    kernels = [
-        KernelImpl("attention", sdpa_attention, "sdpa", priority=50),
-        KernelImpl("rms_norm", fused_rms_norm, "torch-rms-norm", priority=50),
-        KernelImpl("swiglu", silu_swiglu, "torch-silu", priority=50),
-        KernelImpl("adamw_step", fused_adamw_step, "torch-fused", priority=50),
-        *extra,
-    ]
-    return Backend(cpu.spec, "bench-native", kernels)
 
 
 def main() -> None:
@@ -190,9 +152,7 @@ def main() -> None:
             ).item()
             for name, loop in loops.items()
         }
-    ref = losses["plain torch"]
-    print("loss from the same weights: " + ", ".join(f"{n} {v:.6f}" for n, v in losses.items()))
-    assert all(abs(v - ref) / ref < 1e-5 for v in losses.values()), losses
+    check_same_loss(losses, "plain torch", rtol=1e-5)
 
     print(f"load at start: {load_average()}")
 
@@ -207,7 +167,6 @@ def main() -> None:
         f"{args.threads} thread(s), {args.steps} steps after {args.warmup} warm-up"
     )
     report(timings, "plain torch", tokens_per_step)
-    print(f"load at end: {load_average()}")
 
 
 if __name__ == "__main__":

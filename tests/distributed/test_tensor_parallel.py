@@ -18,6 +18,7 @@ from mtcore.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPGroup,
+    VocabParallelEmbedding,
     allreduce_sequence_parallel_grads,
     copy_to_tp,
     full_tensors,
@@ -290,6 +291,36 @@ def _recompute_with_dropout(layout_sp, backend):
     }
 
 
+def _out_of_vocab(layouts, backend):
+    """An id outside the vocabulary raises on every rank (it used to embed to zeros),
+    and valid ids still embed bitwise as the full table does."""
+    out = {}
+    for sp, layout in layouts.items():
+        tp = TPGroup.from_layout(layout, backend)
+        emb = VocabParallelEmbedding(64, 8, tp, sequence_parallel=sp,
+                                     generator=torch.Generator().manual_seed(3))  # fmt: skip
+        full = full_tensors(emb, tp)["weight"]
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(4))
+        y, want = emb(tokens), F.embedding(tokens, full)
+        out[f"valid_bitwise_sp={sp}"] = bool(
+            torch.equal(y, want.chunk(tp.size, 1)[tp.rank] if sp else want)
+        )
+        for bad in (64, -1):
+            tokens[1, 5] = bad
+            try:
+                emb(tokens)
+                out[f"id={bad}_sp={sp}"] = "no error"
+            except IndexError as e:
+                out[f"id={bad}_sp={sp}"] = str(e)
+    tp = TPGroup.from_layout(layouts[False], backend)
+    try:
+        vocab_parallel_cross_entropy(torch.randn(3, 32), torch.tensor([1, -100, 64]), tp)
+        out["label=64"] = "no error"
+    except IndexError as e:
+        out["label=64"] = str(e)
+    return out
+
+
 def _tp_rank_main(ctx):
     layouts = {  # sequence parallel -> layout
         sp: ParallelLayout.build(
@@ -305,6 +336,7 @@ def _tp_rank_main(ctx):
         "rng": _rng(layouts, ctx.backend, tp),
         "recompute_dropout": _recompute_with_dropout(layouts[True], ctx.backend),
         "equivalence": _equivalence(layouts, ctx.backend),
+        "out_of_vocab": _out_of_vocab(layouts, ctx.backend),
     }
 
 
@@ -354,6 +386,17 @@ def test_recompute_reproduces_dropout_under_sequence_parallel(ranks):
         assert all(v == 0.0 for v in res["recompute_dropout"].values()), (
             f"rank {r}: {res['recompute_dropout']}"
         )
+
+
+def test_out_of_vocab_ids_raise_on_every_rank(ranks):
+    for r, res in enumerate(ranks):
+        got = res["out_of_vocab"]
+        for sp in (False, True):
+            assert got[f"valid_bitwise_sp={sp}"], f"rank {r}: valid ids changed (sp={sp})"
+            for bad in (64, -1):
+                msg = got[f"id={bad}_sp={sp}"]
+                assert f"token id {bad} is outside the vocabulary [0, 64)" in msg, (r, msg)
+        assert "label 64 is outside the vocabulary [0, 64)" in got["label=64"], (r, got)
 
 
 def test_rng_streams_agree_and_differ_as_documented(ranks):

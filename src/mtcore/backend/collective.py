@@ -12,6 +12,7 @@ between torch releases are handled in one place.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DEFAULT_TIMEOUT_S = 600.0
 OPS = (
     "all_reduce",
     "all_gather",
@@ -72,16 +74,53 @@ def fp8_fallback_everywhere() -> dict[str, frozenset[torch.dtype]]:
     return {op: frozenset(FP8_DTYPES) for op in OPS if op != "barrier"}
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective or a transfer did not complete within the process group's timeout:
+    a peer stopped answering (stopped, hung, or gone). The message names the call and
+    the ranks it waited for."""
+
+
+def _looks_like_timeout(error: RuntimeError) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+@contextlib.contextmanager
+def _named(what: Callable[[], str], timeout_s: float):
+    """Turn a c10d timeout into a CollectiveTimeout saying which call and ranks hung."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, CollectiveTimeout) or not _looks_like_timeout(e):
+            raise
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveTimeout(
+            f"{what()} did not complete within {timeout_s:g} s (a peer stopped answering; "
+            f"training.collective_timeout_s sets the limit): {first_line}"
+        ) from e
+
+
 class Handle:
     """An async collective's handle; ``wait()`` also runs any fallback's epilogue."""
 
-    def __init__(self, work, epilogue: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        work,
+        epilogue: Callable[[], None] | None = None,
+        what: Callable[[], str] | None = None,
+        timeout_s: float | None = None,
+    ):
         self._work = work
         self._epilogue = epilogue
+        self._what, self._timeout_s = what, timeout_s
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            if self._what is None:
+                self._work.wait()
+            else:
+                with _named(self._what, self._timeout_s):
+                    self._work.wait()
             self._work = None
         if self._epilogue is not None:
             self._epilogue()
@@ -107,6 +146,7 @@ class Collective:
     def __init__(self, c10d_backend: str, capabilities: CollectiveCapabilities | None = None):
         self.c10d_backend = c10d_backend
         self.capabilities = capabilities or CollectiveCapabilities()
+        self.timeout_s = DEFAULT_TIMEOUT_S  # of every group: set by init_process_group
 
     # -- groups --------------------------------------------------------------------
     def init_process_group(
@@ -114,12 +154,18 @@ class Collective:
         rank: int | None = None,
         world_size: int | None = None,
         init_method: str | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         device_id: torch.device | None = None,
     ) -> None:
-        """Join the default group (env:// unless ``init_method`` says otherwise)."""
+        """Join the default group (env:// unless ``init_method`` says otherwise).
+
+        ``timeout_s`` bounds every collective and transfer of this group and of every
+        group ``new_group`` makes (torch's own default for new groups is longer): a
+        call that a peer does not answer raises ``CollectiveTimeout`` naming it.
+        """
         if dist.is_initialized():
             return
+        self.timeout_s = timeout_s
         kwargs = {"backend": self.c10d_backend, "timeout": timedelta(seconds=timeout_s)}
         if init_method is not None:
             kwargs["init_method"] = init_method
@@ -134,7 +180,8 @@ class Collective:
 
     def new_group(self, ranks: Sequence[int]):
         """A group over ``ranks``; every rank of the world must call this, in the same order."""
-        return dist.new_group(ranks=list(ranks), backend=self.c10d_backend)
+        timeout = timedelta(seconds=self.timeout_s)
+        return dist.new_group(ranks=list(ranks), backend=self.c10d_backend, timeout=timeout)
 
     def rank(self, group=None) -> int:
         return dist.get_rank(group)
@@ -155,11 +202,13 @@ class Collective:
     # -- reductions ----------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group=None, async_op=False):
         """Reduce ``tensor`` in place over ``group``; returns a Handle when async."""
-        if self.support("all_reduce", tensor.dtype) is Support.FALLBACK:
-            wide = tensor.float()
-            work = self._all_reduce_native(wide, op, group, async_op)
-            return self._finish(work, lambda: tensor.copy_(wide), async_op)
-        return self._finish(self._all_reduce_native(tensor, op, group, async_op), None, async_op)
+        with self._sync("all_reduce", group):
+            if self.support("all_reduce", tensor.dtype) is Support.FALLBACK:
+                wide = tensor.float()
+                work = self._all_reduce_native(wide, op, group, async_op)
+                return self._finish(work, lambda: tensor.copy_(wide), async_op, "all_reduce", group)
+            work = self._all_reduce_native(tensor, op, group, async_op)
+            return self._finish(work, None, async_op, "all_reduce", group)
 
     def _all_reduce_native(self, tensor, op, group, async_op):
         if op == "avg" and not self.capabilities.avg_supported:
@@ -187,8 +236,9 @@ class Collective:
             inner, out = epilogue, output
             epilogue = lambda: (out.div_(size), inner and inner())  # noqa: E731
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        work = fn(output, input, op=_reduce_op(reduce_op), group=group, async_op=async_op)
-        return self._finish(work, epilogue, async_op)
+        with self._sync("reduce_scatter", group):
+            work = fn(output, input, op=_reduce_op(reduce_op), group=group, async_op=async_op)
+        return self._finish(work, epilogue, async_op, "reduce_scatter", group)
 
     # -- data movement -------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):
@@ -196,14 +246,16 @@ class Collective:
         _check_shard(input, output, self.world_size(group), "all_gather")
         output_v, input_v = self._as_bytes_if_needed("all_gather", output, input)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = fn(output_v, input_v, group=group, async_op=async_op)
-        return self._finish(work, None, async_op)
+        with self._sync("all_gather", group):
+            work = fn(output_v, input_v, group=group, async_op=async_op)
+        return self._finish(work, None, async_op, "all_gather", group)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op=False):
         """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
         (view,) = self._as_bytes_if_needed("broadcast", tensor)
-        work = dist.broadcast(view, src=src, group=group, async_op=async_op)
-        return self._finish(work, None, async_op)
+        with self._sync("broadcast", group):
+            work = dist.broadcast(view, src=src, group=group, async_op=async_op)
+        return self._finish(work, None, async_op, "broadcast", group)
 
     def all_to_all(
         self,
@@ -216,15 +268,16 @@ class Collective:
     ):
         """Scatter dim-0 slices of ``input`` to ranks and gather theirs into ``output``."""
         output_v, input_v = self._as_bytes_if_needed("all_to_all", output, input)
-        work = dist.all_to_all_single(
-            output_v,
-            input_v,
-            output_split_sizes=list(output_splits) if output_splits is not None else None,
-            input_split_sizes=list(input_splits) if input_splits is not None else None,
-            group=group,
-            async_op=async_op,
-        )
-        return self._finish(work, None, async_op)
+        with self._sync("all_to_all", group):
+            work = dist.all_to_all_single(
+                output_v,
+                input_v,
+                output_split_sizes=list(output_splits) if output_splits is not None else None,
+                input_split_sizes=list(input_splits) if input_splits is not None else None,
+                group=group,
+                async_op=async_op,
+            )
+        return self._finish(work, None, async_op, "all_to_all", group)
 
     def batch_send_recv(self, ops: Iterable[P2P]) -> list[Handle]:
         """Post sends and receives together so neighbours cannot deadlock on ordering."""
@@ -237,24 +290,44 @@ class Collective:
             p2p_ops.append(dist.P2POp(fn, view, item.peer, item.group))
         if not p2p_ops:
             return []
-        return [Handle(w) for w in dist.batch_isend_irecv(p2p_ops)]
+        peers = sorted({item.peer for item in p2p_ops})
+        what = lambda: f"rank {dist.get_rank()}: send/recv with rank(s) {peers}"  # noqa: E731
+        with _named(what, self.timeout_s):
+            works = dist.batch_isend_irecv(p2p_ops)
+        return [Handle(w, None, what, self.timeout_s) for w in works]
 
     def barrier(self, group=None) -> None:
-        dist.barrier(group=group)
+        with self._sync("barrier", group):
+            dist.barrier(group=group)
 
     # -- helpers -------------------------------------------------------------------
+    def _describe(self, op: str, group) -> Callable[[], str]:
+        """A lazy description of a call for timeout messages: the op and its ranks."""
+
+        def what() -> str:
+            try:
+                ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            except Exception:  # the group may be gone by the time the error is reported
+                ranks = "?"
+            return f"rank {dist.get_rank()}: {op} over ranks {ranks}"
+
+        return what
+
     def _as_bytes_if_needed(self, op: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.support(op, tensors[0].dtype) is Support.FALLBACK:
             return tuple(t.view(torch.uint8) for t in tensors)
         return tensors
 
-    @staticmethod
-    def _finish(work, epilogue, async_op):
+    def _finish(self, work, epilogue, async_op, op: str = "collective", group=None):
         if async_op:
-            return Handle(work, epilogue)
+            return Handle(work, epilogue, self._describe(op, group), self.timeout_s)
         if epilogue is not None:
             epilogue()
         return None
+
+    def _sync(self, op: str, group):
+        """Wraps a blocking call: a timeout becomes a CollectiveTimeout naming it."""
+        return _named(self._describe(op, group), self.timeout_s)
 
 
 class _Chained:

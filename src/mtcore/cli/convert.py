@@ -1,17 +1,20 @@
 """Convert between mtcore checkpoints and HuggingFace directories (Llama, BERT).
 
-  mtcore convert to-hf CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32]
+  mtcore convert to-hf CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--force]
       CHECKPOINT (a step directory, or a checkpoint root: its latest step) written
       by `mtcore train`, under any layout, becomes a directory that transformers
       loads (LlamaForCausalLM for a gpt checkpoint, BertForPreTraining for a bert
       one): config.json, model.safetensors and, when the checkpoint has one,
-      tokenizer.json (+ tokenizer_config.json).
+      tokenizer.json (+ tokenizer_config.json). An OUT_DIR that already holds a
+      model (config.json or safetensors) is refused unless --force, which replaces
+      its model files (other files stay) once the new ones are written.
 
   mtcore convert from-hf HF_DIR OUT_CHECKPOINT_ROOT [--seq-len N]
       A HuggingFace directory (config.json + model.safetensors or its shards)
       becomes a weights-only mtcore checkpoint under OUT_CHECKPOINT_ROOT that
       training starts from under any layout (see docs/hf-interop.md). config.json's
       model_type picks the family whose adapter imports it (llama: gpt, bert: bert).
+      A NaN or inf weight is refused, naming the tensor.
 
 What a family's adapter cannot map is refused with an error that names the
 setting. transformers is not needed.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 HELP = "convert checkpoints to and from HuggingFace format: Llama, BERT (to-hf, from-hf)"
 
@@ -32,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("out_dir", help="directory to write (created if missing)")
     to_hf.add_argument(
         "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="weights (default bf16)"
+    )
+    to_hf.add_argument(
+        "--force", action="store_true", help="replace the model files of an existing OUT_DIR"
     )
     from_hf = directions.add_parser(
         "from-hf", help="HuggingFace directory (Llama, BERT) -> mtcore checkpoint"
@@ -52,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = _to_hf(args) if args.direction == "to-hf" else _from_hf(args)
-    except (FileNotFoundError, CheckpointError, ValueError) as e:  # HFInteropError too
+    except (OSError, CheckpointError, ValueError) as e:  # HFInteropError too
         print(f"mtcore convert {args.direction}: error: {e}", file=sys.stderr)
         return 1
     print(out)
@@ -61,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TOKENIZER = "tokenizer.json"
+# What an export writes, and what --force replaces: a stale shard or index left beside
+# the new model.safetensors, or an old tokenizer beside a model without one, would be
+# read with it.
+MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*.json")
 
 
 def _adapter(family):
@@ -70,26 +81,55 @@ def _adapter(family):
 
 
 def _to_hf(args: argparse.Namespace):
+    import tempfile
+
     import torch
 
     from mtcore.models import family_of
     from mtcore.training.checkpoint import read_model_weights, resolve_checkpoint
 
+    out = Path(args.out_dir)
+    _check_out_dir(out, args.force)
     config, weights, _step = read_model_weights(args.checkpoint)
     tokenizer = resolve_checkpoint(args.checkpoint) / TOKENIZER
-    return _adapter(family_of(config)).export_dir(
-        config,
-        weights,
-        args.out_dir,
-        getattr(torch, DTYPES[args.dtype]),
-        tokenizer_json=tokenizer if tokenizer.is_file() else None,
-    )
+    adapter = _adapter(family_of(config))
+    # Written beside OUT_DIR first: a refused or failed export leaves OUT_DIR as it was.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
+        adapter.export_dir(
+            config,
+            weights,
+            staging,
+            getattr(torch, DTYPES[args.dtype]),
+            tokenizer_json=tokenizer if tokenizer.is_file() else None,
+        )
+        out.mkdir(exist_ok=True)
+        for old in _model_files(out):
+            old.unlink()
+        for new in Path(staging).iterdir():
+            new.replace(out / new.name)
+    return out
+
+
+def _model_files(directory: Path) -> list[Path]:
+    return sorted({p for pattern in MODEL_FILES for p in directory.glob(pattern) if p.is_file()})
+
+
+def _check_out_dir(out: Path, force: bool) -> None:
+    """Refuse an OUT_DIR that is a file, or that holds a model and ``force`` is off."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory")
+    found = [p.name for p in _model_files(out)] if out.is_dir() else []
+    if found and not force:
+        raise ValueError(
+            f"{out} already holds a model ({', '.join(found[:3])}); pass --force to replace "
+            "it, or choose a new directory"
+        )
 
 
 def _hf_family(hf_dir: str):
     """The family whose adapter imports the transformers ``model_type`` in ``hf_dir``."""
     import json
-    from pathlib import Path
 
     from mtcore.models import family_names, get_family
 
@@ -111,8 +151,6 @@ def _hf_family(hf_dir: str):
 
 
 def _from_hf(args: argparse.Namespace):
-    from pathlib import Path
-
     from mtcore.data import DataError, load_tokenizer
     from mtcore.training.checkpoint import has_checkpoint, write_model_weights
 
@@ -124,6 +162,7 @@ def _from_hf(args: argparse.Namespace):
         raise ValueError(f"{args.out_root} already holds checkpoints; convert into a new directory")
     family = _hf_family(args.hf_dir)
     config, weights = _adapter(family).import_dir(args.hf_dir, seq_len=args.seq_len)
+    _check_finite(weights, args.hf_dir)
     tokenizer = None
     path = Path(args.hf_dir) / TOKENIZER
     if path.is_file():
@@ -136,6 +175,21 @@ def _from_hf(args: argparse.Namespace):
     directory = write_model_weights(args.out_root, weights, config, step=0, tokenizer=tokenizer)
     print(_training_hint(config, directory, tokenizer is not None), file=sys.stderr)
     return directory
+
+
+def _check_finite(weights, hf_dir: str) -> None:
+    """Refuse NaN or inf weights: they would train to NaN at the first step, or
+    silently where the tensor is rarely used (an embedding row)."""
+    import torch
+
+    for name, tensor in weights.items():
+        if tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise ValueError(
+                    f"{hf_dir}: weight {name!r} holds {bad} NaN or inf value(s) of "
+                    f"{tensor.numel()}; not converted"
+                )
 
 
 def _training_hint(config, directory, has_tokenizer: bool) -> str:

@@ -11,6 +11,7 @@ refused with one line.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 HELP = "continue a prompt with a trained checkpoint (greedy or top-k sampling)"
@@ -29,15 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from mtcore.backend import select_backend
+    from mtcore.backend import BackendError, select_backend
     from mtcore.data import DataError, load_tokenizer
     from mtcore.models import family_of
     from mtcore.training.checkpoint import load_model
 
-    if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
-        print("mtcore generate: error: --max-new-tokens must be >= 0 and --top-k >= 1", file=sys.stderr)
+    problem = _bad_arguments(args)
+    if problem is None:
+        try:
+            backend = select_backend(args.backend)
+        except BackendError as e:  # an unknown or unavailable --backend
+            problem = str(e)
+    if problem is not None:
+        print(f"mtcore generate: error: {problem}", file=sys.stderr)
         return 2
-    backend = select_backend(args.backend)
     try:
         model, _step, directory = load_model(args.checkpoint, backend)
         tokenizer = load_tokenizer(directory / "tokenizer.json")
@@ -54,3 +60,15 @@ def run(args: argparse.Namespace) -> int:
     )
     print(text if args.prompt else text.removeprefix(tokenizer.decode([tokenizer.eod_id])))
     return 0
+
+
+def _bad_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numbers given, before anything loads (argparse takes
+    ``nan`` and ``inf`` as floats; sampling with them gives garbage or a crash)."""
+    if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
+        return "--max-new-tokens must be >= 0 and --top-k >= 1"
+    if not math.isfinite(args.temperature) or args.temperature <= 0:
+        return f"--temperature must be a finite number > 0, got {args.temperature}"
+    if not -(2**63) <= args.seed < 2**64:
+        return f"--seed must fit in 64 bits, got {args.seed}"
+    return None

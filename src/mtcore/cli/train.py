@@ -73,11 +73,14 @@ def run(args: argparse.Namespace) -> int:
     from mtcore.backend import BackendError, select_backend
     from mtcore.training.checkpoint import CheckpointError
     from mtcore.training.config import ConfigError
-    from mtcore.training.overrides import load_config
+    from mtcore.training.overrides import load_config, read_file
     from mtcore.training.trainer import TrainingError, prepare, train
 
     try:
         config = load_config(args.config, args.overrides)
+        if args.config and not read_file(args.config):  # an empty file: say what runs
+            note = f"{args.config} holds no settings; training with the defaults"
+            print(f"mtcore train: note: {note}", file=sys.stderr)
         select_backend(config.training.backend)
         prepare(config, args.nproc)
     except (ConfigError, BackendError) as e:
@@ -103,6 +106,9 @@ def launch(nproc: int, config: str | None, overrides: list[str]) -> int:
     from torch.distributed.run import run as elastic_run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
+    # The ranks' parent is this process (the elastic agent runs in it): each rank arms a
+    # parent-death signal and checks this pid, so no rank outlives a killed launcher.
+    os.environ["MTCORE_LAUNCHER_PID"] = str(os.getpid())
     argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "mtcore.train"]
     argv += ([config] if config else []) + list(overrides)
     try:

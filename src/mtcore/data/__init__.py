@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 from mtcore.data.blend import BlendedDataset, blending_indices
 from mtcore.data.cache import DataError
 from mtcore.data.config import DataConfig, default_cache_dir
-from mtcore.data.corpus import DEFAULT_CORPUS_BYTES, data_sources
-from mtcore.data.indexed import IndexedDataset, get_indexed_dataset
+from mtcore.data.corpus import DEFAULT_CORPUS_BYTES
+from mtcore.data.indexed import IndexedDataset
 from mtcore.data.loader import EpochSampler, TokenLoader, check_batch_sizes
 from mtcore.data.pair_loader import PairLoader, mask_sequence
 from mtcore.data.pairs import (
@@ -39,7 +38,8 @@ from mtcore.data.pairs import (
     PairVocab,
     build_pair_data,
 )
-from mtcore.data.samples import SequenceDataset, split_documents
+from mtcore.data.samples import SequenceDataset
+from mtcore.data.splits import config_sources, train_and_valid
 from mtcore.data.tokenizer import EOD_TOKEN, Tokenizer, get_tokenizer, load_tokenizer
 
 __all__ = [
@@ -90,22 +90,13 @@ def build_datasets(config: DataConfig | None = None, **overrides) -> Datasets:
         config = DataConfig.model_validate({**(config.model_dump() if config else {}), **overrides})
     cache_dir = config.resolved_cache_dir()
     start = time.perf_counter()
-    sources = _sources(config)
-    all_files = list(dict.fromkeys(f for _, files in sources for f in files))
+    sources, all_files = config_sources(config)
     tok = get_tokenizer(all_files, cache_dir, config.vocab_size, config.tokenizer, config.text_key)
-    trains, valids = [], []
-    for name, files in sources:
-        index = get_indexed_dataset(files, tok, cache_dir, name, config.text_key)
-        train_ids, valid_ids = split_documents(len(index), config.valid_fraction, name)
-        trains.append(SequenceDataset(index, train_ids, config.seq_len, f"{name}/train"))
-        if len(valid_ids):
-            valids.append(SequenceDataset(index, valid_ids, config.seq_len, f"{name}/valid"))
-    if len(sources) == 1:
-        train, valid = trains[0], (valids[0] if valids else None)
-    else:
-        weights = config.weights or [len(t) for t in trains]
-        train = BlendedDataset(trains, weights, name="train")
-        valid = BlendedDataset(valids, weights, name="valid") if valids else None
+
+    def samples(index, doc_ids, name):
+        return SequenceDataset(index, doc_ids, config.seq_len, name)
+
+    train, valid = train_and_valid(config, sources, tok, cache_dir, samples, BlendedDataset)
     log.info(
         "data ready in %.1f s: %s; train %s; valid %s",
         time.perf_counter() - start,
@@ -114,7 +105,3 @@ def build_datasets(config: DataConfig | None = None, **overrides) -> Datasets:
         valid,
     )
     return Datasets(tok, train, valid)
-
-
-def _sources(config: DataConfig) -> list[tuple[str, list[Path]]]:
-    return data_sources(config.paths, config.default_corpus_bytes, config.default_corpus_files)

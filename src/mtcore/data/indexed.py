@@ -4,6 +4,7 @@ The corpus is tokenized once into ``<prefix>.bin``, the token ids of every docum
 back to back, each followed by the end-of-document id, and ``<prefix>.idx``:
 
     header   magic b"MTCIDX\\0\\0" | version u32 | dtype code u32 | document count u64
+             | vocab size u64 | max id u64 (the tokenizer's size and the largest id written)
     offsets  int64[count + 1], the token offset where each document starts (last = total)
 
 Later runs map both with ``numpy.memmap``, so a start costs milliseconds and the
@@ -13,7 +14,14 @@ fits (half the disk and page cache of ``int32``).
 
 Opening validates everything cheap to check (magic, version, dtype, sizes, offsets),
 because a cache truncated by a full disk or a killed job must fail with the file's
-name, not as a shape error deep inside a training step.
+name, not as a shape error deep inside a training step. The token ids too: under
+tensor parallelism an id outside the vocabulary embeds to zeros with a loss of ln V,
+so a damaged file would train on nothing and exit 0. The build records the
+tokenizer's vocabulary size and the largest id written; opening compares the record
+with the tokenizer and with one vectorised max over the mapped tokens (0.45 ms for
+the default corpus, 2.3M uint16 ids in 4.7 MB, in the page cache; a cold file is read
+once at disk speed, and those pages then serve training). A file overwritten or
+zeroed in place keeps its size but not its max, so it is refused by name.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import struct
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,8 +42,8 @@ from mtcore.data.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MAGIC = b"MTCIDX\x00\x00"
-VERSION = 1
-_HEADER = struct.Struct("<8sIIQ")
+VERSION = 2  # 2: the header records the vocabulary size and the max id
+_HEADER = struct.Struct("<8sIIQQQ")
 _DTYPES: dict[int, type[np.integer]] = {1: np.uint16, 2: np.int32}
 _CODES = {np.dtype(t): c for c, t in _DTYPES.items()}
 
@@ -50,15 +59,23 @@ def _corrupt(path: Path, why: str) -> DataError:
     )
 
 
-def read_index(idx_path: Path) -> tuple[np.ndarray, np.dtype]:
-    """Read and validate ``<prefix>.idx``; return (offsets, token dtype)."""
+class IndexHeader(NamedTuple):
+    """What ``<prefix>.idx`` records besides the offsets."""
+
+    dtype: np.dtype
+    vocab_size: int  # the tokenizer's, at build time
+    max_id: int  # the largest token id written to the .bin
+
+
+def read_index(idx_path: Path) -> tuple[np.ndarray, IndexHeader]:
+    """Read and validate ``<prefix>.idx``; return (offsets, header)."""
     if not idx_path.is_file():
         raise DataError(f"token index file does not exist: {idx_path}")
     size = idx_path.stat().st_size
     if size < _HEADER.size:
         raise _corrupt(idx_path, f"{size} bytes is shorter than the {_HEADER.size}-byte header")
     with open(idx_path, "rb") as f:
-        magic, version, code, count = _HEADER.unpack(f.read(_HEADER.size))
+        magic, version, code, count, vocab_size, max_id = _HEADER.unpack(f.read(_HEADER.size))
         if magic != MAGIC:
             raise _corrupt(idx_path, f"bad magic {magic!r}, expected {MAGIC!r}")
         if version != VERSION:
@@ -71,26 +88,37 @@ def read_index(idx_path: Path) -> tuple[np.ndarray, np.dtype]:
         if size != expected:
             raise _corrupt(idx_path, f"{size} bytes, expected {expected} for {count} documents")
         offsets = np.fromfile(f, dtype="<i8", count=count + 1)
+    if max_id >= vocab_size:
+        raise _corrupt(
+            idx_path, f"its max token id {max_id} is outside its vocabulary of {vocab_size}"
+        )
     if count == 0:
         raise _corrupt(idx_path, "it holds no documents")
     if offsets[0] != 0 or np.any(np.diff(offsets) <= 0):
         raise _corrupt(idx_path, "document offsets do not start at 0 and increase")
-    return offsets, np.dtype(_DTYPES[code])
+    return offsets, IndexHeader(np.dtype(_DTYPES[code]), vocab_size, max_id)
 
 
-def write_index(idx_path: Path, offsets: np.ndarray, dtype: np.dtype) -> None:
+def write_index(
+    idx_path: Path, offsets: np.ndarray, dtype: np.dtype, *, vocab_size: int, max_id: int
+) -> None:
+    code = _CODES[np.dtype(dtype)]
     with atomic_write(idx_path) as f:
-        f.write(_HEADER.pack(MAGIC, VERSION, _CODES[np.dtype(dtype)], len(offsets) - 1))
+        f.write(_HEADER.pack(MAGIC, VERSION, code, len(offsets) - 1, vocab_size, max_id))
         f.write(np.asarray(offsets, dtype="<i8").tobytes())
 
 
 class IndexedDataset:
-    """The documents of one ``.bin``/``.idx`` pair, as slices of a memory-mapped array."""
+    """The documents of one ``.bin``/``.idx`` pair, as slices of a memory-mapped array.
 
-    def __init__(self, prefix: str | Path):
+    vocab_size: the tokenizer's; a file with a larger id than it holds is refused.
+    """
+
+    def __init__(self, prefix: str | Path, vocab_size: int | None = None):
         self.prefix = Path(prefix)
         self.idx_path, self.bin_path = _with(self.prefix, ".idx"), _with(self.prefix, ".bin")
-        self.offsets, self.dtype = read_index(self.idx_path)
+        self.offsets, self.header = read_index(self.idx_path)
+        self.dtype = self.header.dtype
         if not self.bin_path.is_file():
             raise DataError(
                 f"token file does not exist: {self.bin_path} (its index {self.idx_path} does)"
@@ -105,6 +133,26 @@ class IndexedDataset:
                 f"({expected} bytes expected, {actual} found)",
             )
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r")
+        self._check_ids(vocab_size)
+
+    def _check_ids(self, vocab_size: int | None) -> None:
+        """The recorded max id fits the tokenizer, and the tokens agree with the record."""
+        header = self.header
+        if vocab_size is not None and header.max_id >= vocab_size:
+            raise DataError(
+                f"token index {self.idx_path} holds ids up to {header.max_id} (built for a "
+                f"vocabulary of {header.vocab_size}), but the tokenizer has {vocab_size} ids; "
+                f"delete {self.idx_path} and {self.bin_path} to rebuild them"
+            )
+        lowest = int(self.tokens.min()) if self.dtype.kind == "i" else 0  # uint16: >= 0
+        highest = int(self.tokens.max())
+        if lowest < 0 or highest != header.max_id:
+            bad = lowest if lowest < 0 else highest
+            raise _corrupt(
+                self.bin_path,
+                f"it holds token id {bad}, but {self.idx_path.name} records a max id of "
+                f"{header.max_id} for a vocabulary of {header.vocab_size} ids",
+            )
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -123,8 +171,10 @@ def build_indexed_dataset(
 ) -> IndexedDataset:
     """Tokenize ``docs`` into ``<prefix>.bin``/``.idx`` (batch-encoded on all cores)."""
     prefix = Path(prefix)
-    dtype = token_dtype(tokenizer.vocab_size)
+    vocab_size = tokenizer.vocab_size
+    dtype = token_dtype(vocab_size)
     lengths: list[int] = []
+    max_id = 0
     with atomic_write(_with(prefix, ".bin")) as f:
         for batch in batched_documents(docs):
             flat: list[int] = []
@@ -132,13 +182,22 @@ def build_indexed_dataset(
                 flat.extend(ids)
                 flat.append(tokenizer.eod_id)
                 lengths.append(len(ids) + 1)
-            f.write(np.asarray(flat, dtype=dtype).tobytes())
+            written = np.asarray(flat, dtype=np.int64)
+            if len(ids) and (written.min() < 0 or written.max() >= vocab_size):
+                bad = written[(written < 0) | (written >= vocab_size)][0]
+                raise DataError(
+                    f"the tokenizer produced id {bad} for {prefix}, outside its vocabulary "
+                    f"of {vocab_size} ids"
+                )
+            max_id = max(max_id, int(written.max(initial=0)))
+            f.write(written.astype(dtype).tobytes())
     if not lengths:
         _with(prefix, ".bin").unlink(missing_ok=True)
         raise DataError(f"no documents to index for {prefix}: the corpus is empty")
     # The index goes last: its presence is what marks the pair complete.
-    write_index(_with(prefix, ".idx"), np.concatenate([[0], np.cumsum(lengths)]), dtype)
-    return IndexedDataset(prefix)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    write_index(_with(prefix, ".idx"), offsets, dtype, vocab_size=vocab_size, max_id=max_id)
+    return IndexedDataset(prefix, vocab_size)
 
 
 def get_indexed_dataset(
@@ -164,7 +223,7 @@ def get_indexed_dataset(
                 time.perf_counter() - start,
             )
             return ds
-    return IndexedDataset(prefix)
+    return IndexedDataset(prefix, tokenizer.vocab_size)
 
 
 def _with(prefix: Path, suffix: str) -> Path:

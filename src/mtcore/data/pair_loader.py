@@ -67,23 +67,14 @@ class PairLoader(TokenLoader):
     ``PairBlend``. For evaluation use ``shuffle=False`` and a fresh loader each time.
     """
 
-    def __init__(
-        self,
-        dataset: Any,
-        micro_batch_size: int,
-        global_batch_size: int | None = None,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-        mask_prob: float = 0.15,
-    ):
+    def __init__(self, dataset: Any, *args, mask_prob: float = 0.15, **kwargs):
+        """``TokenLoader``'s arguments (``micro_batch_size``, ``global_batch_size``,
+        ``dp_rank``, ``dp_size``, ``seed``, ``shuffle``), and ``mask_prob``: the share
+        of each sequence's maskable tokens that become MLM targets."""
         if not 0.0 < mask_prob <= 1.0:
             raise DataError(f"mask_prob must be in (0, 1], got {mask_prob}")
-        super().__init__(
-            dataset, micro_batch_size, global_batch_size, dp_rank, dp_size, seed, shuffle
-        )
-        self.seed, self.mask_prob = seed, mask_prob
+        super().__init__(dataset, *args, **kwargs)
+        self.seed, self.mask_prob = self.sampler.seed, mask_prob
 
     def next_draws(self) -> tuple[np.ndarray, np.ndarray]:
         """This rank's (sample indices, epoch each was drawn in) for the next micro-step."""

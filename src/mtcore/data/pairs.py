@@ -36,10 +36,9 @@ import numpy as np
 from mtcore.data.blend import BlendedDataset
 from mtcore.data.cache import DataError
 from mtcore.data.config import DataConfig
-from mtcore.data.corpus import data_sources
-from mtcore.data.indexed import IndexedDataset, get_indexed_dataset
+from mtcore.data.indexed import IndexedDataset
 from mtcore.data.pair_loader import PairLoader, mask_sequence
-from mtcore.data.samples import split_documents
+from mtcore.data.splits import config_sources, train_and_valid
 from mtcore.data.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
@@ -271,30 +270,17 @@ def build_pair_data(
     check_pair_args(seq_len, pair_task)
     start = time.perf_counter()
     cache_dir = config.resolved_cache_dir()
-    sources = data_sources(config.paths, config.default_corpus_bytes, config.default_corpus_files)
-    all_files = list(dict.fromkeys(f for _, files in sources for f in files))
+    sources, all_files = config_sources(config)
     tokenizer = get_tokenizer(
         all_files, cache_dir, config.vocab_size, config.tokenizer, config.text_key,
         special_tokens=BERT_SPECIAL_TOKENS,
     )  # fmt: skip
     vocab = PairVocab.from_tokenizer(tokenizer)
-    trains, valids = [], []
-    for name, files in sources:
-        index = get_indexed_dataset(files, tokenizer, cache_dir, name, config.text_key)
-        train_ids, valid_ids = split_documents(len(index), config.valid_fraction, name)
-        trains.append(
-            PairDataset(index, train_ids, vocab, seq_len, pair_task, seed, f"{name}/train")
-        )
-        if len(valid_ids):
-            valids.append(
-                PairDataset(index, valid_ids, vocab, seq_len, pair_task, seed, f"{name}/valid")
-            )
-    if len(sources) == 1:
-        train, valid = trains[0], (valids[0] if valids else None)
-    else:
-        weights = config.weights or [len(t) for t in trains]
-        train = PairBlend(trains, weights, name="train")
-        valid = PairBlend(valids, weights, name="valid") if valids else None
+
+    def samples(index, doc_ids, name):
+        return PairDataset(index, doc_ids, vocab, seq_len, pair_task, seed, name)
+
+    train, valid = train_and_valid(config, sources, tokenizer, cache_dir, samples, PairBlend)
     log.info(
         "pair data ready in %.1f s: %s; train %s; valid %s",
         time.perf_counter() - start, tokenizer, train, valid,

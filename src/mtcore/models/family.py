@@ -43,9 +43,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor, nn
 
+from mtcore.distributed.layout import reject_bool_numbers
 from mtcore.parallel.pipeline import TensorSpec
 
 Batch = dict[str, Tensor]
@@ -64,7 +65,10 @@ class FamilyConfig(BaseModel):
     the tokenizer's, padded to ``vocab_multiple``), ``seq_len`` and ``num_layers``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    # Every family's sizes and counts: ``num_layers: true`` is an error, not 1 layer.
+    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
 
     family: str
     vocab_size: int | None = Field(None, ge=2, description="None: the tokenizer's, padded")

@@ -2,7 +2,8 @@
 
 ``TrainConfig`` has eight sections (``model``, ``parallel``, ``precision``,
 ``data``, ``optimizer``, ``training``, ``checkpoint``, ``logging``); every
-section rejects unknown keys. ``TrainConfig.check(world_size)`` rejects a layout
+section rejects unknown keys and a boolean where a number belongs, and every section
+but ``model`` an inf or NaN float. ``TrainConfig.check(world_size)`` rejects a layout
 or batch arithmetic that cannot work before any process group starts. Reading
 YAML/TOML files and ``--section.key value`` overrides is ``mtcore.training.overrides``.
 """
@@ -12,10 +13,18 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, Field, SerializeAsAny, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from mtcore.data import DataConfig
-from mtcore.distributed.layout import LayoutSpec
+from mtcore.distributed.layout import LayoutSpec, reject_bool_numbers
 from mtcore.models import FamilyConfig, FamilyError, parse_model_config
 from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
 from mtcore.parallel.pipeline import validate_pipeline
@@ -26,6 +35,24 @@ from mtcore.precision.fp8 import FP8Recipe, check_backend_fp8
 class ConfigError(ValueError):
     """A job that cannot run as configured, found before training starts; the message
     names the key, file or numbers."""
+
+
+class Section(BaseModel):
+    """A config section: unknown keys, booleans given for numbers (``--training.steps
+    true`` would be 1) and inf/NaN floats (an ``lr`` of ``.inf``) are errors."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
+
+
+class DataSection(DataConfig):
+    """``DataConfig`` as the ``data`` section reads it: booleans refused for numbers
+    (``mtcore.data`` stays free of config policy)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
 
 
 class ParallelConfig(LayoutSpec):
@@ -52,7 +79,7 @@ class ParallelConfig(LayoutSpec):
         return LayoutSpec(**self.model_dump(include=set(LayoutSpec.model_fields)))
 
 
-class PrecisionConfig(BaseModel, extra="forbid"):
+class PrecisionConfig(Section):
     """Params and compute in ``dtype``; fp32 gradients, master weights and AdamW state.
 
     ``fp8`` runs the transformer blocks' linears in FP8 (docs/fp8.md); the embedding
@@ -112,7 +139,7 @@ class PrecisionConfig(BaseModel, extra="forbid"):
         )
 
 
-class OptimizerConfig(BaseModel, extra="forbid"):
+class OptimizerConfig(Section):
     """AdamW with linear warmup to ``lr``, then cosine decay to ``min_lr``."""
 
     lr: float = Field(3e-4, gt=0)
@@ -124,6 +151,15 @@ class OptimizerConfig(BaseModel, extra="forbid"):
     decay_steps: int | None = Field(None, ge=1, description="None: training.steps")
     max_grad_norm: float | None = Field(1.0, gt=0, description="None: no clipping")
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        # beta = 1 never forgets (the moments stop following the gradients, and the
+        # bias correction divides by zero); a negative one flips the average's sign.
+        if not all(0 <= b < 1 for b in betas):
+            raise PydanticCustomError("betas_range", "each beta must lie in [0, 1)")
+        return betas
+
     def lr_at(self, step: int, total_steps: int) -> float:
         """Learning rate for optimizer step ``step`` (1-based)."""
         if self.warmup_steps and step <= self.warmup_steps:
@@ -133,7 +169,7 @@ class OptimizerConfig(BaseModel, extra="forbid"):
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-class TrainingConfig(BaseModel, extra="forbid"):
+class TrainingConfig(Section):
     """Steps, batch sizes (in sequences), seeds, evaluation and failure handling."""
 
     steps: int = Field(1000, ge=1)
@@ -144,11 +180,15 @@ class TrainingConfig(BaseModel, extra="forbid"):
     eval_interval: int = Field(100, ge=0, description="0: evaluate only at the end")
     eval_batches: int = Field(4, ge=1, description="global batches per evaluation")
     max_bad_steps: int = Field(5, ge=1, description="stop after this many NaN/inf steps in a row")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="a collective or transfer a peer does not answer in this long "
+        "ends the job, naming the call and its ranks"
+    )
     sample_prompt: str | None = Field("def ", description="printed continuation at the end")
     sample_tokens: int = Field(64, ge=0)
 
 
-class CheckpointConfig(BaseModel, extra="forbid"):
+class CheckpointConfig(Section):
     """The whole training state every ``interval`` steps and at the end (docs/checkpoints.md).
 
     Sharded through torch.distributed.checkpoint, committed atomically under
@@ -170,7 +210,7 @@ class CheckpointConfig(BaseModel, extra="forbid"):
     )
 
 
-class LoggingConfig(BaseModel, extra="forbid"):
+class LoggingConfig(Section):
     interval: int = Field(10, ge=1, description="steps between log lines")
     tensorboard_dir: str | None = Field("runs/gpt/tensorboard", description="None: off")
     progress: Literal["auto", "bar", "lines"] = Field(
@@ -184,11 +224,18 @@ class TrainConfig(BaseModel, extra="forbid"):
     model: SerializeAsAny[FamilyConfig] = Field(default_factory=lambda: parse_model_config({}))
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
+    data: DataSection = Field(default_factory=DataSection)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data_section(cls, value):
+        if type(value) is DataConfig:  # built in code: check it as the section would
+            return value.model_dump(exclude_unset=True)
+        return value
 
     @field_validator("model", mode="before")
     @classmethod

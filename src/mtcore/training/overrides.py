@@ -33,13 +33,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
+    """The sections in ``path``; ``{}`` for an empty file (``mtcore train`` says so).
+
+    A key given twice in one YAML mapping is an error naming both lines: plain
+    YAML loading keeps the last one, so the earlier setting would vanish unseen.
+    """
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     try:
         if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
         elif path.suffix == ".toml":
             data = _toml().loads(text)
         else:
@@ -53,6 +61,30 @@ def read_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, not a {type(data).__name__}")
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, except that a mapping holding one key twice is an error."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # keys merged in may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = lines.get(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    continue
+                if first is not None:
+                    where = f"line {line}" if first == line else f"lines {first} and {line}"
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} ({where})"
+                    )
+                lines[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def _toml():

@@ -11,6 +11,7 @@ Rank 0 prints and writes TensorBoard events; every rank holds the agreed loss.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
 from mtcore.models import FamilyConfig, FamilyData, family_of
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
+from mtcore.training.checkpoint.owner import claim as claim_checkpoint_dir
 from mtcore.training.checkpoint.trainer_io import TrainerCheckpoints
 from mtcore.training.config import ConfigError, TrainConfig
 from mtcore.training.engine import Engine, StepOutcome
@@ -35,6 +37,7 @@ from mtcore.training.metrics import (
     peak_tflops,
     perplexity,
 )
+from mtcore.training.writable import check_output_dirs
 
 
 class TrainingError(RuntimeError):
@@ -48,15 +51,17 @@ class Prepared(NamedTuple):
     model: FamilyConfig
 
 
-def prepare(config: TrainConfig, world_size: int) -> Prepared:
+def prepare(config: TrainConfig, world_size: int, rank: int = 0) -> Prepared:
     """Validate the job for ``world_size`` processes and build (or map) its data.
 
     Raises ConfigError for every problem with the input: a layout that does not
-    fit the processes or the model, batch sizes that do not divide, a missing or
-    empty data path, a tokenizer with more ids than the model's vocabulary.
+    fit the processes or the model, batch sizes that do not divide, a directory
+    the job writes that cannot be written (``rank``: whose directories), a missing
+    or empty data path, a tokenizer with more ids than the model's vocabulary.
     """
     try:
         spec, microbatches = config.check(world_size)
+        check_output_dirs(config, rank)  # before the data layer writes its cache
         data = family_of(config.model).data(config.data, config.model)
         model = config.model.with_vocab(data.tokenizer.vocab_size)
         model.check_layout(spec)
@@ -110,17 +115,25 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
     from mtcore.backend import select_backend
 
     backend = select_backend(config.training.backend)
-    prep = prepare(config, world)
+    prep = prepare(config, world, rank)
     config.precision.check_backend(backend)  # before any process group starts
     if backend.device.type != "cpu":
         backend.device.set_device(int(os.environ.get("LOCAL_RANK", 0)) % backend.device.device_count())
     if world > 1:
-        backend.collective.init_process_group()
+        backend.collective.init_process_group(timeout_s=config.training.collective_timeout_s)
         layout = ParallelLayout.build(prep.spec, backend.collective, rank, world)
     else:
         layout = ParallelLayout.single(prep.spec)
     try:
-        return _Loop(config, prep, layout, backend, rank == 0, stream).run()
+        # Before anything reads or writes the checkpoint root (resume included).
+        owner = claim_checkpoint_dir(config.checkpoint.dir, backend, rank, world)
+        try:
+            if owner is not None and owner.notice:
+                print(owner.notice, file=stream or sys.stdout, flush=True)
+            return _Loop(config, prep, layout, backend, rank == 0, stream).run()
+        finally:
+            if owner is not None:
+                owner.release()
     finally:
         if world > 1:
             backend.collective.destroy()

@@ -54,7 +54,13 @@ def test_token_dtype_widens_for_large_vocabularies(tmp_path):
     prefix = tmp_path / "big"
     tokens = np.array([70000, 1, 0, 65536, 0], dtype=np.int32)
     tokens.tofile(tmp_path / "big.bin")
-    write_index(tmp_path / "big.idx", np.array([0, 3, 5]), np.dtype(np.int32))
+    write_index(
+        tmp_path / "big.idx",
+        np.array([0, 3, 5]),
+        np.dtype(np.int32),
+        vocab_size=70001,
+        max_id=70000,
+    )
     ds = IndexedDataset(prefix)
     assert ds.document(0).tolist() == [70000, 1, 0] and ds.document(1).tolist() == [65536, 0]
 
@@ -83,6 +89,12 @@ def _short_idx(ds):
     ds.idx_path.write_bytes(MAGIC)
 
 
+def _max_id_beyond_vocab(ds):
+    data = _header(ds.idx_path)
+    data[24:40] = struct.pack("<QQ", 400, 400)  # vocab size, max id
+    ds.idx_path.write_bytes(bytes(data))
+
+
 def _truncated_bin(ds):
     ds.bin_path.write_bytes(ds.bin_path.read_bytes()[:-4])
 
@@ -93,7 +105,8 @@ def _grown_bin(ds):
 
 def _decreasing_offsets(ds):
     data = _header(ds.idx_path)
-    data[24 + 8 : 24 + 16] = struct.pack("<q", 10**6)
+    at = indexed_mod._HEADER.size + 8
+    data[at : at + 8] = struct.pack("<q", 10**6)
     ds.idx_path.write_bytes(bytes(data))
 
 
@@ -105,6 +118,7 @@ def _decreasing_offsets(ds):
         (_truncated_idx, "idx", "expected"),
         (_short_idx, "idx", "header"),
         (_decreasing_offsets, "idx", "offsets"),
+        (_max_id_beyond_vocab, "idx", "max token id 400 is outside its vocabulary of 400"),
         (_truncated_bin, "bin", "beyond the end"),
         (_grown_bin, "bin", "short of the end"),
     ],

@@ -29,6 +29,7 @@ def test_fp8_checkpoint_exports_to_hf(tiny, tmp_path):
 
     class Args:
         checkpoint, out_dir, dtype = str(trained.checkpoint), str(tmp_path / "hf"), "fp32"
+        force = False
 
     out = _to_hf(Args)
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

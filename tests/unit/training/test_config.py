@@ -9,7 +9,7 @@ from mtcore.cli.main import build_parser
 from mtcore.distributed import LayoutError
 from mtcore.parallel.pipeline import SplitError
 from mtcore.training.config import ConfigError, OptimizerConfig, TrainConfig
-from mtcore.training.overrides import load_config, parse_overrides, validate
+from mtcore.training.overrides import load_config, parse_overrides, read_file, validate
 from mtcore.training.trainer import prepare
 
 
@@ -124,3 +124,83 @@ def test_cli_reads_config_nproc_and_overrides_in_any_order():
     assert (args.config, args.nproc) == ("job.yaml", 2)
     assert args.overrides == ["--training.steps", "5", "--parallel.tp=2"]
     assert build_parser().parse_args(["train"]).config is None
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["parallel.tp", "parallel.dp", "parallel.bucket_size", "training.steps", "data.seed",
+     "checkpoint.interval", "logging.interval", "precision.fp8_margin", "optimizer.lr"],
+)  # fmt: skip
+def test_a_boolean_is_not_a_size_or_count(key):
+    # pydantic reads True as 1: --parallel.tp true would quietly run tp=1.
+    with pytest.raises(ConfigError, match=rf"{key}: must be an? (integer|number), not a boolean"):
+        load_config(None, [f"--{key}", "true"])
+
+
+def test_model_sizes_and_the_layout_reject_booleans_outside_the_config_too():
+    from mtcore.distributed import LayoutSpec
+    from mtcore.models.gpt import GPTConfig
+    from mtcore.parallel.moe import MoESpec
+
+    with pytest.raises(ConfigError, match=r"model\.num_layers: must be an integer"):
+        load_config(None, ["--model.num_layers", "false"])
+    for build in (
+        lambda: LayoutSpec(pp=True),
+        lambda: GPTConfig(hidden_size=True),
+        lambda: MoESpec(num_experts=True, ffn_size=8),
+    ):
+        with pytest.raises(ValueError, match="not a boolean"):
+            build()
+    assert LayoutSpec(tp=2, sequence_parallel=True).sequence_parallel  # a real bool stays
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("optimizer.betas", "[0.9, 1.0]", r"optimizer\.betas: each beta must lie in \[0, 1\)"),
+        ("optimizer.betas", "[-0.1, 0.9]", r"optimizer\.betas: each beta must lie in \[0, 1\)"),
+        ("optimizer.lr", ".inf", r"optimizer\.lr: Input should be a finite number"),
+        ("optimizer.lr", ".nan", r"optimizer\.lr: Input should be a finite number"),
+        ("optimizer.min_lr", ".nan", r"optimizer\.min_lr: Input should be a finite number"),
+        ("optimizer.eps", ".inf", r"optimizer\.eps: Input should be a finite number"),
+    ],
+)
+def test_optimizer_numbers_must_be_usable(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"--{key}", value])
+    assert load_config(None, ["--optimizer.betas", "[0.0, 0.999]"]).optimizer.betas == (0.0, 0.999)
+
+
+def test_a_key_twice_in_a_yaml_file_names_the_key_and_both_lines(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("parallel:\n  tp: 2\n  pp: 1\n  tp: 4\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'tp' \(lines 2 and 4\)"):
+        load_config(path)
+    path.write_text("training: {steps: 3}\nparallel: {tp: 2}\ntraining: {seed: 1}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'training' \(lines 1 and 3\)"):
+        load_config(path)
+    # A merge key (<<) may be overridden: that is YAML's meaning, not a duplicate.
+    path.write_text("base: &b {tp: 2}\nparallel:\n  <<: *b\n  tp: 4\n")
+    assert read_file(path)["parallel"] == {"tp": 4}
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    for name in ("job.yaml", "job.toml"):
+        path = tmp_path / name
+        path.write_bytes(b"training:\n  sample_prompt: '\xff\xfe'\n")
+        with pytest.raises(ConfigError) as e:
+            load_config(path)
+        assert str(e.value) == f"config file {path} is not UTF-8 text (byte 28)"
+
+
+def test_an_empty_config_file_trains_with_the_defaults_and_says_so(tmp_path, capsys):
+    from mtcore.cli.main import main
+
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    assert load_config(path) == TrainConfig()
+    # Stopped before any data is read by a backend that does not exist.
+    assert main(["train", str(path), "--training.backend", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert f"mtcore train: note: {path} holds no settings; training with the defaults" in err
+    assert "mtcore train: error:" in err

@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec
 from mtcore.models.family import FamilyConfig
+from mtcore.models.layout_checks import check_block_split
 
 # Fields that decide which parameters exist and their shapes (the load-time check).
 _STRUCTURE = (
@@ -152,11 +153,4 @@ class BertConfig(FamilyConfig):
                 f"ep={spec.ep} splits mixture-of-experts layers, but BERT is dense; use ep=1"
             )
         spec.check_model(num_heads=self.num_heads, vocab_size=self.vocab_size, seq_len=self.seq_len)
-        if self.ffn_size % spec.tp:
-            raise LayoutError(f"ffn_hidden_size={self.ffn_size} is not divisible by tp={spec.tp}")
-        stages = spec.pp * spec.vpp
-        if self.num_layers % stages:
-            raise LayoutError(
-                f"{self.num_layers} layers are not divisible by pp*vpp = {spec.pp}*{spec.vpp} = "
-                f"{stages} pipeline chunks"
-            )
+        check_block_split(self.num_layers, self.ffn_size, spec)

@@ -11,21 +11,13 @@ from mtcore.data import BERT_SPECIAL_TOKENS
 from mtcore.models.bert import hf
 from mtcore.models.bert.config import BertConfig
 from mtcore.models.bert.model import DECODER_COPY, IGNORE_INDEX, WORD_EMBEDDING, Bert, build
-from mtcore.models.family import FamilyData, HFAdapter, ModelFamily, TensorSpec
+from mtcore.models.chunks import hidden_state_messages
+from mtcore.models.family import FamilyData, HFAdapter, ModelFamily
 from mtcore.models.layers import single_context
 
 
 def _one_process(config: BertConfig, backend=None) -> Bert:
     return Bert(config, single_context(config, backend))
-
-
-def _messages(config: BertConfig, layout, micro_batch_size: int, dtype: torch.dtype):
-    """The hidden states cross every boundary, a sequence shard under sp (the padding
-    mask and token types are side inputs every stage reads from the batch)."""
-    sp = layout.spec.sequence_parallel and layout.tp > 1
-    seq = config.seq_len // layout.tp if sp else config.seq_len
-    spec = {"hidden": TensorSpec((micro_batch_size, seq, config.hidden_size), dtype)}
-    return lambda boundary: spec
 
 
 def _loss_counts(config: BertConfig, batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -57,7 +49,7 @@ FAMILY = ModelFamily(
     config=BertConfig,
     build=build,
     one_process=_one_process,
-    messages=_messages,
+    messages=hidden_state_messages,  # padding mask and token types: each stage reads the batch
     loss_counts=_loss_counts,
     data=_data,
     checkpoint_aliases={DECODER_COPY: WORD_EMBEDDING},

@@ -37,25 +37,27 @@ cross-attention configs, untied decoders, encoders without biases.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from safetensors.torch import save_file
 from torch import Tensor
 
 from mtcore.models.bert.config import BertConfig
 from mtcore.models.bert.weights import check_full_weights
-from mtcore.models.gpt.hf import (
-    _DTYPE_NAMES,
-    CONFIG,
-    TOKENIZER,
-    WEIGHTS,
+from mtcore.models.hf_files import (
+    DTYPE_NAMES,
     HFInteropError,
-    _readable_like_other_files,
+    TensorTaker,
+    added_token_ids,
+    as_interop_error,
+    check_model_type,
+    copy_tokenizer,
+    need,
+    read_config,
     read_safetensors,
+    read_tokenizer,
+    write_weights_and_config,
 )
 
 # Special tokens a BERT tokenizer config names, and the spellings looked for.
@@ -133,7 +135,7 @@ def bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict:
         "is_decoder": False,
         "tie_word_embeddings": True,
         "pad_token_id": 0,
-        "torch_dtype": _DTYPE_NAMES[dtype],
+        "torch_dtype": DTYPE_NAMES[dtype],
     }
 
 
@@ -143,7 +145,7 @@ def model_config_from_bert(
     """The mtcore BertConfig of a HuggingFace BERT config.json (a dict). ``seq_len``: the
     positions kept (at most ``max_position_embeddings``; None: all of them)."""
     _check_importable(hf)
-    positions = _need(hf, "max_position_embeddings")
+    positions = need(hf, "max_position_embeddings")
     if seq_len is not None and seq_len > positions:
         raise HFInteropError(
             f"seq_len={seq_len} exceeds max_position_embeddings={positions}: the position "
@@ -151,11 +153,11 @@ def model_config_from_bert(
         )
     try:
         return BertConfig(
-            vocab_size=_need(hf, "vocab_size"),
-            hidden_size=_need(hf, "hidden_size"),
-            num_layers=_need(hf, "num_hidden_layers"),
-            num_heads=_need(hf, "num_attention_heads"),
-            ffn_hidden_size=_need(hf, "intermediate_size"),
+            vocab_size=need(hf, "vocab_size"),
+            hidden_size=need(hf, "hidden_size"),
+            num_layers=need(hf, "num_hidden_layers"),
+            num_heads=need(hf, "num_attention_heads"),
+            ffn_hidden_size=need(hf, "intermediate_size"),
             seq_len=seq_len or positions,
             type_vocab_size=hf.get("type_vocab_size", 2),
             norm_eps=hf.get("layer_norm_eps", 1e-12),
@@ -167,20 +169,8 @@ def model_config_from_bert(
         raise HFInteropError(f"the BERT config does not make an mtcore model: {e}") from e
 
 
-def _need(hf: dict, key: str):
-    if hf.get(key) is None:
-        raise HFInteropError(f"config.json lacks {key!r}")
-    return hf[key]
-
-
 def _check_importable(hf: dict) -> None:
-    if hf.get("model_type") != "bert":
-        raise HFInteropError(
-            f"model_type={hf.get('model_type')!r}: only HuggingFace BERT (model_type 'bert') "
-            "maps onto mtcore's BERT"
-        )
-    if hf.get("quantization_config"):
-        raise HFInteropError("quantized checkpoints (quantization_config) cannot be imported")
+    check_model_type(hf, "bert", "BERT", "BERT")
     if hf.get("hidden_act", "gelu") != "gelu":
         raise HFInteropError(
             f"hidden_act={hf['hidden_act']!r}: mtcore's BERT uses the exact (erf) GELU, 'gelu'"
@@ -221,41 +211,27 @@ def from_bert_tensors(config: BertConfig, tensors: dict[str, Tensor]) -> dict[st
     """mtcore full weights (fp32) from HuggingFace BERT tensors; refuses missing,
     unexpected or misshapen tensors, naming them."""
     tensors = {_current_name(name): tensor for name, tensor in tensors.items()}
-    used: set[str] = set()
-
-    def take(name: str) -> Tensor:
-        if name not in tensors:
-            raise HFInteropError(f"the safetensors files lack {name!r}")
-        used.add(name)
-        return tensors[name].float()
-
     if "cls.predictions.bias" not in tensors and "cls.predictions.decoder.bias" in tensors:
         tensors = {**tensors, "cls.predictions.bias": tensors["cls.predictions.decoder.bias"]}
-    weights = {mine: take(theirs) for mine, theirs in _names(config).items()}
+    source = TensorTaker(tensors)
+    weights = {mine: source.take(theirs) for mine, theirs in _names(config).items()}
     weights["embed.position"] = weights["embed.position"][: config.seq_len]
     for i in range(config.num_layers):
         for kind in ("weight", "bias"):
-            parts = [take(f"bert.encoder.layer.{i}.{theirs}.{kind}") for theirs in _QKV]
+            parts = [source.take(f"bert.encoder.layer.{i}.{theirs}.{kind}") for theirs in _QKV]
             weights[f"layers.{i}.attn.qkv.{kind}"] = torch.cat(parts, dim=0)
     for copy, twin in (
         ("cls.predictions.decoder.weight", "embed.word.weight"),
         ("cls.predictions.decoder.bias", "mlm.bias"),
     ):
-        if copy in tensors and not torch.equal(take(copy), weights[twin]):
+        if copy in source and not torch.equal(source.take(copy), weights[twin]):
             raise HFInteropError(
                 f"{copy} differs from the tensor it is tied to; cannot map an untied decoder"
             )
     # Old checkpoints carry the position ids as a buffer; mtcore makes none.
-    extra = sorted(k for k in set(tensors) - used if not k.endswith("embeddings.position_ids"))
-    if extra:
-        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise HFInteropError(
-            f"tensors with no place in mtcore's BERT: {', '.join(extra[:5])}{more}"
-        )
-    try:
+    source.refuse_untaken("mtcore's BERT", ignored_suffix="embeddings.position_ids")
+    with as_interop_error():
         check_full_weights(config, weights, "the imported tensors")
-    except ValueError as e:
-        raise HFInteropError(str(e)) from e
     return weights
 
 
@@ -275,12 +251,7 @@ def import_bert(
     """The BertConfig and fp32 full weights (``Bert(config).state_dict()`` names) of a
     HuggingFace BERT directory; the pair head is there if ``cls.seq_relationship`` is."""
     directory = Path(hf_dir)
-    if not (directory / CONFIG).is_file():
-        raise HFInteropError(f"no HuggingFace model at {directory} (expected {directory / CONFIG})")
-    try:
-        hf = json.loads((directory / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise HFInteropError(f"{directory / CONFIG} is not valid JSON: {e}") from e
+    hf = read_config(directory)
     _check_importable(hf)
     tensors = read_safetensors(directory)
     pair_head = "cls.seq_relationship.weight" in tensors
@@ -298,42 +269,33 @@ def export_bert(
     """Write a HuggingFace BERT directory (config.json, model.safetensors and, when given,
     tokenizer.json with a tokenizer_config.json) that ``BertForPreTraining`` (or
     ``BertForMaskedLM``) ``.from_pretrained`` loads. Returns ``out_dir``."""
-    if dtype not in _DTYPE_NAMES:
-        raise HFInteropError(f"dtype {dtype} is not one of {list(_DTYPE_NAMES.values())}")
+    if dtype not in DTYPE_NAMES:
+        raise HFInteropError(f"dtype {dtype} is not one of {list(DTYPE_NAMES.values())}")
     config = bert_config(model_config, dtype)
-    # clone(): safetensors refuses tensors that share storage (the split views do).
-    tensors = {
-        k: v.detach().to("cpu", dtype).clone()
-        for k, v in to_bert_tensors(model_config, full_weights).items()
-    }
+    tensors = to_bert_tensors(model_config, full_weights)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_json is not None:
         special = _special_tokens(Path(tokenizer_json))
-        shutil.copyfile(tokenizer_json, out / TOKENIZER)
-        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        tok_config["model_max_length"] = model_config.seq_len
-        # A plain fast tokenizer returns no token types unless told: pairs would read as one segment.
-        tok_config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
-        tok_config.update({role: token for role, (token, _) in special.items()})
+        copy_tokenizer(
+            out,
+            tokenizer_json,
+            model_config.seq_len,
+            # A plain fast tokenizer returns no token types unless told: pairs would read
+            # as one segment.
+            model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+            **{role: token for role, (token, _) in special.items()},
+        )
         if "pad_token" in special:
             config["pad_token_id"] = special["pad_token"][1]
-        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
-    _readable_like_other_files(out / WEIGHTS)
-    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    write_weights_and_config(out, config, tensors, dtype)
     return out
 
 
 def _special_tokens(path: Path) -> dict[str, tuple[str, int]]:
     """role -> (token, id) of the BERT special tokens a tokenizer.json has."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HFInteropError(f"cannot read tokenizer {path}: {e}") from e
-    ids = {
-        t.get("content"): t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)
-    }
+    data = read_tokenizer(path)
+    ids = added_token_ids(data)
     vocab = (data.get("model") or {}).get("vocab")
     if isinstance(vocab, dict):  # WordPiece / BPE keep special tokens in the vocab too
         ids = {**{k: v for k, v in vocab.items() if k in sum(_SPECIAL.values(), ())}, **ids}

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtcore.models.bert.config import BertConfig
+from mtcore.models.chunks import PipelineChunk, build_chunks
 from mtcore.models.family import BuiltModel
-from mtcore.models.layers import MLP, Attention, Context, Norm, make_context, single_context
-from mtcore.parallel.pipeline import stage_plans
+from mtcore.models.layers import MLP, Attention, Context, Norm
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -170,7 +170,7 @@ class MaskedLMHead(nn.Module):
         return column_parallel_matmul(x, weight, self.bias, self.c.tp, self.c.sequence_parallel)
 
 
-class Bert(nn.Module):
+class Bert(PipelineChunk):
     """The whole model (default) or one pipeline chunk: ``layers`` with or without the
     embeddings (``first``) and the heads (``last``)."""
 
@@ -182,15 +182,8 @@ class Bert(nn.Module):
         first: bool = True,
         last: bool = True,
     ):
-        super().__init__()
-        if config.vocab_size is None:
-            raise ValueError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
-        c = context or single_context(config)
-        self.config, self.c, self.tp = config, c, c.tp
-        self.first, self.last = first, last
-        layers = range(config.num_layers) if layers is None else layers
-        self.embed = Embeddings(c) if first else None
-        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in layers})
+        super().__init__(config, context, layers, first, last, Embeddings, Block)
+        c = self.c
         self.mlm = MaskedLMHead(c, copy=not first) if last else None
         self.pooler = self.pair = None
         if last and config.pair_head:
@@ -299,8 +292,4 @@ def build(
 ) -> BuiltModel:
     """This rank's chunks (chunk ``c`` of pipeline rank ``r`` is virtual stage
     ``c * pp + r``, with the layers ``stage_plans`` gives it) and their RNG tracker."""
-    config.check_layout(layout.spec)
-    c = make_context(config, layout, backend, seed, fp8)
-    plans = stage_plans(config.num_layers, layout.pp, layout.pp_rank, layout.spec.vpp)
-    chunks = [Bert(config, c, p.layers, p.has_embedding, p.has_head) for p in plans]
-    return BuiltModel(chunks, c.tracker)
+    return build_chunks(Bert, config, layout, backend, seed, fp8)

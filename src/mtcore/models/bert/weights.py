@@ -14,7 +14,7 @@ from torch import Tensor
 
 from mtcore.models.bert.config import BertConfig
 from mtcore.models.bert.model import DECODER_COPY, WORD_EMBEDDING
-from mtcore.parallel.tensor import load_full_tensors
+from mtcore.models.full_weights import check_weight_shapes, load_chunk_weights
 
 
 def full_weight_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
@@ -47,21 +47,7 @@ def full_weight_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
 
 def check_full_weights(config: BertConfig, weights: Mapping[str, Tensor], what: str) -> None:
     """Raise ValueError naming every missing, unexpected or misshapen tensor of ``weights``."""
-    shapes = full_weight_shapes(config)
-    problems = []
-    missing = sorted(set(shapes) - set(weights))
-    unexpected = sorted(set(weights) - set(shapes))
-    if missing:
-        problems.append(f"missing {_few(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_few(unexpected)}")
-    problems += [
-        f"{name} is {list(weights[name].shape)}, expected {list(shape)}"
-        for name, shape in shapes.items()
-        if name in weights and tuple(weights[name].shape) != shape
-    ]
-    if problems:
-        raise ValueError(f"{what} do not fit the model config: " + "; ".join(problems))
+    check_weight_shapes(full_weight_shapes(config), weights, what)
 
 
 def load_full_weights(chunks: Iterable, weights: Mapping[str, Tensor]) -> None:
@@ -69,16 +55,7 @@ def load_full_weights(chunks: Iterable, weights: Mapping[str, Tensor]) -> None:
     chunks, or ``[Bert(config)]``); a decoder copy gets the word embedding. No
     communication: call it on every rank."""
     for chunk in chunks:
-        needed = {name for name, _ in chunk.named_parameters()}
         source = dict(weights)
         if chunk.decoder_is_copy:
             source[DECODER_COPY] = weights[WORD_EMBEDDING]
-        missing = sorted(needed - set(source))
-        if missing:
-            raise ValueError(f"the full weights lack {_few(missing)} for this chunk")
-        load_full_tensors(chunk, {name: source[name] for name in needed}, chunk.tp)
-
-
-def _few(names: list[str], limit: int = 6) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+        load_chunk_weights(chunk, source)

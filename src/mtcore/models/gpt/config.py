@@ -30,6 +30,7 @@ from pydantic import Field, model_validator
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec
 from mtcore.models.family import FamilyConfig
+from mtcore.models.layout_checks import check_block_split
 from mtcore.parallel.moe import MoESpec
 
 STYLES: dict[str, dict[str, Any]] = {
@@ -245,11 +246,4 @@ class GPTConfig(FamilyConfig):
                 self.moe.check(spec.ep, spec.tp)
             except ValueError as e:
                 raise LayoutError(f"model.moe: {e}") from e
-        if self.ffn_size % spec.tp:
-            raise LayoutError(f"ffn_hidden_size={self.ffn_size} is not divisible by tp={spec.tp}")
-        stages = spec.pp * spec.vpp
-        if self.num_layers % stages:
-            raise LayoutError(
-                f"{self.num_layers} layers are not divisible by pp*vpp = {spec.pp}*{spec.vpp} = "
-                f"{stages} pipeline chunks"
-            )
+        check_block_split(self.num_layers, self.ffn_size, spec)

@@ -6,22 +6,16 @@ import torch
 from torch import Tensor
 
 from mtcore.data import TokenLoader, build_datasets
-from mtcore.models.family import FamilyData, HFAdapter, ModelFamily, TensorSpec
+from mtcore.models.chunks import hidden_state_messages
+from mtcore.models.family import FamilyData, HFAdapter, ModelFamily
 from mtcore.models.gpt import hf
 from mtcore.models.gpt.config import GPTConfig
-from mtcore.models.gpt.model import GPT, IGNORE_INDEX, build, single_context
+from mtcore.models.gpt.model import GPT, IGNORE_INDEX, build
+from mtcore.models.layers import single_context
 
 
 def _one_process(config: GPTConfig, backend=None) -> GPT:
     return GPT(config, single_context(config, backend))
-
-
-def _messages(config: GPTConfig, layout, micro_batch_size: int, dtype: torch.dtype):
-    """One tensor crosses every boundary: the hidden states, a sequence shard under sp."""
-    sp = layout.spec.sequence_parallel and layout.tp > 1
-    seq = config.seq_len // layout.tp if sp else config.seq_len
-    spec = {"hidden": TensorSpec((micro_batch_size, seq, config.hidden_size), dtype)}
-    return lambda boundary: spec
 
 
 def _loss_counts(config: GPTConfig, batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -73,7 +67,7 @@ FAMILY = ModelFamily(
     config=GPTConfig,
     build=build,
     one_process=_one_process,
-    messages=_messages,
+    messages=hidden_state_messages,
     loss_counts=_loss_counts,
     data=_data,
     checkpoint_aliases={"output.weight": "embed.tok.weight"},

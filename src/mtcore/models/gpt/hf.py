@@ -39,32 +39,32 @@ activation other than SiLU, quantized or non-Llama models on import.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from mtcore.models.gpt.config import GPTConfig
 from mtcore.models.gpt.weights import check_full_weights
+from mtcore.models.hf_files import (
+    DTYPE_NAMES,
+    HFInteropError,
+    TensorTaker,
+    added_token_ids,
+    as_interop_error,
+    check_model_type,
+    copy_tokenizer,
+    need,
+    read_config,
+    read_safetensors,
+    read_tokenizer,
+    write_weights_and_config,
+)
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-TOKENIZER = "tokenizer.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Tokens that end a document in common tokenizer.json files (as mtcore's data pipeline).
 _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-
-
-class HFInteropError(ValueError):
-    """A model, config or file that cannot map between mtcore and HuggingFace Llama."""
 
 
 # -- config ----------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def llama_config(config: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
         "mlp_bias": False,
         "pretraining_tp": 1,
         "tie_word_embeddings": config.tie_embeddings,
-        "torch_dtype": _DTYPE_NAMES[dtype],
+        "torch_dtype": DTYPE_NAMES[dtype],
         "use_cache": True,
         # Unknown without a tokenizer (export_llama fills them from one): transformers'
         # defaults (1, 2) would name arbitrary tokens.
@@ -131,13 +131,13 @@ def model_config_from_llama(hf: dict, seq_len: int | None = None) -> GPTConfig:
     try:
         return GPTConfig(
             style="llama",
-            vocab_size=_need(hf, "vocab_size"),
-            hidden_size=_need(hf, "hidden_size"),
-            num_layers=_need(hf, "num_hidden_layers"),
-            num_heads=_need(hf, "num_attention_heads"),
+            vocab_size=need(hf, "vocab_size"),
+            hidden_size=need(hf, "hidden_size"),
+            num_layers=need(hf, "num_hidden_layers"),
+            num_heads=need(hf, "num_attention_heads"),
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            ffn_hidden_size=_need(hf, "intermediate_size"),
-            seq_len=seq_len or _need(hf, "max_position_embeddings"),
+            ffn_hidden_size=need(hf, "intermediate_size"),
+            seq_len=seq_len or need(hf, "max_position_embeddings"),
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(hf),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -147,20 +147,8 @@ def model_config_from_llama(hf: dict, seq_len: int | None = None) -> GPTConfig:
         raise HFInteropError(f"the Llama config does not make an mtcore model: {e}") from e
 
 
-def _need(hf: dict, key: str):
-    if hf.get(key) is None:
-        raise HFInteropError(f"config.json lacks {key!r}")
-    return hf[key]
-
-
 def _check_importable(hf: dict) -> None:
-    if hf.get("model_type") != "llama":
-        raise HFInteropError(
-            f"model_type={hf.get('model_type')!r}: only HuggingFace Llama (model_type 'llama') "
-            "maps onto mtcore's GPT"
-        )
-    if hf.get("quantization_config"):
-        raise HFInteropError("quantized checkpoints (quantization_config) cannot be imported")
+    check_model_type(hf, "llama", "Llama", "GPT")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise HFInteropError(
             f"hidden_act={hf['hidden_act']!r}: mtcore's SwiGLU gates with silu only"
@@ -168,7 +156,7 @@ def _check_importable(hf: dict) -> None:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise HFInteropError(f"{key}=true: mtcore's llama style has no biases")
-    heads, hidden = _need(hf, "num_attention_heads"), _need(hf, "hidden_size")
+    heads, hidden = need(hf, "num_attention_heads"), need(hf, "hidden_size")
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim * heads != hidden:
         raise HFInteropError(
@@ -243,40 +231,27 @@ def to_llama_tensors(config: GPTConfig, weights: dict[str, Tensor]) -> dict[str,
 def from_llama_tensors(config: GPTConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """mtcore full weights (fp32) from HuggingFace Llama tensors; refuses missing,
     unexpected or misshapen tensors, naming them."""
-    # Old checkpoints carry the RoPE frequencies as a buffer; mtcore recomputes them.
-    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
-    used: set[str] = set()
-
-    def take(name: str) -> Tensor:
-        if name not in tensors:
-            raise HFInteropError(f"the safetensors files lack {name!r}")
-        used.add(name)
-        return tensors[name].float()
-
-    weights = {"embed.tok.weight": take("model.embed_tokens.weight")}
+    source = TensorTaker(tensors)
+    weights = {"embed.tok.weight": source.take("model.embed_tokens.weight")}
     for i in range(config.num_layers):
         mine, theirs = f"layers.{i}.", f"model.layers.{i}."
         for m, h in _LAYER_NAMES.items():
-            weights[mine + m] = take(theirs + h)
+            weights[mine + m] = source.take(theirs + h)
         for m, parts in _FUSED.items():
-            weights[mine + m] = torch.cat([take(theirs + h) for h in parts], dim=0)
-    weights["norm.weight"] = take("model.norm.weight")
+            weights[mine + m] = torch.cat([source.take(theirs + h) for h in parts], dim=0)
+    weights["norm.weight"] = source.take("model.norm.weight")
     if not config.tie_embeddings:
-        weights["output.weight"] = take("lm_head.weight")
-    elif "lm_head.weight" in tensors and not torch.equal(
-        take("lm_head.weight"), weights["embed.tok.weight"]
+        weights["output.weight"] = source.take("lm_head.weight")
+    elif "lm_head.weight" in source and not torch.equal(
+        source.take("lm_head.weight"), weights["embed.tok.weight"]
     ):
         raise HFInteropError(
             "tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
         )
-    extra = sorted(set(tensors) - used)
-    if extra:
-        more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise HFInteropError(f"tensors with no place in a Llama GPT: {', '.join(extra[:5])}{more}")
-    try:
+    # Old checkpoints carry the RoPE frequencies as a buffer; mtcore recomputes them.
+    source.refuse_untaken("a Llama GPT", ignored_suffix="rotary_emb.inv_freq")
+    with as_interop_error():
         check_full_weights(config, weights, "the imported tensors")
-    except ValueError as e:
-        raise HFInteropError(str(e)) from e
     return weights
 
 
@@ -291,46 +266,25 @@ def export_llama(
     """Write a HuggingFace Llama directory (config.json, model.safetensors and, when
     given, tokenizer.json with a tokenizer_config.json) that
     ``LlamaForCausalLM.from_pretrained`` loads. Returns ``out_dir``."""
-    if dtype not in _DTYPE_NAMES:
+    if dtype not in DTYPE_NAMES:
         raise HFInteropError(f"dtype {dtype} is not one of {sorted(DTYPES)}")
     config = llama_config(model_config, dtype)
-    # clone(): safetensors refuses tensors that share storage (the split views do).
-    tensors = {
-        k: v.detach().to("cpu", dtype).clone()
-        for k, v in to_llama_tensors(model_config, full_weights).items()
-    }
+    tensors = to_llama_tensors(model_config, full_weights)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_json is not None:
         eos = _eos_token(Path(tokenizer_json))
-        shutil.copyfile(tokenizer_json, out / TOKENIZER)
-        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        tok_config["model_max_length"] = model_config.seq_len
+        settings = {} if eos is None else {"eos_token": eos[0]}
+        copy_tokenizer(out, tokenizer_json, model_config.seq_len, **settings)
         if eos is not None:
-            tok_config["eos_token"] = eos[0]
             config["eos_token_id"] = config["bos_token_id"] = eos[1]
-        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
-    _readable_like_other_files(out / WEIGHTS)
-    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    write_weights_and_config(out, config, tensors, dtype)
     return out
-
-
-def _readable_like_other_files(path: Path) -> None:
-    """safetensors writes its file owner-only (0600); give it the mode ``open()`` would
-    (0666 less the umask), so a shared export is readable like its config.json."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
 
 
 def _eos_token(path: Path) -> tuple[str, int] | None:
     """The end-of-document token of a tokenizer.json and its id, if it has one."""
-    try:
-        added = json.loads(path.read_text()).get("added_tokens") or []
-    except (OSError, json.JSONDecodeError) as e:
-        raise HFInteropError(f"cannot read tokenizer {path}: {e}") from e
-    ids = {t.get("content"): t.get("id") for t in added if isinstance(t, dict)}
+    ids = added_token_ids(read_tokenizer(path))
     return next(((t, ids[t]) for t in _EOS_CANDIDATES if ids.get(t) is not None), None)
 
 
@@ -340,40 +294,6 @@ def import_llama(
     """The GPTConfig and fp32 full weights (``GPT(config).state_dict()`` names) of a
     HuggingFace Llama directory. ``seq_len`` as in :func:`model_config_from_llama`."""
     directory = Path(hf_dir)
-    if not (directory / CONFIG).is_file():
-        raise HFInteropError(f"no HuggingFace model at {directory} (expected {directory / CONFIG})")
-    try:
-        hf = json.loads((directory / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise HFInteropError(f"{directory / CONFIG} is not valid JSON: {e}") from e
-    config = model_config_from_llama(hf, seq_len)
+    config = model_config_from_llama(read_config(directory), seq_len)
     return config, from_llama_tensors(config, read_safetensors(directory))
 
-
-def read_safetensors(directory: Path) -> dict[str, Tensor]:
-    """Every tensor of ``model.safetensors`` or of the shards its index lists."""
-    if (directory / WEIGHTS).is_file():
-        files = [directory / WEIGHTS]
-    elif (directory / INDEX).is_file():
-        try:
-            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-            files = [directory / name for name in sorted(set(weight_map.values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise HFInteropError(
-                f"{directory / INDEX} is not a safetensors index (a 'weight_map' of tensor "
-                f"name -> file): {type(e).__name__}: {e}"
-            ) from e
-    else:
-        found = sorted(p.name for p in directory.iterdir())
-        raise HFInteropError(
-            f"{directory} has neither {WEIGHTS} nor {INDEX} (found: {', '.join(found)}); "
-            "pickled pytorch_model.bin files are not read (convert them to safetensors)"
-        )
-    tensors: dict[str, Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
-        except Exception as e:  # safetensors raises its own error types for bad files
-            raise HFInteropError(f"cannot read {path}: {e}") from e
-    return tensors

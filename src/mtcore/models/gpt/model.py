@@ -19,20 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mtcore.models.chunks import PipelineChunk, build_chunks
 from mtcore.models.family import BuiltModel
 from mtcore.models.gpt.config import GPTConfig
-from mtcore.models.layers import (
-    MLP,
-    Attention,
-    Context,
-    Norm,
-    make_context,
-    out_std,
-    single_context,
-)
+from mtcore.models.layers import MLP, Attention, Context, Norm, out_std
 from mtcore.ops import rope_tables
 from mtcore.parallel.moe import MoELayer
-from mtcore.parallel.pipeline import stage_plans
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -118,7 +110,7 @@ def _moe(c: Context, generator: torch.Generator) -> MoELayer:
     )
 
 
-class GPT(nn.Module):
+class GPT(PipelineChunk):
     """The whole model (default) or one pipeline chunk: ``layers`` with or without
     the embedding (``first``) and the output layer (``last``)."""
 
@@ -130,15 +122,8 @@ class GPT(nn.Module):
         first: bool = True,
         last: bool = True,
     ):
-        super().__init__()
-        if config.vocab_size is None:
-            raise ValueError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
-        c = context or single_context(config)
-        self.config, self.c, self.tp = config, c, c.tp
-        self.first, self.last = first, last
-        layers = range(config.num_layers) if layers is None else layers
-        self.embed = Embedding(c) if first else None
-        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in layers})
+        super().__init__(config, context, layers, first, last, Embedding, Block)
+        c = self.c
         self.norm = Norm(c) if last else None
         # The output layer shares the token embedding's weight when tied. On a
         # pipeline stage without the embedding it is a copy drawn from the same
@@ -255,8 +240,4 @@ def build_gpt(
 
 def build(config: GPTConfig, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None) -> BuiltModel:
     """``build_gpt``'s chunks with the RNG tracker they share (the family's ``build``)."""
-    config.check_layout(layout.spec)
-    c = make_context(config, layout, backend, seed, fp8)
-    plans = stage_plans(config.num_layers, layout.pp, layout.pp_rank, layout.spec.vpp)
-    chunks = [GPT(config, c, p.layers, p.has_embedding, p.has_head) for p in plans]
-    return BuiltModel(chunks, c.tracker)
+    return build_chunks(GPT, config, layout, backend, seed, fp8)

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor
 
+from mtcore.models.full_weights import check_weight_shapes, load_chunk_weights
 from mtcore.models.gpt.config import GPTConfig
-from mtcore.parallel.tensor import load_full_tensors
 
 
 def full_weight_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -56,22 +56,7 @@ def full_weight_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
 
 def check_full_weights(config: GPTConfig, weights: Mapping[str, Tensor], what: str) -> None:
     """Raise ValueError naming every missing, unexpected or misshapen tensor of ``weights``."""
-    shapes = full_weight_shapes(config)
-    missing = sorted(set(shapes) - set(weights))
-    unexpected = sorted(set(weights) - set(shapes))
-    wrong = [
-        f"{name} is {list(weights[name].shape)}, expected {list(shape)}"
-        for name, shape in shapes.items()
-        if name in weights and tuple(weights[name].shape) != shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing {_few(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {_few(unexpected)}")
-    problems += wrong
-    if problems:
-        raise ValueError(f"{what} do not fit the model config: " + "; ".join(problems))
+    check_weight_shapes(full_weight_shapes(config), weights, what)
 
 
 def load_full_weights(chunks: Iterable, weights: Mapping[str, Tensor]) -> None:
@@ -82,16 +67,7 @@ def load_full_weights(chunks: Iterable, weights: Mapping[str, Tensor]) -> None:
     it gets ``embed.tok.weight``. Call it on every rank; there is no communication.
     """
     for chunk in chunks:
-        needed = {name for name, _ in chunk.named_parameters()}
         source = dict(weights)
         if chunk.output_is_copy and "output.weight" not in source:
             source["output.weight"] = weights["embed.tok.weight"]
-        missing = sorted(needed - set(source))
-        if missing:
-            raise ValueError(f"the full weights lack {_few(missing)} for this chunk")
-        load_full_tensors(chunk, {name: source[name] for name in needed}, chunk.tp)
-
-
-def _few(names: list[str], limit: int = 6) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+        load_chunk_weights(chunk, source)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mtcore.distributed.layout import reject_bool_numbers
 
 
 class MoESpec(BaseModel):
@@ -39,6 +41,9 @@ class MoESpec(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ``num_experts: true`` is an error, not one expert.
+    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
 
     num_experts: int = Field(ge=1)
     top_k: int = Field(2, ge=1)

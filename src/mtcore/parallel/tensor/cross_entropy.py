@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from mtcore.parallel.tensor.mappings import TPGroup
+from mtcore.parallel.tensor.vocab_check import check_vocab_ids
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -76,11 +77,15 @@ def vocab_parallel_cross_entropy(
         ``[N]`` float32 loss (float64 for float64 logits), equal on every tp
         rank; ignored positions have loss 0 and zero gradient. With one rank
         this is the backend's ``cross_entropy`` kernel.
+
+    Raises IndexError for a target outside ``[0, V)`` other than ``ignore_index``:
+    at tp > 1 no shard would own it, so its loss would be a silent ln V.
     """
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(
             f"need logits [N, V/tp] and target [N], got {list(logits.shape)}, {list(target.shape)}"
         )
+    check_vocab_ids(target, logits.shape[1] * tp.size, "label", ignore_index)
     if tp.size == 1:
         return tp.backend.kernels.cross_entropy(logits, target, ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, tp, ignore_index)

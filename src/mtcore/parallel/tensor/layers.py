@@ -37,6 +37,7 @@ from mtcore.parallel.tensor.sharding import (
     set_tp_partition,
     shard_tensor,
 )
+from mtcore.parallel.tensor.vocab_check import check_vocab_ids
 from mtcore.precision.fp8 import FP8Recipe, FP8Scaling, accept_fp8_state, fp8_linear
 
 InitMethod = Callable[[Tensor, torch.Generator | None], None]
@@ -217,6 +218,8 @@ class VocabParallelEmbedding(nn.Module):
     under sequence parallel. Rank ``r`` holds rows ``[r V/tp, (r+1) V/tp)``;
     a token outside that range looks up row 0 and is zeroed, so the all-reduce
     (or reduce-scatter) of the per-rank partial lookups is the full lookup.
+    That mask would also zero an id outside the whole vocabulary, silently, so
+    such an id raises IndexError first, at every tp size (``vocab_check``).
     """
 
     def __init__(
@@ -244,6 +247,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + num_embeddings // tp.size
 
     def forward(self, tokens: Tensor) -> Tensor:
+        check_vocab_ids(tokens, self.num_embeddings)
         if self.tp.size == 1:
             return F.embedding(tokens, self.weight)
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)

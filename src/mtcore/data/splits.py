@@ -1,0 +1,57 @@
+"""Train and validation datasets of every data path, blended: what the GPT and the BERT
+pipelines share.
+
+Both read the same sources (``data_sources``), index each with their tokenizer, split
+it by document (``split_documents``) and blend several paths by ``config.weights``
+(default: in proportion to their sizes). Only how a split's documents become samples
+differs, packed sequences or sentence pairs, so each pipeline passes that in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtcore.data.config import DataConfig
+from mtcore.data.corpus import data_sources
+from mtcore.data.indexed import IndexedDataset, get_indexed_dataset
+from mtcore.data.samples import split_documents
+
+Sources = list[tuple[str, list[Path]]]  # (dataset name, its files) per data path
+
+
+def config_sources(config: DataConfig) -> tuple[Sources, list[Path]]:
+    """(name, files) per dataset of ``config``, and every file once, in order: what a
+    trained tokenizer learns from."""
+    sources = data_sources(config.paths, config.default_corpus_bytes, config.default_corpus_files)
+    return sources, list(dict.fromkeys(f for _, files in sources for f in files))
+
+
+def train_and_valid(
+    config: DataConfig,
+    sources: Sources,
+    tokenizer: Any,
+    cache_dir: Path,
+    samples: Callable[[IndexedDataset, np.ndarray, str], Any],
+    blend: Callable[..., Any],
+) -> tuple[Any, Any | None]:
+    """(train, valid) of ``sources``: each source's cached index split by document,
+    ``samples(index, doc_ids, name)`` of each side, and with several sources,
+    ``blend(datasets, weights, name=...)`` of each side. ``valid`` is None when no
+    document is held out."""
+    trains, valids = [], []
+    for name, files in sources:
+        index = get_indexed_dataset(files, tokenizer, cache_dir, name, config.text_key)
+        train_ids, valid_ids = split_documents(len(index), config.valid_fraction, name)
+        trains.append(samples(index, train_ids, f"{name}/train"))
+        if len(valid_ids):
+            valids.append(samples(index, valid_ids, f"{name}/valid"))
+    if len(sources) == 1:
+        return trains[0], (valids[0] if valids else None)
+    weights = config.weights or [len(t) for t in trains]
+    train = blend(trains, weights, name="train")
+    valid = blend(valids, weights, name="valid") if valids else None
+    return train, valid

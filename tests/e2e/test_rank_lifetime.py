@@ -1,0 +1,131 @@
+"""Ranks never outlive their launcher, and a stuck rank ends the job within the collective
+timeout, naming the call and the ranks it waited for (real `mtcore train` processes).
+
+* ``kill -9`` of the `mtcore train` launcher: its ranks are gone within seconds (a
+  parent-death signal in each rank), instead of training and checkpointing on;
+* ``kill -STOP`` of one rank of ``--nproc 2`` with ``training.collective_timeout_s 5``:
+  the job exits non-zero within the timeout and a grace period, and the other rank's
+  one-line error names the call ("did not complete within 5 s") and its peer ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and prctl")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, write_code_corpus) -> Path:
+    root = tmp_path_factory.mktemp("lifetime")
+    config = {
+        "model": dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=32),
+        "parallel": {"pp": 2},
+        "precision": {"dtype": "fp32"},
+        "data": dict(paths=[str(write_code_corpus(root / "docs", 12, 40))], vocab_size=300,
+                     cache_dir=str(root / "cache")),
+        "training": dict(steps=100000, global_batch_size=4, micro_batch_size=2, eval_interval=0,
+                         sample_prompt=None, collective_timeout_s=5),
+        "checkpoint": {"dir": None},
+        "logging": dict(interval=1, tensorboard_dir=None, progress="lines"),
+    }  # fmt: skip
+    path = root / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _ranks_of(launcher: int) -> dict[int, int]:
+    """``RANK -> pid`` of the launcher's child processes (read from /proc)."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        rank = [v for v in env if v.startswith(b"RANK=")]
+        if ppid == launcher and rank:
+            ranks[int(rank[0][5:])] = int(entry.name)
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start(job: Path, cli_env, mtcore_script) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(mtcore_script), "train", str(job), "--nproc", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
+    )
+
+
+def _wait_for_training(proc: subprocess.Popen, timeout: float = 120) -> list[str]:
+    """Read the launcher's output until rank 0 logs step 2; return the lines read."""
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("step 2/"):
+            return lines
+    proc.kill()
+    pytest.fail("training did not start:\n" + "".join(lines[-30:]))
+
+
+def test_killing_the_launcher_ends_its_ranks(job, cli_env, mtcore_script):
+    proc = _start(job, cli_env, mtcore_script)
+    try:
+        _wait_for_training(proc)
+        ranks = _ranks_of(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in ranks.values()):
+            time.sleep(0.2)
+        assert not [p for p in ranks.values() if _alive(p)], "ranks outlived the launcher"
+    finally:
+        for pid in _ranks_of(proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout(job, cli_env, mtcore_script):
+    proc = _start(job, cli_env, mtcore_script)
+    stopped = None
+    try:
+        _wait_for_training(proc)
+        ranks = _ranks_of(proc.pid)
+        stopped = ranks[1]
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        took = time.monotonic() - start
+    finally:
+        if stopped is not None and _alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, out[-2000:]
+    assert took < 60, f"the job took {took:.0f} s to end"
+    errors = [line for line in out.splitlines() if line.startswith("mtcore train: error: rank 0:")]
+    assert errors and "did not complete within 5 s" in errors[0], out[-3000:]
+    assert "rank(s) [1]" in errors[0] or "ranks [0, 1]" in errors[0], errors[0]

@@ -1,0 +1,87 @@
+"""`mtcore convert` and `mtcore generate` given bad input: one line and a non-zero exit,
+never a traceback, and nothing already on disk overwritten unasked (in process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mtcore.backend import select_backend
+from mtcore.cli.main import main
+from mtcore.models.gpt import GPT, GPTConfig, single_context
+from mtcore.models.gpt.hf import import_llama
+from mtcore.training.checkpoint import write_model_weights
+
+
+def _one_error_line(capsys, prefix: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(prefix) and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    config = GPTConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, seq_len=16)
+    weights = GPT(config, single_context(config, select_backend("cpu"))).state_dict()
+    return write_model_weights(tmp_path / "ckpt", weights, config)
+
+
+def test_to_hf_refuses_a_file_and_an_existing_model_unless_forced(tmp_path, checkpoint, capsys):
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    assert main(["convert", "to-hf", str(checkpoint), str(file)]) == 1
+    assert "is a file, not a directory" in _one_error_line(capsys, "mtcore convert to-hf: error:")
+    assert file.read_text() == "mine"
+
+    out = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(checkpoint), str(out), "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
+    (out / "README.md").write_text("notes")
+    before = (out / "model.safetensors").read_bytes()
+    assert main(["convert", "to-hf", str(checkpoint), str(out), "--dtype", "bf16"]) == 1
+    err = _one_error_line(capsys, "mtcore convert to-hf: error:")
+    assert "already holds a model" in err and "--force" in err
+    assert (out / "model.safetensors").read_bytes() == before
+
+    assert main(["convert", "to-hf", str(checkpoint), str(out), "--dtype", "bf16", "--force"]) == 0
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert not (out / "model-00001-of-00002.safetensors").exists()  # would be read with it
+    assert (out / "README.md").read_text() == "notes"  # not a model file: kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "ckpt", "hf"]  # no staging
+
+
+def test_from_hf_refuses_nan_or_inf_weights_naming_the_tensor(tmp_path, checkpoint, capsys):
+    hf = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(checkpoint), str(hf), "--dtype", "fp32"]) == 0
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"][3, 5] = float("inf")
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    _, imported = import_llama(hf)
+    bad = [k for k, v in imported.items() if not torch.isfinite(v).all()]
+    assert len(bad) == 1
+    capsys.readouterr()
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "root")]) == 1
+    err = _one_error_line(capsys, "mtcore convert from-hf: error:")
+    assert f"weight {bad[0]!r} holds 1 NaN or inf value(s)" in err
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "nan", "--top-k", "5"], "--temperature must be a finite number > 0"),
+        (["--temperature", "inf"], "--temperature must be a finite number > 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number > 0"),
+        (["--seed", str(2**64)], "--seed must fit in 64 bits"),
+        (["--backend", "nope"], "'nope'"),
+    ],
+)
+def test_generate_bad_arguments_are_one_line_and_exit_2(
+    tmp_path, checkpoint, capsys, args, message
+):
+    assert main(["generate", str(checkpoint), "--prompt", "x", *args]) == 2
+    assert message in _one_error_line(capsys, "mtcore generate: error:")
