@@ -3,7 +3,7 @@
 ``mtcore train`` starts these ranks itself; run this module directly under
 ``torchrun`` (or Slurm's ``srun`` + ``torchrun``) for several nodes. Every rank
 validates the config; only rank 0 prints a problem with it. Exit status: 0 done,
-1 training failed, 2 bad input (nothing was trained).
+1 training failed, 2 bad input (nothing was trained), 130 interrupted (Ctrl-C).
 
 A rank ends when the process that started it dies (Linux: a parent-death signal),
 so killing the launcher never leaves ranks training, and writing checkpoints, on
@@ -15,9 +15,14 @@ ends the rank with one line naming the call and its ranks.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 LAUNCHER_PID_ENV = "MTCORE_LAUNCHER_PID"
+# How long a rank other than 0 that found bad input waits before it says so itself: every
+# rank finds the same problem, and rank 0's line (its exit ends the others) is the one.
+BAD_INPUT_GRACE_S = 5.0
 
 
 def end_with_parent() -> None:
@@ -40,22 +45,54 @@ def end_with_parent() -> None:
         sys.exit(1)
 
 
+def restart_overrides() -> list[str]:
+    """``--checkpoint.resume true`` when the elastic agent restarted this rank (torchrun
+    ``--max-restarts``; it counts restarts in TORCHELASTIC_RESTART_COUNT): a restarted
+    job continues from checkpoint.dir's latest commit, not from step 0."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not count.isdigit() or int(count) == 0:
+        return []
+    if int(os.environ.get("RANK", "0")) == 0:
+        most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        print(
+            f"mtcore train: restart {count} of at most {most} (a rank died): "
+            "resuming from checkpoint.dir's latest commit",
+            file=sys.stderr,
+        )
+    return ["--checkpoint.resume", "true"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    from mtcore.backend.collective import CollectiveTimeout
-    from mtcore.training.checkpoint import CheckpointError
-    from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config
-    from mtcore.training.trainer import TrainingError, train
 
     argv = sys.argv[1:] if argv is None else argv
     config_path = argv[0] if argv and not argv[0].startswith("--") else None
     overrides = argv[1:] if config_path is not None else argv
-    loud = int(os.environ.get("RANK", "0")) == 0
+    return run_rank(lambda: load_config(config_path, overrides))
+
+
+def run_rank(make_config) -> int:
+    """Train this rank with the config ``make_config()`` returns; the exit status, with any
+    problem said in one line (rank 0 for what every rank finds)."""
+    from mtcore.backend import BackendError
+    from mtcore.backend.collective import CollectiveTimeout
+    from mtcore.training.checkpoint import CheckpointError, CheckpointWriteError
+    from mtcore.training.config import ConfigError
+    from mtcore.training.trainer import TrainingError, train
+
+    rank = int(os.environ.get("RANK", "0"))
+    loud = rank == 0
     try:
-        train(load_config(config_path, overrides))
-    except (ConfigError, CheckpointError) as e:  # bad input: nothing was trained
+        train(make_config())
+    except CheckpointWriteError as e:  # a save failed (disk full): training ran, the input was fine
         if loud:
             print(f"mtcore train: error: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, CheckpointError, BackendError) as e:  # bad input: nothing was trained
+        if not loud:  # rank 0 says it, and its exit ends this rank, unless it did not find it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing to save: end when told
+            time.sleep(BAD_INPUT_GRACE_S)
+        print(f"mtcore train: error: {'' if loud else f'rank {rank}: '}{e}", file=sys.stderr)
         return 2
     except TrainingError as e:
         if loud:
@@ -64,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     except CollectiveTimeout as e:  # every rank that waited says what it waited for
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it, once
+        return 130
     return 0
 
 
 if __name__ == "__main__":
-    end_with_parent()
-    sys.exit(main())
+    end_with_parent()  # a restarted rank's parent is still the launcher (the agent)
+    sys.exit(main(sys.argv[1:] + restart_overrides()))

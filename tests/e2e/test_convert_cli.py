@@ -93,7 +93,7 @@ def test_convert_refuses_what_does_not_map(tmp_path, capsys):
     gpt2 = GPTConfig(style="gpt2", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4)
     gpt2_weights = GPT(gpt2, single_context(gpt2, select_backend("cpu"))).state_dict()
     write_model_weights(tmp_path / "gpt2", gpt2_weights, gpt2)
-    assert main(["convert", "to-hf", str(tmp_path / "gpt2"), str(tmp_path / "no")]) == 1
+    assert main(["convert", "to-hf", str(tmp_path / "gpt2"), str(tmp_path / "no")]) == 2
     err = capsys.readouterr().err
     assert "mtcore convert to-hf: error:" in err
     assert "style='gpt2'" in err and "norm='layernorm'" in err
@@ -112,11 +112,11 @@ def test_convert_refuses_what_does_not_map(tmp_path, capsys):
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
     }
     (scaled / "config.json").write_text(json.dumps(hf_config))
-    assert main(["convert", "from-hf", str(scaled), str(tmp_path / "no-ckpt")]) == 1
+    assert main(["convert", "from-hf", str(scaled), str(tmp_path / "no-ckpt")]) == 2
     assert "rope_type='llama3'" in capsys.readouterr().err
     assert not (tmp_path / "no-ckpt").exists()
     # Into a root that holds checkpoints: the import would become its latest.
-    assert main(["convert", "from-hf", str(scaled), str(tmp_path / "gpt2")]) == 1
+    assert main(["convert", "from-hf", str(scaled), str(tmp_path / "gpt2")]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: a direction is required
         main(["convert"])

@@ -32,7 +32,7 @@ def checkpoint(tmp_path):
 def test_to_hf_refuses_a_file_and_an_existing_model_unless_forced(tmp_path, checkpoint, capsys):
     file = tmp_path / "a-file"
     file.write_text("mine")
-    assert main(["convert", "to-hf", str(checkpoint), str(file)]) == 1
+    assert main(["convert", "to-hf", str(checkpoint), str(file)]) == 2
     assert "is a file, not a directory" in _one_error_line(capsys, "mtcore convert to-hf: error:")
     assert file.read_text() == "mine"
 
@@ -42,7 +42,7 @@ def test_to_hf_refuses_a_file_and_an_existing_model_unless_forced(tmp_path, chec
     (out / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
     (out / "README.md").write_text("notes")
     before = (out / "model.safetensors").read_bytes()
-    assert main(["convert", "to-hf", str(checkpoint), str(out), "--dtype", "bf16"]) == 1
+    assert main(["convert", "to-hf", str(checkpoint), str(out), "--dtype", "bf16"]) == 2
     err = _one_error_line(capsys, "mtcore convert to-hf: error:")
     assert "already holds a model" in err and "--force" in err
     assert (out / "model.safetensors").read_bytes() == before
@@ -64,7 +64,7 @@ def test_from_hf_refuses_nan_or_inf_weights_naming_the_tensor(tmp_path, checkpoi
     bad = [k for k, v in imported.items() if not torch.isfinite(v).all()]
     assert len(bad) == 1
     capsys.readouterr()
-    assert main(["convert", "from-hf", str(hf), str(tmp_path / "root")]) == 1
+    assert main(["convert", "from-hf", str(hf), str(tmp_path / "root")]) == 2
     err = _one_error_line(capsys, "mtcore convert from-hf: error:")
     assert f"weight {bad[0]!r} holds 1 NaN or inf value(s)" in err
     assert not (tmp_path / "root").exists()
@@ -85,3 +85,10 @@ def test_generate_bad_arguments_are_one_line_and_exit_2(
 ):
     assert main(["generate", str(checkpoint), "--prompt", "x", *args]) == 2
     assert message in _one_error_line(capsys, "mtcore generate: error:")
+
+
+def test_generate_refuses_what_is_not_a_checkpoint_in_one_line(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "none"), "--prompt", "x"]) == 2
+    assert "no checkpoint at" in _one_error_line(capsys, "mtcore generate: error:")
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    assert "no committed checkpoint" in _one_error_line(capsys, "mtcore generate: error:")

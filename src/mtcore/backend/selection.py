@@ -1,15 +1,18 @@
 """Choosing a backend: explicit name > MTCORE_BACKEND > best available accelerator > cpu.
 
 A backend that was asked for and cannot run is an error that says why; mtcore
-never falls back to the CPU silently.
+never falls back to the CPU silently. Automatic selection skips an accelerator
+whose availability check raises, or whose name several plugins claim, with a
+warning that names it.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
-from mtcore.backend.plugins import PluginRegistry
-from mtcore.backend.spec import Backend
+from mtcore.backend.plugins import PLUGINS_ENV, PluginInfo, PluginRegistry, PluginWarning
+from mtcore.backend.spec import Backend, BackendSpec
 
 BACKEND_ENV = "MTCORE_BACKEND"
 HOST_BACKEND = "cpu"
@@ -40,14 +43,18 @@ def select_backend(name: str | None = None, registry: PluginRegistry | None = No
     requested = name or os.environ.get(BACKEND_ENV) or None
     if requested is not None:
         return _build(registry, requested, how="requested" if name else f"requested by {BACKEND_ENV}")
+    for claimed, owners in sorted(found.conflicts.items()):
+        if claimed != HOST_BACKEND:  # a conflict over cpu is the error below
+            message = _conflict_message(registry, claimed, owners)
+            warnings.warn(f"automatic backend selection skipped {claimed!r}: {message}", PluginWarning, stacklevel=2)
     accelerators = sorted(
-        (spec for spec, _ in found.backends.values() if spec.accelerator),
-        key=lambda spec: (-spec.priority, spec.name),  # ties break by name, not install order
+        (entry for entry in found.backends.values() if entry[0].accelerator),
+        key=lambda entry: (-entry[0].priority, entry[0].name),  # ties break by name, not install order
     )
-    for spec in accelerators:
-        if spec.availability():
+    for spec, info in accelerators:
+        if _available_for_auto(spec, info):
             return _build(registry, spec.name, how="auto")
-    if HOST_BACKEND in found.backends:
+    if HOST_BACKEND in found.backends or HOST_BACKEND in found.conflicts:
         return _build(registry, HOST_BACKEND, how="auto")
     raise BackendError(
         "no backend is available: no accelerator plugin found a device and no plugin "
@@ -66,11 +73,7 @@ def get_backend(name: str | None = None) -> Backend:
 def _build(registry: PluginRegistry, name: str, how: str) -> Backend:
     found = registry.discovery
     if name in found.conflicts:
-        owners = ", ".join(p.label for p in found.conflicts[name])
-        raise BackendError(
-            f"backend {name!r} is claimed by several plugins: {owners}. Uninstall one, or "
-            "choose with MTCORE_PLUGINS=<plugin>[,...]"
-        )
+        raise BackendError(_conflict_message(registry, name, found.conflicts[name]))
     if name not in found.backends:
         known = ", ".join(sorted(found.backends)) or "none"
         error = BackendError(f"unknown backend {name!r} ({how}); known backends: {known}" + _broken_suffix(registry))
@@ -91,6 +94,30 @@ def _build(registry: PluginRegistry, name: str, how: str) -> Backend:
         return Backend(spec, info.name, kernels)
     except Exception as exc:
         raise BackendError(f"backend {name!r} from plugin {info.label} failed to build: {exc}") from exc
+
+
+def _available_for_auto(spec: BackendSpec, info: PluginInfo) -> bool:
+    """Probe an accelerator; a probe that raises is a warning, not a silent skip."""
+    try:
+        return bool(spec.device.availability())
+    except Exception as exc:
+        warnings.warn(
+            f"automatic backend selection skipped backend {spec.name!r} from plugin {info.label}: "
+            f"its availability check raised {exc!r}",
+            PluginWarning,
+            stacklevel=3,
+        )
+        return False
+
+
+def _conflict_message(registry: PluginRegistry, name: str, owners: list[PluginInfo]) -> str:
+    first, *others = sorted(owners, key=lambda p: p.name)
+    keep = ",".join(n for n in sorted(registry.discovery.plugins) if n not in {p.name for p in others})
+    return (
+        f"backend {name!r} is claimed by several plugins: {', '.join(p.label for p in owners)}, so none "
+        f"of them is used. Uninstall all but one, or leave the others out with {PLUGINS_ENV} "
+        f"(for example {PLUGINS_ENV}={keep} keeps {first.name}'s)"
+    )
 
 
 def _broken_suffix(registry: PluginRegistry) -> str:

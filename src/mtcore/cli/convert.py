@@ -59,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         out = _to_hf(args) if args.direction == "to-hf" else _from_hf(args)
-    except (OSError, CheckpointError, ValueError) as e:  # HFInteropError too
+    except (FileNotFoundError, CheckpointError, ValueError) as e:  # HFInteropError too
+        print(f"mtcore convert {args.direction}: error: {e}", file=sys.stderr)
+        return 2  # bad input: nothing was written
+    except OSError as e:  # writing failed (disk full, permissions)
         print(f"mtcore convert {args.direction}: error: {e}", file=sys.stderr)
         return 1
     print(out)

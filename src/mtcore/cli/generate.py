@@ -47,13 +47,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, _step, directory = load_model(args.checkpoint, backend)
         tokenizer = load_tokenizer(directory / "tokenizer.json")
-    except (FileNotFoundError, ValueError, DataError) as e:
+    except (FileNotFoundError, ValueError, DataError) as e:  # CheckpointError too: bad input
         print(f"mtcore generate: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     family = family_of(model.config)
     if family.generate is None:
         print(f"mtcore generate: error: the {family.name} family does not generate text", file=sys.stderr)
-        return 1
+        return 2
     generator = torch.Generator(device=backend.torch_device()).manual_seed(args.seed)
     text = family.generate(
         model, tokenizer, args.prompt, args.max_new_tokens, args.top_k, args.temperature, generator

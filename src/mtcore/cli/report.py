@@ -225,7 +225,9 @@ def selection_facts(registry: PluginRegistry) -> dict:
     requested = os.environ.get(BACKEND_ENV) or None
     how = f"{BACKEND_ENV}={requested}" if requested else "automatic"
     try:
-        backend = select_backend(None, registry)
+        with warnings.catch_warnings():  # the report lists conflicts and failed probes itself
+            warnings.simplefilter("ignore", PluginWarning)
+            backend = select_backend(None, registry)
     except BackendError as exc:
         return {"backend": None, "how": how, "error": error_facts(exc)}
     except Exception as exc:  # a plugin raised inside selection

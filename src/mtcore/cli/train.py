@@ -1,4 +1,4 @@
-"""Train a model: `mtcore train [CONFIG] [--nproc N] [--section.key VALUE ...]`.
+"""Train a model: `mtcore train [CONFIG] [--nproc N] [--max-restarts N] [--section.key VALUE ...]`.
 
 CONFIG is a YAML or TOML file (none: the built-in defaults); each
 `--section.key VALUE` (or `--section.key=VALUE`) overrides one setting, for
@@ -8,14 +8,17 @@ processes, the batch sizes, the data paths and the tokenizer's vocabulary.
 The data is prepared once here (tokenizer, token index: cached), then N local
 ranks start through torch.distributed.run (the elastic launcher behind
 torchrun), each with OMP_NUM_THREADS=1 unless set. `--nproc 1` trains in this
-process. On a cluster, run `torchrun ... -m mtcore.train CONFIG` on every node
-(docs/training.md).
+process. `--max-restarts N` has the agent restart all ranks, up to N times, when
+one dies; they resume from checkpoint.dir's latest commit. On a cluster, run
+`torchrun ... -m mtcore.train CONFIG` on every node (docs/training.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 
 HELP = "train a model (any family: gpt, bert, ...) from a YAML/TOML config on local ranks"
@@ -34,6 +37,14 @@ checkpoints (docs/checkpoints.md):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML or TOML config file (default: built-in)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="local ranks (default 1)")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart all ranks up to N times when one dies; they resume from "
+        "checkpoint.dir's latest commit (default 0)",
+    )
     parser.epilog = EPILOG + "\n" + (parser.epilog or "")
     # Overrides are free-form (--any.config.key VALUE), which argparse cannot declare;
     # this subcommand reads its own arguments (argparse still prints its --help).
@@ -50,12 +61,15 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
         if arg in ("-h", "--help"):
             parser.print_help()
             parser.exit()
-        if arg == "--nproc" or arg.startswith("--nproc="):
+        name = arg.partition("=")[0]
+        if name in ("--nproc", "--max-restarts"):
             value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 0 if "=" in arg else 1
-            if not value.isdigit() or int(value) < 1:
-                parser.error(f"--nproc needs a positive number, got {value!r}")
-            ns.nproc = int(value)
+            least = 1 if name == "--nproc" else 0
+            if not value.isdigit() or int(value) < least:
+                kind = "a positive" if least else "a non-negative"
+                parser.error(f"{name} needs {kind} number, got {value!r}")
+            setattr(ns, name[2:].replace("-", "_"), int(value))
         elif arg.startswith("--"):
             ns.overrides.append(arg)
             if "=" not in arg and i + 1 < len(argv):
@@ -71,13 +85,14 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from mtcore.backend import BackendError, select_backend
-    from mtcore.training.checkpoint import CheckpointError
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config, read_file
-    from mtcore.training.trainer import TrainingError, prepare, train
+    from mtcore.training.trainer import prepare
 
     try:
         config = load_config(args.config, args.overrides)
+        if args.max_restarts and config.checkpoint.dir is None:
+            raise ConfigError("--max-restarts needs a checkpoint.dir to resume from")
         if args.config and not read_file(args.config):  # an empty file: say what runs
             note = f"{args.config} holds no settings; training with the defaults"
             print(f"mtcore train: note: {note}", file=sys.stderr)
@@ -86,21 +101,17 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, BackendError) as e:
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 2
-    if args.nproc == 1:
-        try:
-            train(config)
-        except CheckpointError as e:  # the checkpoint to start from is unusable
-            print(f"mtcore train: error: {e}", file=sys.stderr)
-            return 2
-        except TrainingError as e:
-            print(f"mtcore train: error: {e}", file=sys.stderr)
-            return 1
-        return 0
-    return launch(args.nproc, args.config, args.overrides)
+    if args.nproc == 1 and not args.max_restarts:  # restarts need the elastic agent
+        from mtcore.train import run_rank
+
+        return run_rank(lambda: config)  # the same exit statuses and messages as a rank's
+    return launch(args.nproc, args.config, args.overrides, args.max_restarts)
 
 
-def launch(nproc: int, config: str | None, overrides: list[str]) -> int:
-    """Start ``nproc`` local ranks of ``python -m mtcore.train`` through the elastic launcher."""
+def launch(nproc: int, config: str | None, overrides: list[str], max_restarts: int = 0) -> int:
+    """Start ``nproc`` local ranks of ``python -m mtcore.train`` through the elastic launcher;
+    when one dies, it restarts all of them up to ``max_restarts`` times (they resume)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as elastic_run
@@ -109,12 +120,38 @@ def launch(nproc: int, config: str | None, overrides: list[str]) -> int:
     # The ranks' parent is this process (the elastic agent runs in it): each rank arms a
     # parent-death signal and checks this pid, so no rank outlives a killed launcher.
     os.environ["MTCORE_LAUNCHER_PID"] = str(os.getpid())
-    argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "mtcore.train"]
+    argv = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
+    argv += ["-m", "mtcore.train"]
+    if max_restarts:
+        # The agent's shared store outlives a restart, and restarted gloo ranks would read
+        # the dead ranks' addresses from it: a fresh store for every round instead.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv += ([config] if config else []) + list(overrides)
+    # The agent logs a failed rank, a signal, each rank it stops; one line says it instead
+    # (the rank's own, or the one below). Only the agent logs in this process.
+    quiet = logging.root.manager.disable
+    logging.disable(logging.ERROR)
     try:
         elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as e:
-        failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items()))
-        print(f"mtcore train: error: {failed} failed; the rank's message is above", file=sys.stderr)
-        return 1
+        return _failed(e.failures)
+    except SignalException as e:  # Ctrl-C (or a kill) of the launcher: the ranks got it too
+        if e.sigval == signal.SIGINT:
+            print("mtcore train: interrupted", file=sys.stderr)
+            return 128 + signal.SIGINT
+        print(f"mtcore train: stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + e.sigval
+    finally:
+        logging.disable(quiet)
     return 0
+
+
+def _failed(failures: dict) -> int:
+    """The exit status for ranks that failed: 2 when they stopped on bad input (exit 2,
+    its line printed by the rank; the others only stopped by the agent), else 1 and a line."""
+    codes = {rank: failure.exitcode for rank, failure in sorted(failures.items())}
+    if 2 in codes.values() and all(code == 2 or code < 0 for code in codes.values()):
+        return 2
+    failed = ", ".join(f"rank {rank} (exit {code})" for rank, code in codes.items())
+    print(f"mtcore train: error: {failed} failed; the rank's message is above", file=sys.stderr)
+    return 1

@@ -178,3 +178,54 @@ def test_kernel_pack_plugin_contributes_to_another_plugins_backend(make_dist):
     backend = select_backend("cpu", registry())
     chosen = backend.kernel_table()["swiglu"]
     assert [(k.name, k.plugin) for k in chosen] == [("kpack", "kpack_plugin")]
+
+
+RAISING_PROBE = """
+from mtcore.backend import BackendSpec, Collective, CpuDevice, hookimpl
+
+class ProbeFails(CpuDevice):
+    type = "flaky"
+    def availability(self):
+        raise OSError("driver ioctl failed")
+
+@hookimpl
+def mtcore_backends():
+    return [BackendSpec(name="flaky", device=ProbeFails(), collective=Collective("gloo"), priority=900)]
+"""
+
+HOST = """
+from mtcore.backend import BackendSpec, Collective, CpuDevice, hookimpl
+
+@hookimpl
+def mtcore_backends():
+    return [BackendSpec(name="cpu", device=CpuDevice(), collective=Collective("gloo"), accelerator=False)]
+"""
+
+
+def test_accelerator_whose_availability_raises_warns_under_auto(make_dist, monkeypatch):
+    monkeypatch.delenv("MTCORE_BACKEND", raising=False)
+    make_dist("flaky-accel", "flaky_plugin", RAISING_PROBE)
+    make_dist("acme-accel", "acme_plugin", ACCEL.format(name="acme", priority=1))
+    reg = registry()
+    with pytest.warns(PluginWarning, match=r"'flaky' from plugin flaky_plugin \(flaky-accel 1.0\).*driver ioctl failed"):
+        assert select_backend(None, reg).name == "acme"  # the next one by priority
+
+
+def test_second_plugin_claiming_cpu_is_a_conflict_not_a_missing_backend(make_dist, monkeypatch):
+    monkeypatch.delenv("MTCORE_BACKEND", raising=False)
+    make_dist("other-host", "other_host", HOST)
+    reg = registry()
+    for name in ("cpu", None):  # asked for, and automatic
+        with pytest.raises(BackendError, match="'cpu' is claimed by several plugins") as err:
+            select_backend(name, reg)
+        message = str(err.value)
+        assert "other_host (other-host 1.0)" in message and "mtcore_cuda (mtcore-cuda" in message
+        assert "MTCORE_PLUGINS=" in message and "pip install" not in message
+
+
+def test_conflicting_accelerator_is_skipped_under_auto_with_a_warning(make_dist, monkeypatch):
+    monkeypatch.delenv("MTCORE_BACKEND", raising=False)
+    make_dist("dup-a", "dup_a", ACCEL.format(name="dup", priority=1))
+    make_dist("dup-b", "dup_b", ACCEL.format(name="dup", priority=2))
+    with pytest.warns(PluginWarning, match="skipped 'dup': backend 'dup' is claimed by several plugins: dup_a"):
+        assert select_backend(None, registry()).name == "cpu"

@@ -6,7 +6,7 @@ resharding across layouts, atomic commit, verified and pickle-free loading (docs
 * ``resolve_checkpoint``: a committed step directory from a root or step path.
 """
 
-from mtcore.training.checkpoint.checkpointer import Checkpointer, Loaded
+from mtcore.training.checkpoint.checkpointer import Checkpointer, CheckpointWriteError, Loaded
 from mtcore.training.checkpoint.manifest import (
     FORMAT,
     CheckpointError,
@@ -19,6 +19,7 @@ from mtcore.training.checkpoint.weights import load_model, read_model_weights, w
 __all__ = [
     "FORMAT",
     "CheckpointError",
+    "CheckpointWriteError",
     "Checkpointer",
     "IncompleteCheckpointWarning",
     "Loaded",

@@ -16,17 +16,25 @@ Asynchronous save (``async_save=True``): the state is copied during the call
 written by a background thread over a separate gloo process group, so it never
 interleaves with the training collectives; rank 0 commits it when it finishes
 (``poll`` at each step, ``wait`` at the end).
+
+A save that fails because the file system is full (or over quota) raises one
+``CheckpointWriteError`` on every rank, naming the step, the directory and the
+last complete checkpoint; rank 0 removes the incomplete save, and the committed
+checkpoints are untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from mtcore.training.checkpoint import manifest as mf
@@ -38,6 +46,19 @@ TRAINER_STATE = "trainer_state.json"
 # Fault injection for the kill test: rank 0 sleeps this long between writing a save and
 # committing it, so a test can kill the job while the .partial directory exists.
 COMMIT_DELAY_ENV = "MTCORE_CHECKPOINT_COMMIT_DELAY_S"
+
+_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+# torch's writers report a short write as "unexpected pos 704 vs 598", without an errno.
+_FULL_MESSAGES = {
+    "No space left on device": "no space left on device",
+    "Disk quota exceeded": "disk quota exceeded",
+    "unexpected pos": "no space left on device",
+}
+
+
+class CheckpointWriteError(mf.CheckpointError):
+    """A save ran out of disk space; the message names the step, the directory and the last
+    complete checkpoint, which the failed save left intact."""
 
 
 @dataclass
@@ -104,7 +125,7 @@ class Checkpointer:
             try:
                 self._prepare(staging, root, step, trainer_state, files)
             except Exception as e:
-                error = e
+                error = self._disk_full_error(e, staging, step) or e
         # Also the barrier: no rank writes into staging before rank 0 has created it.
         self._settle(error, f"prepare {staging}")
         header = {
@@ -126,7 +147,13 @@ class Checkpointer:
             )
             self._pending = (future, staging, header)
             return None
-        dcp_save(tensors, staging, self.world)
+        try:
+            dcp_save(tensors, staging, self.world)
+        except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
+            full = self._disk_full_error(e, staging, step)
+            if full is None:
+                raise
+            raise full from e
         return self._commit(staging, header, collective=True)
 
     def _prepare(self, staging, root, step, trainer_state, files) -> None:
@@ -165,7 +192,13 @@ class Checkpointer:
         if self._pending is not None:
             future, staging, header = self._pending
             self._pending = None
-            future.result()  # re-raises a failed write (on every rank: DCP gathers errors)
+            try:
+                future.result()  # re-raises a failed write (on every rank: DCP gathers errors)
+            except (Exception, CheckpointException) as e:
+                full = self._disk_full_error(e, staging, header["step"])
+                if full is None:
+                    raise
+                raise full from e
             done = self._commit(staging, header, collective=False)
         if collective:
             error, self._commit_error = self._commit_error, None
@@ -183,12 +216,30 @@ class Checkpointer:
                     time.sleep(delay)
                 done = mf.commit(staging, header, self.keep_last)
             except Exception as e:
-                error = e
+                error = self._disk_full_error(e, staging, header["step"]) or e
         if collective:
             self._settle(error, f"commit {staging}")
         elif error is not None:
             self._commit_error = error
         return done
+
+    def _disk_full_error(self, error: BaseException, staging: Path, step: int):
+        """A one-line ``CheckpointWriteError`` when ``error`` is a full disk, else None.
+        Every rank that saw the failure calls this once its writes are over; rank 0 removes
+        the incomplete save, which only takes space."""
+        what = disk_full(error)
+        if what is None:
+            return None
+        root = staging.parent
+        if self.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        steps = mf.committed_steps(root)
+        last = f"step {steps[-1][0]} is" if steps else "there is no"
+        full = CheckpointWriteError(
+            f"{what} while saving step {step} to {root}; {last} the last complete checkpoint"
+        )
+        full.__cause__ = error
+        return full
 
     def _settle(self, error: Exception | None, what: str) -> None:
         """Rank 0's outcome of a step only it performs, on every rank (a broadcast, so also
@@ -326,6 +377,27 @@ def gather_json(obj: dict, collective, world: int, device) -> dict:
         raw = bytes(every[r * longest : r * longest + int(sizes[r])].tolist())
         out.update(json.loads(raw.decode()))
     return out
+
+
+def disk_full(error: BaseException) -> str | None:
+    """What ran out ("no space left on device") if ``error``, or an error it wraps (DCP's
+    per-rank failures, a cause, a context), is a full disk; else None."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+            return _FULL_ERRNOS[e.errno]
+        if isinstance(e, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        else:
+            for text, what in _FULL_MESSAGES.items():
+                if text in str(e):
+                    return what
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

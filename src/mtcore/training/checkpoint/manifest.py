@@ -9,8 +9,10 @@ at any moment leaves either the old set of checkpoints or the new one: a
 ``.partial`` directory (or a step directory without a manifest) is never
 loaded, and ``resolve_checkpoint`` names it in a warning.
 
-Loading checks the manifest first: a missing, truncated or altered file is an
-error naming the file, before any byte of it is deserialised.
+Loading checks the manifest first: its structure (``Manifest``: every key, of
+its type), then every file: a missing, truncated or altered file, or a file the
+manifest does not list, is an error naming the file, before any byte of it is
+deserialised.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import os
 import re
 import shutil
 import warnings
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 FORMAT = "mtcore-checkpoint-v2"
 MANIFEST = "manifest.json"
@@ -32,6 +37,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # A committed step set aside while the same step is committed again (``commit``); found
 # only when the kill came between the two renames and ``step_N`` is missing.
 _SET_ASIDE = re.compile(r"^step_(\d+)\.replaced-\d+$")
+_STEP_OF_DIR = re.compile(r"^step_(\d+)(?:\.|$)")
 
 log = logging.getLogger("mtcore.checkpoint")
 
@@ -43,6 +49,35 @@ class CheckpointError(ValueError):
 
 class IncompleteCheckpointWarning(UserWarning):
     """A save that never committed (a crash or kill mid-save) was found and ignored."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FileEntry(_Strict):
+    path: StrictStr
+    bytes: StrictInt = Field(ge=0)
+    sha256: StrictStr = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class SectionEntry(_Strict):
+    dim: StrictInt = Field(ge=0)
+    sizes: list[StrictInt] = Field(min_length=2)
+
+
+class Manifest(BaseModel):
+    """What ``manifest.json`` must hold (keys written by later versions are kept)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, protected_namespaces=())
+
+    format: Literal["mtcore-checkpoint-v2"]
+    step: StrictInt = Field(ge=0)
+    kind: Literal["training", "weights"]
+    layout: dict[str, Any] | None
+    model_config_: dict[str, Any] = Field(alias="model_config", min_length=1)
+    sections: dict[str, SectionEntry]
+    files: list[FileEntry]
 
 
 def step_dir_name(step: int) -> str:
@@ -85,23 +120,62 @@ def write_manifest(directory: Path, header: dict) -> dict:
 
 
 def read_manifest(directory: Path) -> dict:
-    """The parsed manifest of a committed checkpoint, or a CheckpointError naming it."""
+    """The parsed manifest of a committed checkpoint, checked against ``Manifest``, or a
+    CheckpointError naming it."""
     path = directory / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a committed checkpoint: {MANIFEST} is missing")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path} is unreadable or corrupted: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{path}: format {found!r} is not {FORMAT!r}")
+    try:
+        Manifest.model_validate(manifest)
+    except ValidationError as e:
+        raise CheckpointError(f"{path} is malformed: {_problems(e)}") from None
+    for entry in manifest["files"]:
+        check_inside(entry["path"], path)
+    paths = [entry["path"] for entry in manifest["files"]]
+    if len(set(paths)) != len(paths):
+        raise CheckpointError(f"{path} is malformed: a file is listed twice")
+    m = _STEP_OF_DIR.match(directory.name)
+    if m and int(m.group(1)) != manifest["step"]:
+        raise CheckpointError(
+            f"{path} is malformed: step {manifest['step']} in the directory of step {int(m.group(1))}"
+        )
     return manifest
 
 
+def _problems(error: ValidationError, most: int = 3) -> str:
+    """``files.0.bytes: Input should be a valid integer; ...``: one line."""
+    found = error.errors()
+    parts = [".".join(str(x) for x in e["loc"]) + ": " + e["msg"] for e in found[:most]]
+    more = f" (and {len(found) - most} more)" if len(found) > most else ""
+    return "; ".join(parts).replace("\n", " ") + more
+
+
+def check_inside(name: str, source: Path) -> None:
+    """``name`` is a plain relative path that stays inside its checkpoint directory."""
+    parts = PurePosixPath(name).parts
+    if not name or "\\" in name or "\0" in name or name.startswith("/") or ".." in parts:
+        raise CheckpointError(f"{source}: file path {name!r} leaves the checkpoint directory")
+
+
 def verify_files(directory: Path, manifest: dict) -> None:
-    """Every file the manifest lists exists with its size and sha256; raise naming the first
-    one that does not (truncated, altered or missing)."""
+    """Every file the manifest lists exists with its size and sha256, and every file in
+    ``directory`` is listed; raise naming the first one that is not (truncated, altered,
+    missing or unlisted)."""
+    listed = {entry["path"] for entry in manifest["files"]}
+    for path in sorted(p for p in directory.rglob("*") if not p.is_dir()):
+        name = path.relative_to(directory).as_posix()
+        if name != MANIFEST and name not in listed:
+            raise CheckpointError(
+                f"checkpoint file {path} is not listed in {directory / MANIFEST}; "
+                "remove it or restore the checkpoint"
+            )
     for entry in manifest["files"]:
         path = directory / entry["path"]
         if not path.is_file():
@@ -178,7 +252,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     report_partials(path)
     latest = path / LATEST
     if latest.is_file():
-        target = path / latest.read_text().strip()
+        target = path / read_latest(latest)
         if (target / MANIFEST).is_file():
             return target
         if _STEP_DIR.match(target.name):  # killed while committing the same step again
@@ -191,6 +265,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not steps:
         raise CheckpointError(f"no committed checkpoint under {path} (no step_N/{MANIFEST})")
     return steps[-1][1]
+
+
+def read_latest(latest: Path) -> str:
+    """The step directory name a ``latest`` file holds (``step_000500``), read strictly:
+    UTF-8, one step directory name; anything else is a CheckpointError naming it."""
+    try:
+        name = latest.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{latest} is unreadable or corrupted: {e}") from None
+    if not _STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{latest} is corrupted: {name[:40]!r} is not a step directory name")
+    return name
 
 
 def has_checkpoint(root: str | Path) -> bool:
@@ -223,7 +309,10 @@ def commit(staging: Path, header: dict, keep_last: int = 0) -> Path:
     os.rename(staging, final)
     _fsync_dir(root)
     tmp = root / (LATEST + ".tmp")
-    tmp.write_text(final.name + "\n")
+    with open(tmp, "w") as f:  # fsync'd: a power loss never leaves an empty ``latest``
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
     _fsync_dir(root)
     if old is not None:

@@ -5,12 +5,16 @@ but its ``.metadata`` file is a plain pickle. ``SafeFileSystemReader`` unpickles
 with an allow-list: the DCP metadata dataclasses, ``torch.Size``, dtypes and
 paths; anything else (a pickled function, a ``__reduce__`` payload) is refused
 with an error naming it. Non-tensor ("bytes") entries, which DCP would load with
-a full unpickler, are refused too: mtcore keeps plain data in JSON files.
+a full unpickler, are refused too: mtcore keeps plain data in JSON files. Every
+chunk's storage path must name a file inside the checkpoint directory (no
+absolute path, no ``..``), and a tensor file that does not unpickle as weights
+is a one-line error naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import pickle
 import warnings
@@ -19,14 +23,16 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     StorageMeta,
     TensorStorageMetadata,
 )
+from torch.futures import Future
 
-from mtcore.training.checkpoint.manifest import CheckpointError
+from mtcore.training.checkpoint.manifest import CheckpointError, check_inside
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _DCP_NAMES = {
@@ -85,7 +91,22 @@ def load_metadata(path: Path) -> Metadata:
     for key, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata) or not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"{path}: entry {key!r} is not a tensor; refusing to load it")
+    _check_storage(metadata, path)
     return metadata
+
+
+def _check_storage(metadata: Metadata, path: Path) -> None:
+    """Every chunk is stored in a file inside the metadata's directory."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{path} does not say where its tensors are stored")
+    names = {getattr(info, "relative_path", None) for info in storage.values()}
+    for name in sorted(names, key=repr):
+        if not isinstance(name, str):
+            raise CheckpointError(f"{path}: a storage path is {type(name).__name__}, not a name")
+        check_inside(name, path)
+        if not (path.parent / name).is_file():
+            raise CheckpointError(f"{path}: storage file {path.parent / name} is missing")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -99,6 +120,24 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan, planner):
+        """DCP's read, one file at a time, so that a file whose tensors do not unpickle
+        as weights (``torch.load(weights_only=True)`` refuses it) is named in one line."""
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError,
+                    AssertionError) as e:  # fmt: skip
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise CheckpointError(f"{Path(self.path) / name} is unreadable: {first}") from None
+        done = Future()
+        done.set_result(None)
+        return done
 
 
 def tensor_shapes(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -124,10 +163,18 @@ def dcp_save(tensors: dict, directory: Path, world: int, **kwargs):
 
 
 def dcp_load(targets: dict, directory: Path, world: int) -> None:
-    """``dcp.load`` through ``SafeFileSystemReader``, in place into ``targets``."""
+    """``dcp.load`` through ``SafeFileSystemReader``, in place into ``targets``. A
+    CheckpointError on any rank is raised as itself (DCP wraps it, with tracebacks)."""
     with _quiet():
         kwargs = {"no_dist": True} if world == 1 else {}
-        dcp.load(targets, storage_reader=SafeFileSystemReader(str(directory)), **kwargs)
+        try:
+            dcp.load(targets, storage_reader=SafeFileSystemReader(str(directory)), **kwargs)
+        except CheckpointException as e:
+            failures = [error for _, (error, _) in sorted(e.failures.items())]
+            ours = [error for error in failures if isinstance(error, CheckpointError)]
+            if ours:
+                raise CheckpointError(str(ours[0])) from None
+            raise
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import yaml
 
+from mtcore.data import DataError
 from mtcore.training.checkpoint.checkpointer import Checkpointer
-from mtcore.training.checkpoint.manifest import MANIFEST, partial_dirs
+from mtcore.training.checkpoint.manifest import MANIFEST, CheckpointError, partial_dirs
 
 
 class TrainerCheckpoints:
@@ -53,7 +54,10 @@ class TrainerCheckpoints:
         self._report_partials(given.parent if (given / MANIFEST).is_file() else given)
         loaded = self.checkpointer.load(path, finetune=finetune)
         if loaded.trainer_state is not None:
-            loader.load_state_dict(loaded.trainer_state["data"])
+            try:
+                loader.load_state_dict(loaded.trainer_state["data"])
+            except DataError as e:  # a changed seed or data: the saved position means nothing
+                raise CheckpointError(f"{loaded.directory}: {e}") from e
         for note in loaded.notes:
             self.say(f"checkpoint: {note} (differs from the checkpoint's model)")
         if loaded.step == 0:

@@ -28,7 +28,8 @@ def read_model_weights(path: str | Path) -> tuple[FamilyConfig, dict[str, Tensor
     """``(model config, full fp32 weights named as the family's one-process model, step)``.
 
     Checksums are verified first (a CheckpointError names a bad file). Low-precision
-    training checkpoints give their fp32 master weights.
+    training checkpoints give their fp32 master weights. The result is complete: every
+    weight of the recorded model config, of its shape, or a CheckpointError.
     """
     config, weights, step, _ = _read(path)
     return config, weights, step
@@ -50,16 +51,40 @@ def _read(path) -> tuple[FamilyConfig, dict[str, Tensor], int, Path]:
     targets.update({m: torch.empty(shapes[m][0], dtype=torch.float32) for m in masters.values()})
     dcp_load(targets, directory, world=1)
     flat = {k.removeprefix("model."): targets[masters.get(k, k)] for k in model_keys}
-    weights = join_full(flat, manifest.get("sections") or {})
+    try:
+        weights = join_full(flat, manifest.get("sections") or {})
+    except (RuntimeError, IndexError) as e:
+        raise mf.CheckpointError(
+            f"{directory / mf.MANIFEST}: its sections do not fit: {e}"
+        ) from None
     # Buffers the one-process model lacks are an FP8 run's training state (amax history,
     # scale), which the one-process model (and HuggingFace export) has no place for.
-    return config, _model_entries(config, weights), int(manifest["step"]), directory
+    return config, _model_entries(config, weights, directory), int(manifest["step"]), directory
 
 
-def _model_entries(config: FamilyConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+def _model_entries(config: FamilyConfig, weights: dict[str, Tensor], directory: Path):
+    """The one-process model's entries of ``weights``: every one, of its shape, or a
+    CheckpointError (a checkpoint whose tensors are not those of its model config)."""
     model, period = _template(config)
-    known = set(model.state_dict())
-    return {k: v for k, v in weights.items() if _layer_key(k, period) in known}
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    expected = {}
+    for j in range(config.num_layers):
+        for key, shape in shapes.items():
+            if key.startswith(f"layers.{j % period}."):
+                expected[f"layers.{j}." + key.removeprefix(f"layers.{j % period}.")] = shape
+    expected.update({k: v for k, v in shapes.items() if not k.startswith("layers.")})
+    out = {k: v for k, v in weights.items() if _layer_key(k, period) in shapes}
+    missing = sorted(set(expected) - set(out))
+    extra = sorted(set(out) - set(expected))
+    wrong = sorted(k for k in set(out) & set(expected) if out[k].shape != expected[k])
+    for problem, names in (("lacks", missing), ("has unexpected", extra), ("has misshapen", wrong)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise mf.CheckpointError(
+                f"checkpoint {directory} {problem} weights for the model its {mf.MANIFEST} "
+                f"records: {', '.join(names[:3])}{more}"
+            )
+    return out
 
 
 def _layer_key(name: str, period: int) -> str:
@@ -122,7 +147,9 @@ def model_sections(config: FamilyConfig, names) -> dict[str, dict]:
     for name in names:
         key = _layer_key(name, period)
         if key not in known and not _owned_by_a_module(model, key):
-            raise mf.CheckpointError(f"weight {name!r} is not a parameter of this {config.family} model")
+            raise mf.CheckpointError(
+                f"weight {name!r} is not a parameter of this {config.family} model"
+            )
         if key not in known:  # a buffer the template lacks (FP8 amax history): replicated
             continue
         if known[key] is not None:
