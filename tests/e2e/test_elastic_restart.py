@@ -1,7 +1,7 @@
 """`mtcore train --max-restarts N`: torch's elastic agent restarts all ranks when one dies,
 and they resume from the last committed checkpoint (real processes, a real SIGKILL).
 
-* ``--nproc 2 --max-restarts 1``, a checkpoint every step, dropout 0.1: SIGKILL one rank
+* ``--nproc 4 --max-restarts 1`` (tp2 x pp2), a checkpoint every step, dropout 0.1: SIGKILL one rank
   (chosen at random, as is the step) once a step is committed. The job exits 0, its log
   shows the restart and a resume from a committed step, every step after it is trained
   once, and the final weights (and every logged loss) equal an uninterrupted run's bit
@@ -31,6 +31,7 @@ RESUMED = re.compile(r"checkpoint: resumed from (\S+) at step (\d+)")
 def _config(tmp_path: Path, corpus: Path, ckpt: Path | None) -> Path:
     config = {
         "model": dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=16, dropout=0.1),
+        "parallel": {"tp": 2, "pp": 2},
         "precision": {"dtype": "fp32"},
         "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "cache")),
         "optimizer": dict(lr=1e-2, min_lr=1e-3, warmup_steps=2),
@@ -73,16 +74,16 @@ def test_a_killed_rank_restarts_the_job_which_resumes_exactly(
     corpus = write_code_corpus(tmp_path / "docs", n_docs=10, n_lines=30)
     plain, elastic = tmp_path / "plain", tmp_path / "elastic"
     reference = run_command(
-        mtcore_script, "train", _config(tmp_path, corpus, plain), "--nproc", "2",
+        mtcore_script, "train", _config(tmp_path, corpus, plain), "--nproc", "4",
         PYTHONUNBUFFERED="1",
     )  # fmt: skip
     assert reference.returncode == 0, reference.stdout + reference.stderr
 
     rng = random.Random()
-    after, victim = rng.randint(1, STEPS - 2), rng.randint(0, 1)
+    after, victim = rng.randint(1, STEPS - 2), rng.randint(0, 3)
     what = f"rank {victim} killed after step {after} was committed"
     command = [str(mtcore_script), "train", str(_config(tmp_path, corpus, elastic))]
-    command += ["--nproc", "2", "--max-restarts", "1"]
+    command += ["--nproc", "4", "--max-restarts", "1"]
     job = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=cli_env(PYTHONUNBUFFERED="1"),
