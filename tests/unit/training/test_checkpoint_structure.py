@@ -156,3 +156,31 @@ def test_random_byte_flips_in_the_manifest_never_give_a_wrong_or_incomplete_dict
         assert all(torch.equal(back[k], v) for k, v in weights.items())
         outcomes["loaded"] += 1
     assert outcomes["refused"] > 0, outcomes
+
+
+def test_a_forged_trainer_state_is_one_checkpoint_error(tiny, tmp_path):
+    """trainer_state.json is checksummed; one rewritten with a matching checksum but a
+    missing key is refused naming the file, not a KeyError."""
+    import hashlib
+    import io
+    import json
+
+    from mtcore.training.checkpoint import CheckpointError
+    from mtcore.training.overrides import validate
+    from mtcore.training.trainer import train
+
+    config = tiny(training={"steps": 1, "sample_prompt": None})
+    step = train(validate(config), stream=io.StringIO()).checkpoint
+    state = step / "trainer_state.json"
+    forged = json.loads(state.read_text())
+    del forged["step"]
+    state.write_text(json.dumps(forged))
+    manifest = json.loads((step / "manifest.json").read_text())
+    digest = hashlib.sha256(state.read_bytes()).hexdigest()
+    for entry in manifest["files"]:
+        if entry["path"] == "trainer_state.json":
+            entry.update(sha256=digest, bytes=state.stat().st_size)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    resumed = {**config, "checkpoint": {"dir": str(tmp_path / "next"), "load": str(step)}}
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json is malformed"):
+        train(validate(resumed), stream=io.StringIO())

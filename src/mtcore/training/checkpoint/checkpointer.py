@@ -293,9 +293,13 @@ class Checkpointer:
         trainer_state = None
         step = 0
         if full:
-            trainer_state = json.loads((directory / TRAINER_STATE).read_text())
-            step = int(trainer_state["step"])
-            self._restore_optimizer_scalars(trainer_state)
+            path = directory / TRAINER_STATE
+            try:  # checksummed, so damage here is a forged or hand-edited file
+                trainer_state = json.loads(path.read_text(encoding="utf-8"))
+                step = int(trainer_state["step"])
+                self._restore_optimizer_scalars(trainer_state)
+            except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+                raise mf.CheckpointError(f"{path} is malformed: {e!r}") from None
             if rng_targets:
                 self._restore_rng(rng_targets)
         kind = manifest.get("kind", "?")
