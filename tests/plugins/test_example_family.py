@@ -93,6 +93,13 @@ def test_doctor_lists_gmlp_as_a_plugin_family(site):
     text = site.run("-m", "mtcore.cli.main", "doctor")
     assert re.search(r"^  gmlp +plugin +causal gMLP .*\(no hf adapter; generates\)$", text.stdout, re.M), text.stdout
 
+    # `mtcore plugins` names the family too (a family-only plugin provides no backend).
+    listed = site.run("-m", "mtcore.cli.main", "plugins")
+    line = next(x for x in listed.stdout.splitlines() if x.startswith("mtcore_example_family"))
+    assert line.endswith("backends: none; model families: gmlp"), listed.stdout
+    entries = json.loads(site.run("-m", "mtcore.cli.main", "plugins", "--json").stdout)["plugins"]
+    assert next(e for e in entries if e["name"] == "mtcore_example_family")["families"] == ["gmlp"]
+
 
 def test_trains_under_tp2_pp2_and_writes_a_checkpoint(hybrid):
     out, stdout = hybrid

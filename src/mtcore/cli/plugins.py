@@ -1,4 +1,5 @@
-"""List the installed mtcore plugins: one line each, with status and the backends it provides.
+"""List the installed mtcore plugins: one line each, with status and what it provides
+(backends, kernels, model families).
 
 Status is "ok" or "broken" (the plugin failed to import or its hook raised; run
 `mtcore doctor --verbose` for the traceback). Exits 0 whenever the listing
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "list installed plugins, their versions, status and backends"
+HELP = "list installed plugins, their versions, status, backends and model families"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,8 @@ def plugin_lines(plugins: list[dict]) -> list[str]:
             provides += "; in conflict: " + ", ".join(p["conflicting_backends"])
         if p["kernels"]:
             provides += "; contributes kernels"
+        if p.get("families"):
+            provides += "; model families: " + ", ".join(p["families"])
         tail = f"backends: {provides}"
         if p["error"] is not None:
             tail = f"error: {p['error']['type']}: {_first_line(p['error']['message'])}"

@@ -115,7 +115,8 @@ def family_facts() -> dict:
 
 
 def plugin_facts(registry: PluginRegistry) -> list[dict]:
-    """One entry per loaded or broken plugin, with the backends it provides."""
+    """One entry per loaded or broken plugin, with the backends (and model families) it
+    provides."""
     found = registry.discovery
     provides: dict[str, list[str]] = {}
     for name, (_, info) in found.backends.items():
@@ -125,6 +126,12 @@ def plugin_facts(registry: PluginRegistry) -> list[dict]:
         for info in infos:
             contested.setdefault(info.name, []).append(name)
     kernel_plugins = {h.plugin_name for h in registry.manager.hook.mtcore_kernels.get_hookimpls()}
+    from mtcore.models import FamilyError, families_by_plugin
+
+    try:
+        families = families_by_plugin()
+    except FamilyError:  # a clash: `mtcore doctor` reports it under "model families"
+        families = {}
     plugins = []
     for info in found.plugins.values():
         entry = {
@@ -135,6 +142,7 @@ def plugin_facts(registry: PluginRegistry) -> list[dict]:
             "backends": sorted(provides.get(info.name, [])),
             "conflicting_backends": sorted(contested.get(info.name, [])),
             "kernels": info.name in kernel_plugins,
+            "families": families.get(info.name, []),
             "error": None,
         }
         if info.error is not None:

@@ -23,6 +23,7 @@ from mtcore.models.registry import (
 from mtcore.models.registry import (
     DEFAULT_FAMILY,
     FamilyError,
+    families_by_plugin,
     family_names,
     family_of,
     get_family,
@@ -43,6 +44,7 @@ __all__ = [
     "MessageSpecs",
     "ModelFamily",
     "TensorSpec",
+    "families_by_plugin",
     "family_names",
     "family_of",
     "get_family",

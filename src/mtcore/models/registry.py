@@ -29,15 +29,16 @@ class FamilyError(ValueError):
     its family's config class rejects; the message names the family or the key."""
 
 
-_plugin_families: dict[str, tuple[ModelFamily, str]] | None = None
+_plugin_families: dict[str, tuple[ModelFamily, str, str]] | None = None
 
 
-def _from_plugins() -> dict[str, tuple[ModelFamily, str]]:
+def _from_plugins() -> dict[str, tuple[ModelFamily, str, str]]:
+    """Family name -> (family, plugin label, plugin name), from every healthy plugin."""
     global _plugin_families
     if _plugin_families is None:
         from mtcore.backend import plugin_registry
 
-        found: dict[str, tuple[ModelFamily, str]] = {}
+        found: dict[str, tuple[ModelFamily, str, str]] = {}
         for info, families in plugin_registry().collect("mtcore_model_families"):
             for family in families:
                 if not isinstance(family, ModelFamily):
@@ -54,7 +55,7 @@ def _from_plugins() -> dict[str, tuple[ModelFamily, str]]:
                         f"which {clash} already provides; uninstall one or exclude it with "
                         "MTCORE_PLUGINS"
                     )
-                found[family.name] = (family, info.label)
+                found[family.name] = (family, info.label, info.name)
         _plugin_families = found
     return _plugin_families
 
@@ -63,6 +64,14 @@ def reset_plugin_families() -> None:
     """Forget the plugin families found so far (tests that install a plugin call this)."""
     global _plugin_families
     _plugin_families = None
+
+
+def families_by_plugin() -> dict[str, list[str]]:
+    """Plugin name -> the model families it contributes (``mtcore plugins`` shows them)."""
+    out: dict[str, list[str]] = {}
+    for name, (_, _, plugin) in sorted(_from_plugins().items()):
+        out.setdefault(plugin, []).append(name)
+    return out
 
 
 def family_names() -> list[str]:
