@@ -8,10 +8,14 @@ STAMP := $(VENV)/.mtcore-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml plugins/mtcore_cuda/pyproject.toml plugins/mtcore_musa/pyproject.toml constraints.txt
+# mtcore-cuda's [triton] extra pulls mtcore-triton, which is on no package index: the
+# install names its local path too, so pip resolves the extra to plugins/mtcore_triton.
+$(STAMP): pyproject.toml plugins/mtcore_cuda/pyproject.toml plugins/mtcore_musa/pyproject.toml \
+		plugins/mtcore_triton/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]' -e 'plugins/mtcore_cuda[triton]' -e plugins/mtcore_musa
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]' -e 'plugins/mtcore_cuda[triton]' \
+		-e plugins/mtcore_musa -e plugins/mtcore_triton
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -1,4 +1,4 @@
-"""The Triton kernel pack (mtcore-cuda[triton]) against torch eager (the reference ops).
+"""The Triton kernel pack (mtcore-triton) against torch eager (the reference ops).
 
     .venv/bin/python benchmarks/bench_kernels.py [--dtype bfloat16] [--cpu]
 
@@ -197,9 +197,9 @@ def main() -> None:
         # triton.jit reads this when the kernels are decorated, i.e. on import below.
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from mtcore_cuda.triton_kernels import registration as pack
+        from mtcore_triton import registration as pack
     except ImportError as exc:
-        sys.exit(f"the kernel pack needs mtcore-cuda[triton]: {exc}")
+        sys.exit(f"the kernel pack needs mtcore-triton (plugins/mtcore_triton): {exc}")
     from mtcore import ops as ref
 
     device = "cuda" if on_gpu else "cpu"

@@ -43,7 +43,7 @@ fi
 # Installed (not editable) into a side folder: its dist-info carries the entry points
 # through which mtcore finds the plugin and pytest finds the conformance kit.
 step install 120 $PY -m pip install -q --no-deps --no-build-isolation --no-compile \
-    --target "$SITE" . ./plugins/mtcore_cuda
+    --target "$SITE" . ./plugins/mtcore_cuda ./plugins/mtcore_triton
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/gpu.txt" 2>&1

@@ -1,7 +1,8 @@
 """Installing the out-of-tree examples under docs/examples as a user would.
 
-``install_example("mtcore-example-plugin")`` pip-installs a copy of that example into
-a --target directory of its own; ``InstalledExample.run`` starts Python with that
+``install_example("mtcore-example-plugin")`` pip-installs a copy of that example (or
+of the distribution at an absolute path, such as a generated skeleton) into a --target
+directory of its own; ``InstalledExample.run`` starts Python with that
 directory on PYTHONPATH, so the example reaches the subprocesses (and every rank
 they launch) while the environment of the test run is left untouched.
 """
@@ -9,6 +10,7 @@ they launch) while the environment of the test run is left untouched.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -66,15 +68,17 @@ class InstalledExample:
 
 @pytest.fixture(scope="session")
 def install_example(tmp_path_factory):
-    """``install(name) -> InstalledExample``: pip-install docs/examples/<name> (offline
-    when setuptools allows)."""
+    """``install(name) -> InstalledExample``: pip-install docs/examples/<name>, or the
+    distribution at ``name`` when it is an absolute path (offline when setuptools allows)."""
 
-    def install(name: str) -> InstalledExample:
+    def install(name: str | Path) -> InstalledExample:
+        origin = EXAMPLES / name  # an absolute path stays itself
+        name = origin.name
         tmp = tmp_path_factory.mktemp(name)
         # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
         source = tmp / "src"
         shutil.copytree(
-            EXAMPLES / name,
+            origin,
             source,
             ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
         )
@@ -103,5 +107,41 @@ def install_example(tmp_path_factory):
             f"pip install of {name} failed:\n{result.stdout}\n{result.stderr}"
         )
         return InstalledExample(target)
+
+    return install
+
+
+@pytest.fixture(scope="session")
+def install_throwaway_plugin(tmp_path_factory, install_example):
+    """``install(dist, files, entry_points) -> InstalledExample``: write a plugin
+    distribution that exists only for one test and pip-install it like an example.
+
+    ``files`` maps paths inside the distribution (``"pkg/__init__.py"``) to their
+    source; ``entry_points`` maps ``mtcore.plugins`` entry point names to modules.
+    Each distribution is generated in a tmp dir, so bad plugins need no folder
+    under docs/examples.
+    """
+
+    def install(dist: str, files: dict[str, str], entry_points: dict[str, str]):
+        source = tmp_path_factory.mktemp("generated") / dist
+        for relpath, text in files.items():
+            path = source / relpath
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        packages = sorted({Path(p).parent.as_posix().replace("/", ".") for p in files if "/" in p})
+        lines = [
+            "[build-system]",
+            'requires = ["setuptools>=61"]',
+            'build-backend = "setuptools.build_meta"',
+            "[project]",
+            f'name = "{dist}"',
+            'version = "0.1.0"',
+            '[project.entry-points."mtcore.plugins"]',
+            *(f'{name} = "{module}"' for name, module in entry_points.items()),
+            "[tool.setuptools]",
+            f"packages = {json.dumps(packages)}",
+        ]
+        (source / "pyproject.toml").write_text("\n".join(lines) + "\n")
+        return install_example(source)
 
     return install

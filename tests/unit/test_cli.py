@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ MTCORE_ENV = (
     "MTCORE_PLUGINS",
     "MTCORE_DISABLE_PLUGIN_AUTOLOAD",
     "MTCORE_KERNELS",
+    "MTCORE_REQUIRE_ACCELERATOR",
 )
 
 # A GPU, if the machine has one, must not change what these tests see.
@@ -30,6 +32,17 @@ from mtcore.backend import BackendSpec, Collective, CpuDevice, hookimpl
 def mtcore_backends():
     return [BackendSpec(name="twin", device=CpuDevice(), collective=Collective("gloo"),
                         accelerator=False)]
+"""
+
+BAD_KERNEL_PLUGIN = """
+from mtcore.backend import KernelImpl, hookimpl
+
+def fast_swiglu(inputs):  # the contract is swiglu(x)
+    return inputs
+
+@hookimpl
+def mtcore_kernels(backend, device_type):
+    return [KernelImpl("swiglu", fast_swiglu, "fast")]
 """
 
 PROBE_PLUGIN = """
@@ -96,6 +109,8 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         TWIN_PLUGIN.replace("def mtcore_backends", "def mtcore_backend"),
     )
     make_dist(fakes, "probe", "probe_plugin", PROBE_PLUGIN)
+    badkernel = tmp_path_factory.mktemp("bad-kernel-plugin")
+    make_dist(badkernel, "mtcore-badkernel", "badkernel_plugin", BAD_KERNEL_PLUGIN)
     reference = {"MTCORE_KERNELS": "reference"}
     commands = {
         "plugins": (["plugins"], {}, None),
@@ -109,6 +124,9 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "fakes_plugins_json": (["plugins", "--json"], {}, fakes),
         "allowlist": (["doctor"], {"MTCORE_PLUGINS": "mtcore-cuda,no-such-plugin"}, None),
         "no_autoload": (["doctor"], {"MTCORE_DISABLE_PLUGIN_AUTOLOAD": "1"}, None),
+        "badkernel": (["doctor"], {}, badkernel),
+        "badkernel_json": (["doctor", "--json"], {}, badkernel),
+        "require_accelerator": (["doctor"], {"MTCORE_REQUIRE_ACCELERATOR": "1"}, None),
     }
 
     def run(item):
@@ -157,14 +175,16 @@ def test_plugins_lists_the_cpu_plugin_with_version_status_and_backends(runs):
     assert result.returncode == 0, result.stderr
     line = next(ln for ln in result.stdout.splitlines() if ln.startswith("mtcore_cuda "))
     assert "mtcore-cuda 0.1.0" in line and " ok " in line
-    assert "backends: cpu, cuda" in line
+    assert "backends: cuda" in line and "cpu" not in line
+    core = next(ln for ln in result.stdout.splitlines() if ln.startswith("mtcore "))
+    assert "mtcore 0.1.0" in core and "backends: cpu" in core
 
 
 def test_doctor_text_reports_cpu_gloo_kernels_and_unavailable_gpu(doctor_text):
     out = doctor_text
     assert out.startswith("=") and "mtcore doctor" in out.splitlines()[0]
     assert "platform " in out and "mtcore-0.1.0" in out and "torch-" in out and "Python " in out
-    assert "mtcore_cuda  mtcore-cuda 0.1.0" in out
+    assert re.search(r"mtcore_cuda\s+mtcore-cuda 0\.1\.0", out)
     assert "default cpu (automatic)" in out
     cpu_line = next(ln for ln in out.splitlines() if ln.lstrip().startswith("cpu "))
     assert cpu_line.rstrip().endswith("available")
@@ -183,9 +203,12 @@ def test_doctor_text_reports_cpu_gloo_kernels_and_unavailable_gpu(doctor_text):
 def test_doctor_json_has_every_section(doctor_json):
     data = doctor_json
     assert data["schema"] == 1 and data["command"] == "doctor" and data["error"] is None
-    assert data["selection"] == {"backend": "cpu", "how": "automatic", "error": None}
+    selection = data["selection"]
+    assert (selection["backend"], selection["how"], selection["error"]) == ("cpu", "automatic", None)
+    # The installed cuda plugin cannot serve on this machine: selection says so, not silently.
+    assert len(selection["notes"]) == 1 and "'cuda' from plugin mtcore_cuda" in selection["notes"][0]
     cpu = backend(data, "cpu")
-    assert cpu["available"] and cpu["plugin"] == "mtcore_cuda" and not cpu["accelerator"]
+    assert cpu["available"] and cpu["plugin"] == "mtcore" and not cpu["accelerator"]
     details = cpu["details"]
     caps = details["capabilities"]
     assert (
@@ -193,7 +216,7 @@ def test_doctor_json_has_every_section(doctor_json):
     )
     assert set(caps["peak_tflops"]) >= {"float32", "bfloat16"}
     coll = details["collective"]
-    assert coll["c10d_backend"] == "gloo" and coll["avg_native"] is False
+    assert coll["c10d_backend"] == "gloo" and coll["avg_native"] is True  # gloo has AVG since torch 2.8
     assert coll["ops"]["all_reduce"] == {
         "fp32": "native",
         "bf16": "native",
@@ -247,15 +270,16 @@ def test_unavailable_backend_fails_with_the_reason(runs):
     assert "--backend cuda failed" in result.stdout  # the report is still printed
 
 
-def test_broken_plugin_and_conflict_are_reported_not_fatal(runs):
+def test_broken_plugin_and_conflict_are_reported_with_exit_1(runs):
     result = runs["fakes"]
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     out = result.stdout
     broken = next(ln for ln in out.splitlines() if "broken_plugin " in ln)
     assert "mtcore-broken 2.0" in broken and " broken " in broken
     assert "ImportError: needs the vendor runtime" in broken
-    assert "--verbose for the traceback of broken_plugin" in out
-    assert "Traceback" not in out
+    assert "traceback of broken_plugin:" in out and "Traceback (most recent call last)" in out
+    assert "ERROR: plugin broken_plugin is broken" in result.stderr
+    assert "backend 'twin' is claimed by several plugins" in result.stderr
     assert "CONFLICT: backend 'twin' is claimed by" in out and "twin-a" in out and "twin-b" in out
     assert "PluginWarning" not in result.stderr  # doctor shows it once, in the report
     typo = next(ln for ln in out.splitlines() if "typo_plugin " in ln)
@@ -273,7 +297,7 @@ def test_broken_plugin_and_conflict_are_reported_not_fatal(runs):
     assert by_name["broken_plugin"]["status"] == "broken"
     assert by_name["broken_plugin"]["error"]["type"] == "ImportError"
     assert by_name["mtcore_cuda"]["status"] == "ok"
-    assert by_name["mtcore_cuda"]["backends"] == ["cpu", "cuda"]
+    assert by_name["mtcore_cuda"]["backends"] == ["cuda"]
     assert by_name["twin_a"]["conflicting_backends"] == ["twin"]
     assert by_name["typo_plugin"]["status"] == "broken"
     assert "mtcore_backend" in by_name["typo_plugin"]["error"]["message"]
@@ -287,4 +311,33 @@ def test_plugin_switches_are_explained(runs):
     result = runs["no_autoload"]
     assert result.returncode == 0, result.stderr
     assert "mtcore_cuda  skipped: MTCORE_DISABLE_PLUGIN_AUTOLOAD is set" in result.stdout
-    assert "no default (automatic)" in result.stdout
+    assert "default cpu (automatic)" in result.stdout  # the core's own cpu backend
+    assert "WARNING" not in result.stdout  # no accelerator plugin loaded: nothing passed over
+
+
+def test_kernel_breaking_its_contract_fails_doctor_with_the_traceback(runs):
+    result = runs["badkernel"]
+    assert result.returncode == 1
+    out = result.stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("  badkernel_plugin "))
+    assert " broken " in line and "'swiglu'" in line and "(inputs)" in line
+    assert "traceback of badkernel_plugin:" in out and "KernelRegistrationError" in out
+    assert "ERROR: plugin badkernel_plugin is broken" in result.stderr
+    assert "1 broken plugin" in out.splitlines()[-1]
+    data = json.loads(runs["badkernel_json"].stdout)
+    assert runs["badkernel_json"].returncode == 1
+    assert data["error"]["type"] == "InstallationError"
+    assert "badkernel_plugin" in data["error"]["message"]
+    assert "KernelRegistrationError" in data["error"]["traceback"]
+    plugin = next(p for p in data["plugins"] if p["name"] == "badkernel_plugin")
+    assert plugin["status"] == "broken" and "swiglu" in plugin["error"]["traceback"]
+    cpu = backend(data, "cpu")
+    assert cpu["error"] is not None and "failed to build" in cpu["error"]["message"]
+
+
+def test_require_accelerator_makes_the_host_fallback_an_error(runs):
+    result = runs["require_accelerator"]
+    assert result.returncode == 1 and "MTCORE_REQUIRE_ACCELERATOR is set" in result.stderr
+    out = result.stdout
+    assert "no default (automatic)" in out
+    assert "MTCORE_REQUIRE_ACCELERATOR is set" in out and "no cuda device is visible" in out

@@ -31,7 +31,7 @@ from mtcore.backend.kernels import (
     KernelRegistrationError,
     KernelTable,
 )
-from mtcore.backend.plugins import PluginInfo, PluginRegistry, PluginWarning
+from mtcore.backend.plugins import PluginConfigError, PluginInfo, PluginRegistry, PluginWarning
 from mtcore.backend.selection import BackendError, get_backend, plugin_registry, select_backend
 from mtcore.backend.spec import Backend, BackendSpec
 
@@ -57,6 +57,7 @@ __all__ = [
     "KernelQuery",
     "KernelRegistrationError",
     "KernelTable",
+    "PluginConfigError",
     "PluginInfo",
     "PluginRegistry",
     "PluginWarning",

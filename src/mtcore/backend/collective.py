@@ -47,30 +47,50 @@ class Support(enum.Enum):
     NONE = "none"
 
 
+FallbackTable = Mapping[str, frozenset[torch.dtype]]
+
+
 @dataclass(frozen=True)
 class CollectiveCapabilities:
     """Which dtypes each op moves natively; the rest take the fallback.
 
-    fallback_dtypes: per op, the dtypes the c10d backend cannot take natively.
-    The fallback moves FP8 as raw bytes (uint8) for data movement and reduces
-    it in float32. ``avg_supported`` is False where the backend lacks
-    ReduceOp.AVG (then AVG is SUM followed by a division). ``Support.NONE`` is
-    for capability tables that subclass this one to declare an op missing.
+    fallback_dtypes: per op, the dtypes the c10d backend cannot take natively,
+    or a callable returning that table. A callable is read once, on first use:
+    for backends whose answer depends on how the collective library was built,
+    which only the vendor's module can tell, and which must not be imported
+    when plugins are discovered (FP8's ``native_granularities`` works the same
+    way). The fallback moves the tensor as raw bytes (uint8) for data movement
+    and reduces it in float32, then casts back (FP8, or bf16 where the library
+    lacks it). ``avg_supported`` is False where the backend lacks ReduceOp.AVG
+    (then AVG is SUM followed by a division). ``Support.NONE`` is for
+    capability tables that subclass this one to declare an op missing.
     """
 
-    fallback_dtypes: Mapping[str, frozenset[torch.dtype]] = field(default_factory=dict)
+    fallback_dtypes: FallbackTable | Callable[[], FallbackTable] = field(default_factory=dict)
     avg_supported: bool = True
+    _table: dict[str, frozenset[torch.dtype]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def fallback_table(self) -> dict[str, frozenset[torch.dtype]]:
+        """The fallback table, resolved (a callable source is called here, once)."""
+        if self._table is None:
+            source = self.fallback_dtypes
+            table = source() if callable(source) else source
+            resolved = {op: frozenset(dtypes) for op, dtypes in table.items()}
+            object.__setattr__(self, "_table", resolved)  # a cache: frozen for callers
+        return self._table
 
     def support(self, op: str, dtype: torch.dtype) -> Support:
         if op not in OPS:
             raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
-        if dtype in self.fallback_dtypes.get(op, frozenset()):
+        if dtype in self.fallback_table().get(op, frozenset()):
             return Support.FALLBACK
         return Support.NATIVE
 
 
 def fp8_fallback_everywhere() -> dict[str, frozenset[torch.dtype]]:
-    """Capability data for a backend that carries no FP8 dtype (gloo, most MCCL builds)."""
+    """Capability data for a backend that carries no FP8 dtype (gloo; libraries built without it)."""
     return {op: frozenset(FP8_DTYPES) for op in OPS if op != "barrier"}
 
 
@@ -315,7 +335,7 @@ class Collective:
 
     def _as_bytes_if_needed(self, op: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.support(op, tensors[0].dtype) is Support.FALLBACK:
-            return tuple(t.view(torch.uint8) for t in tensors)
+            return tuple(_as_bytes(t) for t in tensors)
         return tensors
 
     def _finish(self, work, epilogue, async_op, op: str = "collective", group=None):
@@ -342,6 +362,14 @@ class _Chained:
 
     def is_completed(self):
         return self._work.is_completed()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as uint8, with ``t``'s leading dims kept: a multi-byte dtype (bf16)
+    gets a trailing byte dim, so dim-0 splits (all-to-all) and shapes still line up."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t.unsqueeze(-1).view(torch.uint8)
 
 
 def _reduce_op(op: str):

@@ -38,10 +38,26 @@ class Quantized:
         return fp8_dequantize(self.data, self.scale_inv, self.granularity, out_dtype=dtype)
 
 
-def _scaled_mm_shape_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """cuBLASLt's FP8 GEMM (behind ``torch._scaled_mm``) wants K and N in multiples of 16;
-    other shapes take the dequantize fallback instead of an error from the device."""
-    return a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0
+ShapeRule = Callable[[torch.Tensor, torch.Tensor], bool]
+
+
+def k_n_multiple_of(multiple: int) -> ShapeRule:
+    """A shape rule for :class:`FP8`: ``torch._scaled_mm`` runs natively only when K
+    (``a.shape[1]``) and N (``b.shape[0]``) are multiples of ``multiple``; other shapes
+    take the dequantize fallback instead of an error from the device's GEMM library."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+
+    def rule(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape[1] % multiple == 0 and b.shape[0] % multiple == 0
+
+    rule.__qualname__ = rule.__name__ = f"k_n_multiple_of({multiple})"
+    return rule
+
+
+# The default is cuBLASLt's rule (torch's own check before its FP8 GEMM: K and N % 16);
+# CPU's torch._scaled_mm takes those shapes too. Backends with another rule pass theirs.
+_scaled_mm_shape_ok = k_n_multiple_of(16)
 
 
 class FP8:
@@ -52,13 +68,18 @@ class FP8:
       for backends where the answer depends on the device found); every other
       pair takes the dequantize fallback.
     available: returns an ``Availability``; FP8 may need a minimum device capability.
+    shape_ok: ``(a.data, b.data) -> bool``, whether the native GEMM takes these operand
+      shapes (a [M, K], b [N, K]); others take the fallback. Each device library has its
+      own rule; the default is K and N multiples of 16 (``k_n_multiple_of(16)``).
     """
 
     def __init__(
         self,
         native_granularities: GranularityPairs | Callable[[], GranularityPairs] = frozenset(),
         available: Callable[[], Availability] | None = None,
+        shape_ok: ShapeRule = _scaled_mm_shape_ok,
     ):
+        self.shape_ok = shape_ok
         self._native_source = native_granularities
         self._native: GranularityPairs | None = None
         self._available = available or (lambda: Availability(True))
@@ -89,9 +110,14 @@ class FP8:
         return FP8_MAX[dtype]
 
     @classmethod
-    def gated(cls, native: GranularityPairs, gate: Callable[[], Availability]) -> FP8:
+    def gated(
+        cls,
+        native: GranularityPairs,
+        gate: Callable[[], Availability],
+        shape_ok: ShapeRule = _scaled_mm_shape_ok,
+    ) -> FP8:
         """FP8 whose native pairs exist only while ``gate()`` holds (a capability rule)."""
-        return cls(lambda: native if gate() else frozenset(), available=gate)
+        return cls(lambda: native if gate() else frozenset(), available=gate, shape_ok=shape_ok)
 
     def availability(self) -> Availability:
         return self._available()
@@ -139,10 +165,11 @@ class FP8:
 
     def scaled_matmul(self, a: Quantized, b: Quantized, out_dtype=torch.float32) -> torch.Tensor:
         """``a @ b.T`` in ``out_dtype``; native when the granularity pair and the shape
-        (K and N multiples of 16) allow it, else dequantize and multiply."""
+        (``shape_ok``: by default K and N multiples of 16) allow it, else dequantize and
+        multiply."""
         if a.data.shape[1] != b.data.shape[1]:
             raise ValueError(f"scaled_matmul: K differs, a {tuple(a.data.shape)} b {tuple(b.data.shape)}")
-        if self.is_native(a.granularity, b.granularity) and _scaled_mm_shape_ok(a.data, b.data):
+        if self.is_native(a.granularity, b.granularity) and self.shape_ok(a.data, b.data):
             scale_b = b.scale_inv.t() if b.scale_inv.dim() == 2 else b.scale_inv
             return torch._scaled_mm(
                 a.data, b.data.t(), scale_a=a.scale_inv, scale_b=scale_b, out_dtype=out_dtype

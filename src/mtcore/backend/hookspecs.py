@@ -14,7 +14,13 @@ lazily, in ``Device.availability()``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:  # annotations only: the spec modules import this one's markers
+    from mtcore.backend.kernels import KernelImpl
+    from mtcore.backend.spec import BackendSpec
 
 PROJECT = "mtcore"
 ENTRY_POINT_GROUP = "mtcore.plugins"
@@ -25,7 +31,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 class MtcoreHookSpecs:
     @hookspec
-    def mtcore_backends(self):
+    def mtcore_backends(self) -> list[BackendSpec]:
         """Contribute backends: return a list of ``mtcore.backend.BackendSpec``.
 
         Each spec names the backend (the string users pass as
@@ -36,20 +42,25 @@ class MtcoreHookSpecs:
 
         A backend name must be unique across installed plugins; two plugins
         claiming one name make that name unusable until one is removed or
-        excluded with ``MTCORE_PLUGINS``.
+        excluded with ``MTCORE_PLUGINS``. ``cpu`` is the core's own
+        (``mtcore.backend.host``): a plugin declaring it is broken.
+
+        Called through pluggy once per plugin, so a hook that raises marks only
+        its own plugin broken; ``tryfirst``/``trylast`` and hook wrappers apply.
         """
 
     @hookspec
-    def mtcore_kernels(self, backend: str, device_type: str):
+    def mtcore_kernels(self, backend: str, device_type: str) -> list[KernelImpl]:
         """Contribute kernel implementations to ``backend``.
 
         Called once for every backend being built, with its name and its torch
         device type. Return a list of ``mtcore.backend.KernelImpl`` (or an
         empty list when none apply). Each implementation must have exactly the
         parameter names of the reference op in ``mtcore.ops.REFERENCE_OPS``;
-        a mismatch is rejected at registration with an error naming the plugin
-        and the op. A kernel pack may be a plugin of its own that implements
-        only this hook.
+        a mismatch (or an unknown op name, or a hook that raises) marks the
+        plugin broken and makes ``backend`` fail to build, with an error naming
+        the plugin and the op. A kernel pack may be a plugin of its own that
+        implements only this hook.
 
         Implementations must match the reference op within the tolerances of
         the conformance kit (``pytest --pyargs mtcore.testing.conformance
@@ -57,7 +68,7 @@ class MtcoreHookSpecs:
         """
 
     @hookspec
-    def mtcore_model_families(self):
+    def mtcore_model_families(self) -> list:  # list[mtcore.models.ModelFamily], a higher layer
         """Contribute model families: return a list of ``mtcore.models.ModelFamily``.
 
         A family is selected by ``model.family`` in a training config (its

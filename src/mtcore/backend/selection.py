@@ -1,9 +1,12 @@
 """Choosing a backend: explicit name > MTCORE_BACKEND > best available accelerator > cpu.
 
 A backend that was asked for and cannot run is an error that says why; mtcore
-never falls back to the CPU silently. Automatic selection skips an accelerator
-whose availability check raises, or whose name several plugins claim, with a
-warning that names it.
+never falls back to the CPU silently. When automatic selection lands on the host
+although an accelerator plugin is installed (its backend cannot run here, several
+plugins claim it, its probe raised, or a plugin is broken), it warns with each
+plugin and reason, and records them on the backend (``Backend.selection_notes``)
+for the trainer's first lines. ``MTCORE_REQUIRE_ACCELERATOR=1`` makes that an
+error instead, for clusters where the CPU is never the intended target.
 """
 
 from __future__ import annotations
@@ -11,15 +14,21 @@ from __future__ import annotations
 import os
 import warnings
 
-from mtcore.backend.plugins import PLUGINS_ENV, PluginInfo, PluginRegistry, PluginWarning
+from mtcore.backend.host import HOST_BACKEND, PLUGIN_NAME
+from mtcore.backend.plugins import (
+    _FALSE,
+    _TRUE,
+    PLUGINS_ENV,
+    BackendError,
+    PluginConfigError,
+    PluginInfo,
+    PluginRegistry,
+    PluginWarning,
+)
 from mtcore.backend.spec import Backend, BackendSpec
 
 BACKEND_ENV = "MTCORE_BACKEND"
-HOST_BACKEND = "cpu"
-
-
-class BackendError(RuntimeError):
-    """A backend cannot be selected; the message says why and what to do."""
+REQUIRE_ACCELERATOR_ENV = "MTCORE_REQUIRE_ACCELERATOR"
 
 
 _registry: PluginRegistry | None = None
@@ -30,10 +39,24 @@ def plugin_registry(reload: bool = False) -> PluginRegistry:
     """The process-wide registry, loaded from entry points on first use."""
     global _registry, _current
     if _registry is None or reload:
-        _registry = PluginRegistry()
-        _registry.load_entry_points()
-        _current = None
+        registry = PluginRegistry()
+        registry.load_entry_points()
+        _registry, _current = registry, None
     return _registry
+
+
+def accelerator_required() -> bool:
+    """``MTCORE_REQUIRE_ACCELERATOR``: 1/true/yes/on forbid automatic selection of the host."""
+    raw = os.environ.get(REQUIRE_ACCELERATOR_ENV, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise PluginConfigError(
+        f"{REQUIRE_ACCELERATOR_ENV}={raw!r} is not understood; use 1 (or true, yes, on) "
+        "or 0 (or false, no, off)"
+    )
 
 
 def select_backend(name: str | None = None, registry: PluginRegistry | None = None) -> Backend:
@@ -43,23 +66,33 @@ def select_backend(name: str | None = None, registry: PluginRegistry | None = No
     requested = name or os.environ.get(BACKEND_ENV) or None
     if requested is not None:
         return _build(registry, requested, how="requested" if name else f"requested by {BACKEND_ENV}")
-    for claimed, owners in sorted(found.conflicts.items()):
-        if claimed != HOST_BACKEND:  # a conflict over cpu is the error below
-            message = _conflict_message(registry, claimed, owners)
-            warnings.warn(f"automatic backend selection skipped {claimed!r}: {message}", PluginWarning, stacklevel=2)
+    passed_over = [_conflict_message(registry, n, owners) for n, owners in sorted(found.conflicts.items())]
     accelerators = sorted(
         (entry for entry in found.backends.values() if entry[0].accelerator),
         key=lambda entry: (-entry[0].priority, entry[0].name),  # ties break by name, not install order
     )
     for spec, info in accelerators:
-        if _available_for_auto(spec, info):
+        reason = _unavailable_reason(spec)
+        if reason is None:
             return _build(registry, spec.name, how="auto")
-    if HOST_BACKEND in found.backends or HOST_BACKEND in found.conflicts:
-        return _build(registry, HOST_BACKEND, how="auto")
-    raise BackendError(
-        "no backend is available: no accelerator plugin found a device and no plugin "
-        f"provides {HOST_BACKEND!r} (pip install mtcore-cuda provides it)" + _broken_suffix(registry)
-    )
+        passed_over.append(f"backend {spec.name!r} from plugin {info.label} cannot run here: {reason}")
+    passed_over += [f"plugin {p.label} is broken ({p.what}): {p.error!r}" for p in found.broken]
+    if accelerator_required():
+        why = "\n  ".join(passed_over) or "no accelerator plugin is installed (install your accelerator's mtcore plugin)"
+        raise BackendError(
+            f"{REQUIRE_ACCELERATOR_ENV} is set and no accelerator backend can run here:\n  {why}"
+            "\n`mtcore doctor --verbose` shows every plugin and backend, with tracebacks"
+        )
+    backend = _build(registry, HOST_BACKEND, how="auto")
+    if passed_over:
+        note = (
+            f"automatic backend selection chose {HOST_BACKEND!r} although accelerator plugins "
+            "are installed: " + "; ".join(passed_over)
+            + f" (set {REQUIRE_ACCELERATOR_ENV}=1 to make this an error)"
+        )
+        backend.selection_notes = (note,)
+        warnings.warn(note, PluginWarning, stacklevel=2)
+    return backend
 
 
 def get_backend(name: str | None = None) -> Backend:
@@ -76,7 +109,11 @@ def _build(registry: PluginRegistry, name: str, how: str) -> Backend:
         raise BackendError(_conflict_message(registry, name, found.conflicts[name]))
     if name not in found.backends:
         known = ", ".join(sorted(found.backends)) or "none"
-        error = BackendError(f"unknown backend {name!r} ({how}); known backends: {known}" + _broken_suffix(registry))
+        error = BackendError(
+            f"unknown backend {name!r} ({how}); known backends: {known}"
+            + _skipped_suffix(registry)
+            + _broken_suffix(registry.discovery.broken, "failed to load and may be the ones that provide it")
+        )
         broken = found.broken
         if broken:
             raise error from broken[0].error
@@ -89,30 +126,31 @@ def _build(registry: PluginRegistry, name: str, how: str) -> Backend:
             f"{available.reason}. mtcore does not fall back to another backend; choose one "
             f"that `mtcore doctor` lists as available."
         )
+    kernels = registry.kernels_for(spec.name, spec.device.type)
+    failed = registry.kernel_failures(spec.name)
+    if failed:
+        keep = ",".join(n for n in _loadable(registry) if n not in {p.name for p in failed})
+        raise BackendError(
+            f"backend {name!r} from plugin {info.label} failed to build: a plugin offered it "
+            f"kernels that break their op's contract. Fix the plugin, or leave it out with "
+            f"{PLUGINS_ENV} (for example {PLUGINS_ENV}={keep})"
+            + _broken_suffix(failed, "offered unusable kernels")
+        ) from failed[0].error
     try:
-        kernels = registry.kernels_for(spec.name, spec.device.type)
         return Backend(spec, info.name, kernels)
     except Exception as exc:
         raise BackendError(f"backend {name!r} from plugin {info.label} failed to build: {exc}") from exc
 
 
-def _available_for_auto(spec: BackendSpec, info: PluginInfo) -> bool:
-    """Probe an accelerator; a probe that raises is a warning, not a silent skip."""
-    try:
-        return bool(spec.device.availability())
-    except Exception as exc:
-        warnings.warn(
-            f"automatic backend selection skipped backend {spec.name!r} from plugin {info.label}: "
-            f"its availability check raised {exc!r}",
-            PluginWarning,
-            stacklevel=3,
-        )
-        return False
+def _unavailable_reason(spec: BackendSpec) -> str | None:
+    """Why an accelerator cannot run here (a probe that raises says so), or None."""
+    available = spec.availability()
+    return None if available else available.reason
 
 
 def _conflict_message(registry: PluginRegistry, name: str, owners: list[PluginInfo]) -> str:
     first, *others = sorted(owners, key=lambda p: p.name)
-    keep = ",".join(n for n in sorted(registry.discovery.plugins) if n not in {p.name for p in others})
+    keep = ",".join(n for n in _loadable(registry) if n not in {p.name for p in others})
     return (
         f"backend {name!r} is claimed by several plugins: {', '.join(p.label for p in owners)}, so none "
         f"of them is used. Uninstall all but one, or leave the others out with {PLUGINS_ENV} "
@@ -120,12 +158,24 @@ def _conflict_message(registry: PluginRegistry, name: str, owners: list[PluginIn
     )
 
 
-def _broken_suffix(registry: PluginRegistry) -> str:
-    broken = registry.discovery.broken
+def _loadable(registry: PluginRegistry) -> list[str]:
+    """Loaded plugins that ``MTCORE_PLUGINS`` can name (the core's own is always loaded)."""
+    return sorted(n for n in registry.discovery.plugins if n != PLUGIN_NAME)
+
+
+def _skipped_suffix(registry: PluginRegistry) -> str:
+    skipped = registry.discovery.skipped
+    if not skipped:
+        return ""
+    lines = [f"\n  {p.label}: {p.reason}" for p in skipped]
+    return "\nThese installed plugins were not loaded and may provide it:" + "".join(lines)
+
+
+def _broken_suffix(broken: list[PluginInfo], what: str) -> str:
     if not broken:
         return ""
     lines = [f"\n  plugin {p.label} is broken: {p.error!r}\n{_indent(p.traceback)}" for p in broken]
-    return "\nThese plugins failed to load and may be the ones that provide it:" + "".join(lines)
+    return f"\nThese plugins {what}:" + "".join(lines)
 
 
 def _indent(text: str) -> str:

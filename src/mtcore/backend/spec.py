@@ -54,6 +54,9 @@ class Backend:
         self.spec = spec
         self.plugin = plugin
         self.name = spec.name
+        # Set by automatic selection when it chose this backend over accelerator plugins
+        # that could not serve (each line names the plugin and why); the trainer prints it.
+        self.selection_notes: tuple[str, ...] = ()
         self.device = spec.device
         self.collective = spec.collective
         self.kernels = KernelTable(spec.name, kernels)

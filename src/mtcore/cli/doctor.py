@@ -6,9 +6,11 @@ available backend, or only the one named with --backend: device capabilities,
 collectives (native or fallback per op and dtype), FP8 support, and which
 implementation serves each kernel op.
 
-Exit status: 0 when the report was made, even if some backends are unavailable
-or some plugins are broken; 1 when the backend named with --backend cannot be
-built (the error says why); 2 on bad usage.
+Exit status: 0 when the installation is healthy, even if some backends are
+unavailable here (a cuda plugin on a CPU machine); 1 when a plugin is broken
+(it failed to import, a hook raised, or a kernel breaks its op's contract), when
+several plugins claim one backend, or when the backend named with --backend
+cannot be built; the ERROR line on stderr says which. 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def collect(requested: str | None, verbose: bool = False) -> dict:
     data.update(
         command="doctor",
         requested=requested,
-        plugins=report.plugin_facts(registry),
+        plugins=[],
         skipped_plugins=report.skipped_plugin_facts(registry),
         backends=report.backend_summaries(registry),
         conflicts=report.conflict_facts(registry),
@@ -90,6 +92,10 @@ def collect(requested: str | None, verbose: bool = False) -> dict:
                 data["error"] = facts
             continue
         by_name[name]["details"] = report.backend_details(backend)
+    # After the builds: a plugin whose kernels break their op's contract is found there.
+    data["plugins"] = report.plugin_facts(registry)
+    if data["error"] is None:
+        data["error"] = report.installation_error(data)
     specs = {name: spec for name, (spec, _) in registry.discovery.backends.items()}
     for entry in data["backends"]:
         if verbose or entry["details"] is not None:

@@ -3,7 +3,8 @@
 Every command is a module of ``mtcore.cli`` named in ``COMMANDS`` that defines
 ``HELP`` (one line for ``mtcore --help``), ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit status). Adding a command is adding a module and
-its name here. The modules are imported to build the parser, so their top level
+its name here (a hyphen in a name is an underscore in the module's: ``new-plugin``
+is ``new_plugin``). The modules are imported to build the parser, so their top level
 stays light; heavy imports go inside ``run``.
 
 Exit status: 0 success, 1 the command failed (the message says why),
@@ -19,7 +20,7 @@ import sys
 
 from mtcore import __version__
 
-COMMANDS = ("plugins", "doctor", "train", "generate", "convert")
+COMMANDS = ("plugins", "doctor", "train", "generate", "convert", "new-plugin")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mtcore {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in COMMANDS:
-        module = importlib.import_module(f"mtcore.cli.{name}")
+        module = importlib.import_module(f"mtcore.cli.{name.replace('-', '_')}")
         sub = commands.add_parser(
             name,
             help=module.HELP,

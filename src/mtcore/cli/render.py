@@ -53,16 +53,13 @@ def _plugins(data: dict, verbose: bool) -> list[str]:
     broken = [p for p in plugins if p["status"] == "broken"]
     lines = [f"plugins: {len(plugins) - len(broken)} loaded, {len(broken)} broken"]
     lines += ["  " + line for line in plugin_lines(plugins)]
-    for p in broken:
-        if verbose:
-            lines.append(f"  traceback of {p['name']}:")
-            lines.append(indent(p["error"]["traceback"]))
-        else:
-            lines.append(f"  (run with --verbose for the traceback of {p['name']})")
+    for p in broken:  # always with the traceback: it is what the plugin's author needs
+        lines.append(f"  traceback of {p['name']}:")
+        lines.append(indent(p["error"]["traceback"]))
     for s in data["skipped_plugins"]:
         lines.append(f"  {s['name']}  skipped: {s['reason']}")
     if not plugins and not data["skipped_plugins"]:
-        lines.append("  none installed: pip install a plugin that provides the 'cpu' backend")
+        lines.append("  none")
     return [*lines, ""]
 
 
@@ -87,6 +84,8 @@ def _backends(data: dict, verbose: bool) -> list[str]:
         first = sel["error"]["message"].splitlines()[0]
         lines = [f"backends: {len(backends)} found, no default ({sel['how']})"]
         lines += wrap(f"ERROR: {first}", "  ", "         ")
+    for note in sel.get("notes", []):
+        lines += wrap(f"WARNING: {note}", "  ", "           ")
     width = max((len(b["name"]) for b in backends), default=0)
     pad = " " * (width + 4)
     for b in backends:

@@ -13,14 +13,12 @@ import platform
 import sys
 import traceback
 import warnings
-from importlib import metadata
 
 import pluggy
 import torch
 
 import mtcore
 from mtcore.backend import (
-    ENTRY_POINT_GROUP,
     Backend,
     BackendError,
     BackendSpec,
@@ -157,23 +155,14 @@ def plugin_facts(registry: PluginRegistry) -> list[dict]:
 
 def skipped_plugin_facts(registry: PluginRegistry) -> list[dict]:
     """Installed entry points that were not loaded, and allowlist names that match nothing."""
-    loaded = set(registry.discovery.plugins)
+    found = registry.discovery
+    skipped = [
+        {"name": p.name, "dist": p.dist, "version": p.version, "reason": p.reason} for p in found.skipped
+    ]
     raw = os.environ.get(PLUGINS_ENV, "")
     allow = {n.strip() for n in raw.split(",") if n.strip()}
-    seen: set[str] = set()
-    skipped = []
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = ep.dist.name if ep.dist is not None else None
-        seen.update({ep.name, dist} - {None})
-        if ep.name in loaded:
-            continue
-        reason = (
-            f"not named in {PLUGINS_ENV}={raw}"
-            if allow
-            else f"{DISABLE_AUTOLOAD_ENV} is set and {PLUGINS_ENV} does not name it"
-        )
-        version = ep.dist.version if ep.dist is not None else None
-        skipped.append({"name": ep.name, "dist": dist, "version": version, "reason": reason})
+    seen = {name for p in found.skipped for name in (p.name, p.dist) if name}
+    seen |= {name for p in found.plugins.values() for name in (p.name, p.dist) if name}
     for name in sorted(allow - seen):
         skipped.append(
             {
@@ -184,6 +173,25 @@ def skipped_plugin_facts(registry: PluginRegistry) -> list[dict]:
             }
         )
     return skipped
+
+
+def installation_error(data: dict) -> dict | None:
+    """Broken plugins, backend conflicts and a failed default selection as one error
+    (``mtcore doctor`` exits 1 on it)."""
+    problems, tracebacks = [], []
+    for p in data["plugins"]:
+        if p["status"] == "broken":
+            problems.append(f"plugin {p['name']} is broken: {p['error']['message']}")
+            tracebacks.append(f"traceback of plugin {p['name']}:\n{p['error']['traceback']}")
+    for c in data["conflicts"]:
+        owners = ", ".join(p["name"] for p in c["plugins"])
+        problems.append(f"backend {c['backend']!r} is claimed by several plugins ({owners})")
+    selection = data["selection"]["error"]
+    if selection is not None:  # no default backend: MTCORE_REQUIRE_ACCELERATOR, say
+        problems.append(f"no default backend: {selection['message'].splitlines()[0]}")
+    if not problems:
+        return None
+    return {"type": "InstallationError", "message": "; ".join(problems), "traceback": "\n".join(tracebacks)}
 
 
 # -- backends ----------------------------------------------------------------------
@@ -237,10 +245,10 @@ def selection_facts(registry: PluginRegistry) -> dict:
             warnings.simplefilter("ignore", PluginWarning)
             backend = select_backend(None, registry)
     except BackendError as exc:
-        return {"backend": None, "how": how, "error": error_facts(exc)}
+        return {"backend": None, "how": how, "error": error_facts(exc), "notes": []}
     except Exception as exc:  # a plugin raised inside selection
-        return {"backend": None, "how": how, "error": error_facts(exc)}
-    return {"backend": backend.name, "how": how, "error": None}
+        return {"backend": None, "how": how, "error": error_facts(exc), "notes": []}
+    return {"backend": backend.name, "how": how, "error": None, "notes": list(backend.selection_notes)}
 
 
 def diagnostic_facts(spec: BackendSpec) -> dict | None:

@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 
 HELP = "train a model (any family: gpt, bert, ...) from a YAML/TOML config on local ranks"
 EPILOG = """\
@@ -84,7 +85,7 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtcore.backend import BackendError, select_backend
+    from mtcore.backend import BackendError, PluginWarning, select_backend
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config, read_file
     from mtcore.training.trainer import prepare
@@ -96,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         if args.config and not read_file(args.config):  # an empty file: say what runs
             note = f"{args.config} holds no settings; training with the defaults"
             print(f"mtcore train: note: {note}", file=sys.stderr)
-        select_backend(config.training.backend)
+        with warnings.catch_warnings():  # the trainer's first lines say it, once
+            warnings.simplefilter("ignore", PluginWarning)
+            select_backend(config.training.backend)
         prepare(config, args.nproc)
     except (ConfigError, BackendError) as e:
         print(f"mtcore train: error: {e}", file=sys.stderr)

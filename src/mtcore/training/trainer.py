@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TextIO
@@ -112,9 +113,13 @@ class BadStepGuard:
 def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
     """Run the whole job on this rank; returns what rank 0 observed (all ranks agree on losses)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    from mtcore.backend import select_backend
+    from mtcore.backend import PluginWarning, select_backend
 
-    backend = select_backend(config.training.backend)
+    with warnings.catch_warnings():
+        # Rank 0 prints the selection's notes in its first lines (_Loop.run), once for
+        # the job instead of once per rank.
+        warnings.simplefilter("ignore", PluginWarning)
+        backend = select_backend(config.training.backend)
     prep = prepare(config, world, rank)
     config.precision.check_backend(backend)  # before any process group starts
     if backend.device.type != "cpu":
@@ -194,6 +199,8 @@ class _Loop:
             self.scalars.close()
             return self.result
         s, tokens_per_step = self.layout.spec, self.t.global_batch_size * self.model.seq_len
+        for note in self.backend.selection_notes:
+            self.say(f"mtcore train: warning: {note}")
         self.say(
             f"mtcore train: {self.model.describe()} | {self.layout.world_size} ranks: "
             f"tp={s.tp} pp={s.pp} vpp={s.vpp} dp={s.dp} sp={s.sequence_parallel} "

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from mtcore.backend import BackendError, PluginRegistry, PluginWarning, select_backend
+from mtcore.backend import (
+    BackendError,
+    PluginConfigError,
+    PluginRegistry,
+    PluginWarning,
+    select_backend,
+)
 
 ACCEL = """
 from mtcore.backend import BackendSpec, Collective, CpuDevice, hookimpl
@@ -35,13 +41,15 @@ def registry() -> PluginRegistry:
     return reg
 
 
-def test_installed_cuda_plugin_is_found_with_version(monkeypatch):
+def test_installed_cuda_plugin_is_found_with_version_and_cpu_is_the_cores(monkeypatch):
     monkeypatch.delenv("MTCORE_PLUGINS", raising=False)
     found = registry().backends()
     info = found.plugins["mtcore_cuda"]
     assert (info.dist, info.error) == ("mtcore-cuda", None)
     assert info.version
     assert {"cpu", "cuda"} <= set(found.backends)
+    assert found.backends["cpu"][1].name == "mtcore"  # the core's host plugin, not a vendor's
+    assert found.backends["cuda"][1].name == "mtcore_cuda"
 
 
 def test_third_party_plugin_selected_by_name_and_auto_by_priority(make_dist, monkeypatch):
@@ -59,7 +67,15 @@ def test_unavailable_accelerator_is_skipped_automatically_but_error_when_asked(m
     monkeypatch.delenv("MTCORE_BACKEND", raising=False)
     make_dist("nodev-plugin", "nodev_plugin", UNAVAILABLE)
     reg = registry()
-    assert select_backend(None, reg).name == "cpu"
+    # Automatic selection says which installed accelerator could not serve, and why.
+    with pytest.warns(PluginWarning, match=r"chose 'cpu'.*'nodev' from plugin nodev_plugin \(nodev-plugin 1.0\).*no nodev card") as seen:
+        backend = select_backend(None, reg)
+    assert backend.name == "cpu" and str(seen[0].message) in backend.selection_notes
+    monkeypatch.setenv("MTCORE_REQUIRE_ACCELERATOR", "1")
+    with pytest.raises(BackendError, match=r"(?s)MTCORE_REQUIRE_ACCELERATOR is set.*no nodev card"):
+        select_backend(None, reg)
+    assert select_backend("cpu", reg).name == "cpu"  # asking for the host by name stays allowed
+    monkeypatch.delenv("MTCORE_REQUIRE_ACCELERATOR")
     with pytest.raises(BackendError, match="no nodev card is plugged in") as err:
         select_backend("nodev", reg)
     assert "does not fall back" in str(err.value)
@@ -76,17 +92,50 @@ def test_unknown_backend_lists_known_ones():
 def test_allowlist_and_disable_autoload(make_dist, monkeypatch):
     make_dist("acme-accel", "acme_plugin", ACCEL.format(name="acme", priority=1))
     monkeypatch.setenv("MTCORE_PLUGINS", "acme-accel")  # a distribution name works
-    assert set(registry().backends().backends) == {"acme"}
+    assert set(registry().backends().backends) == {"acme", "cpu"}  # cpu is the core's: always there
     monkeypatch.setenv("MTCORE_PLUGINS", "mtcore_cuda")  # so does an entry-point name
     assert set(registry().backends().backends) == {"cpu", "cuda"}
     monkeypatch.delenv("MTCORE_PLUGINS")
     monkeypatch.setenv("MTCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
     reg = registry()
-    assert reg.backends().backends == {}
-    with pytest.raises(BackendError, match="no backend is available"):
-        select_backend(None, reg)
+    assert set(reg.backends().backends) == {"cpu"}
+    assert select_backend(None, reg).name == "cpu"
     monkeypatch.setenv("MTCORE_PLUGINS", "acme_plugin")
-    assert set(registry().backends().backends) == {"acme"}
+    assert set(registry().backends().backends) == {"acme", "cpu"}
+
+
+@pytest.mark.parametrize("value", ["false", "0", "no", "off", ""])
+def test_disable_autoload_false_values_keep_loading(make_dist, monkeypatch, value):
+    make_dist("acme-accel", "acme_plugin", ACCEL.format(name="acme", priority=1))
+    monkeypatch.delenv("MTCORE_PLUGINS", raising=False)
+    monkeypatch.setenv("MTCORE_DISABLE_PLUGIN_AUTOLOAD", value)
+    assert "acme" in registry().backends().backends
+
+
+def test_disable_autoload_garbage_is_an_error_naming_the_value(monkeypatch):
+    monkeypatch.setenv("MTCORE_DISABLE_PLUGIN_AUTOLOAD", "maybe")
+    with pytest.raises(PluginConfigError, match=r"MTCORE_DISABLE_PLUGIN_AUTOLOAD='maybe'.*use 1"):
+        registry()
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"MTCORE_PLUGINS": "acme_plugin"}, "not named in MTCORE_PLUGINS=acme_plugin"),
+        ({"MTCORE_DISABLE_PLUGIN_AUTOLOAD": "1"}, "MTCORE_DISABLE_PLUGIN_AUTOLOAD is set"),
+    ],
+)
+def test_unknown_backend_says_which_installed_plugins_were_skipped(make_dist, monkeypatch, env, reason):
+    make_dist("acme-accel", "acme_plugin", ACCEL.format(name="acme", priority=1))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(BackendError) as err:
+        select_backend("cuda", registry())
+    message = str(err.value)
+    assert "unknown backend 'cuda'" in message
+    assert "not loaded and may provide it" in message
+    assert f"mtcore_cuda (mtcore-cuda 0.1.0): {reason}" in message
+    assert "pip install" not in message  # mtcore-cuda is installed; it was left out
 
 
 def test_broken_plugin_warns_and_requested_backend_error_carries_traceback(make_dist):
@@ -131,23 +180,47 @@ def test_two_plugins_claiming_one_name_conflict(make_dist):
     assert "dup-a" in str(err.value) and "dup-b" in str(err.value)
 
 
-def test_kernel_with_wrong_signature_rejected_naming_plugin_and_op(make_dist):
-    make_dist("badkernel", "badkernel_plugin", """
+BAD_KERNEL = """
+from mtcore.backend import KernelImpl, hookimpl
+
+def my_rms_norm(x, w):  # the contract is (x, weight, eps)
+    return x
+
+@hookimpl
+def mtcore_kernels(backend, device_type):
+    return [KernelImpl("rms_norm", my_rms_norm, "fast")] if backend == "cpu" else []
+"""
+
+
+def test_kernel_with_wrong_signature_fails_the_build_naming_plugin_and_op(make_dist, monkeypatch):
+    make_dist("badkernel", "badkernel_plugin", BAD_KERNEL)
+    reg = registry()
+    contract = r"plugin 'badkernel_plugin'.*'rms_norm'.*\(x, w\).*\(x, weight, eps\)"
+    with pytest.warns(PluginWarning, match=contract), pytest.raises(BackendError) as err:
+        select_backend("cpu", reg)
+    message = str(err.value)
+    assert "backend 'cpu' from plugin mtcore (mtcore 0.1.0) failed to build" in message
+    assert "badkernel_plugin (badkernel 1.0) is broken" in message and "Traceback" in message
+    assert "MTCORE_PLUGINS=" in message and "badkernel_plugin" not in message.split("MTCORE_PLUGINS=")[1].split(")")[0]
+    assert "rms_norm" in reg.discovery.plugins["badkernel_plugin"].traceback
+    # Leaving the plugin out, as the message says, builds the backend.
+    monkeypatch.setenv("MTCORE_PLUGINS", "mtcore_cuda")
+    assert select_backend("cpu", registry()).name == "cpu"
+
+
+def test_kernel_for_unknown_op_fails_the_build(make_dist):
+    make_dist("unknownop", "unknownop_plugin", """
         from mtcore.backend import KernelImpl, hookimpl
 
-        def my_rms_norm(x, w):  # the contract is (x, weight, eps)
-            return x
+        def flash(q, k, v):
+            return q
 
         @hookimpl
         def mtcore_kernels(backend, device_type):
-            return [KernelImpl("rms_norm", my_rms_norm, "fast")] if backend == "cpu" else []
+            return [KernelImpl("flash_attn", flash, "flash")]
     """)
-    reg = registry()
-    with pytest.warns(PluginWarning, match=r"plugin 'badkernel_plugin'.*'rms_norm'.*\(x, w\).*\(x, weight, eps\)"):
-        backend = select_backend("cpu", reg)
-    # The rejected kernel is not used; the plugin shows as broken; the backend still works.
-    assert "fast" not in [k.name for k in backend.kernel_table()["rms_norm"]]
-    assert "rms_norm" in reg.discovery.plugins["badkernel_plugin"].traceback
+    with pytest.warns(PluginWarning), pytest.raises(BackendError, match="unknownop_plugin"):
+        select_backend("cpu", registry())
 
 
 def test_misspelt_hook_marks_plugin_broken(make_dist):
@@ -207,25 +280,74 @@ def test_accelerator_whose_availability_raises_warns_under_auto(make_dist, monke
     make_dist("flaky-accel", "flaky_plugin", RAISING_PROBE)
     make_dist("acme-accel", "acme_plugin", ACCEL.format(name="acme", priority=1))
     reg = registry()
+    assert select_backend(None, reg).name == "acme"  # the next one by priority
+    monkeypatch.setenv("MTCORE_PLUGINS", "flaky_plugin")
     with pytest.warns(PluginWarning, match=r"'flaky' from plugin flaky_plugin \(flaky-accel 1.0\).*driver ioctl failed"):
-        assert select_backend(None, reg).name == "acme"  # the next one by priority
+        assert select_backend(None, registry()).name == "cpu"
 
 
-def test_second_plugin_claiming_cpu_is_a_conflict_not_a_missing_backend(make_dist, monkeypatch):
+def test_plugin_claiming_the_cores_cpu_backend_is_broken(make_dist, monkeypatch):
     monkeypatch.delenv("MTCORE_BACKEND", raising=False)
     make_dist("other-host", "other_host", HOST)
     reg = registry()
-    for name in ("cpu", None):  # asked for, and automatic
-        with pytest.raises(BackendError, match="'cpu' is claimed by several plugins") as err:
-            select_backend(name, reg)
-        message = str(err.value)
-        assert "other_host (other-host 1.0)" in message and "mtcore_cuda (mtcore-cuda" in message
-        assert "MTCORE_PLUGINS=" in message and "pip install" not in message
+    with pytest.warns(PluginWarning, match="other_host.*raised in mtcore_backends"):
+        found = reg.backends()
+    assert found.backends["cpu"][1].name == "mtcore" and not found.conflicts
+    assert "core's own host backend" in str(found.plugins["other_host"].error)
+    assert select_backend("cpu", reg).plugin == "mtcore"
 
 
 def test_conflicting_accelerator_is_skipped_under_auto_with_a_warning(make_dist, monkeypatch):
     monkeypatch.delenv("MTCORE_BACKEND", raising=False)
     make_dist("dup-a", "dup_a", ACCEL.format(name="dup", priority=1))
     make_dist("dup-b", "dup_b", ACCEL.format(name="dup", priority=2))
-    with pytest.warns(PluginWarning, match="skipped 'dup': backend 'dup' is claimed by several plugins: dup_a"):
+    with pytest.warns(PluginWarning, match="chose 'cpu'.*backend 'dup' is claimed by several plugins: dup_"):
         assert select_backend(None, registry()).name == "cpu"
+
+
+def test_hooks_run_through_pluggy_wrappers_and_tracing(make_dist):
+    """A hook wrapper sees each plugin's call and pluggy's tracing records them: the
+    registry calls hooks through the plugin manager, not the functions directly."""
+    make_dist("acme-accel", "acme_plugin", ACCEL.format(name="acme", priority=1))
+    make_dist("spy", "spy_plugin", """
+        from mtcore.backend import hookimpl
+
+        SEEN = []
+
+        @hookimpl(wrapper=True)
+        def mtcore_backends():
+            specs = yield
+            SEEN.append(sorted(spec.name for result in specs for spec in result))
+            return specs
+    """)
+    reg = registry()
+    trace: list[str] = []
+    reg.manager.trace.root.setwriter(trace.append)
+    undo = reg.manager.enable_tracing()
+    try:
+        assert "acme" in reg.backends().backends
+    finally:
+        undo()
+    import spy_plugin
+
+    assert ["acme"] in spy_plugin.SEEN and ["cpu"] in spy_plugin.SEEN  # one call per plugin
+    assert any("mtcore_backends" in line for line in trace)
+
+
+def test_tryfirst_plugin_is_called_first(make_dist):
+    for name, mark in (("early", "@hookimpl(tryfirst=True)"), ("late", "@hookimpl")):
+        make_dist(f"{name}-accel", f"{name}_plugin", f"""
+            import sys
+            from mtcore.backend import BackendSpec, Collective, CpuDevice, hookimpl
+
+            {mark}
+            def mtcore_backends():
+                sys.modules["mtcore"].__dict__.setdefault("_test_call_order", []).append("{name}")
+                return [BackendSpec(name="{name}", device=CpuDevice(), collective=Collective("gloo"))]
+        """)
+    import mtcore
+
+    mtcore.__dict__.pop("_test_call_order", None)
+    registry().backends()
+    order = mtcore.__dict__.pop("_test_call_order")
+    assert order.index("early") < order.index("late")

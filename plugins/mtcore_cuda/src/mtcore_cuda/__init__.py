@@ -1,3 +1,3 @@
-"""mtcore-cuda: the 'cpu' backend (gloo, torch's fused CPU kernels) and the 'cuda' backend (NCCL)."""
+"""mtcore-cuda: the 'cuda' backend (NVIDIA GPUs, NCCL). The host 'cpu' backend is the core's."""
 
 __version__ = "0.1.0"

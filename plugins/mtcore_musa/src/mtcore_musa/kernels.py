@@ -32,24 +32,42 @@ def flash_head_dims_ok(q, k, v, *args, **kwargs) -> bool:
     return (qk <= 128 and vd <= 128) or (qk, vd) in ((192, 128), (160, 160))
 
 
+# Not used, on purpose (docs/musa.md, section 7):
+#   * variable-length flash attention (aten::_flash_attention_forward with cu_seqlens,
+#     muDNN >= 3000, Attention.cpp): mtcore.ops.attention takes dense [b, h, s, d] with a
+#     key_padding_mask of any pattern and defines outputs for padded queries; varlen
+#     needs packed, right-padded tokens and host-side max lengths (a sync per call), and
+#     drops padded queries. Padded batches already run muDNN flash through SDPA's
+#     boolean attn_mask (SDPUtils.h, check_musa_attn_mask refuses only masks needing grad).
+#   * torch_musa.distributed.loss.parallel_fused_cross_entropy: mean/sum only, no
+#     ignore_index (a TODO in FusedCrossEntropyLoss.mu), float32 DTensor logits, its own
+#     all-gather; mtcore.ops.cross_entropy is the unreduced per-token loss with
+#     ignore_index, and the vocab-parallel loss (mtcore.parallel) is no kernel op.
+
+
 # -- RMSNorm --------------------------------------------------------------------------
-# F.rms_norm reaches muDNN only through a fused op that torch_musa registers for
-# PrivateUse1: aten::_fused_rms_norm (torch >= 2.8 calls it from rms_norm for every
-# device but MPS; torch_musa's RMSNorm.h includes _fused_rms_norm_native.h), or
-# _fused_rmsnorm_forward in older torch_musa builds (musa_functions.yaml). Without
-# either, F.rms_norm is torch's composite: correct, but not muDNN, so not registered.
-FUSED_RMS_NORM_OPS = ("aten::_fused_rms_norm", "aten::_fused_rmsnorm_forward")
+# F.rms_norm reaches muDNN only through aten::_fused_rmsnorm_forward, an op that exists
+# only in torch_musa's patched torch: torch_patches/aten_src_ATen_native_native_functions
+# .yaml.patch defines it, torch_patches/aten_src_ATen_native_layer_norm.cpp.patch makes
+# rms_norm call it for PrivateUse1 inputs, and csrc/aten/ops/musa_functions.yaml
+# registers muDNN's FusedRMSNormForward for it (v1.3.0 to v2.7.1). torch's own
+# aten::_fused_rms_norm (torch >= 2.8) appears in no torch_musa tag: a PrivateUse1
+# kernel for it says nothing about muDNN. Without the op, F.rms_norm is torch's
+# composite: correct, but not muDNN, so not registered.
+FUSED_RMSNORM_OP = "aten::_fused_rmsnorm_forward"
+
+
+def has_musa_kernel(op: str) -> bool:
+    """Whether the dispatcher holds a MUSA (PrivateUse1) kernel for ``op``."""
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, "PrivateUse1"))
+    except Exception:  # the op does not exist in this torch build
+        return False
 
 
 def mudnn_rms_norm_registered() -> bool:
-    """Whether the dispatcher holds a MUSA (PrivateUse1) kernel for a fused RMSNorm op."""
-    for op in FUSED_RMS_NORM_OPS:
-        try:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(op, "PrivateUse1"):
-                return True
-        except Exception:  # the op does not exist in this torch build
-            continue
-    return False
+    """Whether torch_musa registered muDNN's fused RMSNorm (see FUSED_RMSNORM_OP)."""
+    return has_musa_kernel(FUSED_RMSNORM_OP)
 
 
 def rms_norm_weight_ok(x, weight, eps=1e-6) -> bool:
@@ -57,6 +75,20 @@ def rms_norm_weight_ok(x, weight, eps=1e-6) -> bool:
     (csrc/aten/ops/RMSNorm.cpp, ``CheckDType``/``CheckDevice``); the reference upcasts a
     weight of another dtype, so such calls (fp32 weight, bf16 activations) go there."""
     return weight.dtype == x.dtype and weight.device == x.device
+
+
+# -- LayerNorm ------------------------------------------------------------------------
+# F.layer_norm on musa tensors runs muDNN's LayerNorm: musa_functions.yaml registers
+# NativeLayerNorm (csrc/aten/ops/LayerNorm.cpp) for aten::native_layer_norm. It takes
+# float32/float16/bfloat16, keeps mean and rstd in the accumulate type (float32 for half
+# inputs), and TORCH_CHECKs "Dtypes of output/weight must be same" (and bias).
+NATIVE_LAYER_NORM_OP = "aten::native_layer_norm"
+
+
+def layer_norm_affine_ok(x, weight, bias, eps=1e-5) -> bool:
+    """Weight and bias in the input's dtype and on its device, as LayerNorm.cpp checks;
+    the reference takes an fp32 weight beside bf16 activations, so those calls go there."""
+    return all(t.dtype == x.dtype and t.device == x.device for t in (weight, bias) if t is not None)
 
 
 # -- AdamW ----------------------------------------------------------------------------
@@ -128,18 +160,21 @@ def musa_fused_adamw_available() -> bool:
 # -- RoPE -----------------------------------------------------------------------------
 # F.rope(input, freq_cis, rotary_interleaved=False, batch_first=False) exists only in
 # torch_musa's patched torch. Its convention, from torch_musa's own test
-# (the F.rope operator test, apply_rotary_pos_emb_bshd) and kernel
+# (tests/unittest/operator/test_rope_apply.py, apply_rotary_pos_emb_bshd) and kernel
 # (csrc/aten/ops/RoPE.cpp, RopeOut):
-#   * input [seq, batch, heads, dim] when batch_first=False; only the last dim must be
-#     contiguous (others are passed strided, as the test's non-contiguous cases show);
+#   * input [seq, batch, heads, dim] when batch_first=False. The kernel makes only the
+#     last dim contiguous and hands the other strides to muDNN; the test runs contiguous
+#     inputs and head slices of them (its "qkv_merge" and "dist_split" cases), never
+#     seq and batch strides in swapped order. So the adapter passes a contiguous
+#     [seq, batch, heads, dim] copy: the layout that is tested, at the cost of a copy.
 #   * freq_cis holds *angles* [seq, dim]; the kernel takes cos/sin of them;
 #   * rotary_interleaved=False rotates halves: out = x * cos + rotate_half(x) * sin,
 #     rotate_half(x) = cat(-x2, x1). With freq_cis = cat(theta, theta) this is exactly
 #     mtcore.ops.rope's cat(x1 cos - x2 sin, x2 cos + x1 sin).
-# Registered for float32 only: that is the only dtype torch_musa's tests run F.rope
-# with, and they pass freq_cis in the input's dtype. A float32 freq_cis beside a bf16
-# input is not covered by the source, and bf16 angles would be off by ~1e-2 rad.
-# batch_first=True would avoid the transposes, but no test in the source exercises it.
+#   * RoPE.cpp checks only the input's dtype (float32, float16, bfloat16; freq_cis is
+#     not checked), so every float input is offered. The angles stay float32 whatever
+#     the input's dtype: a bf16 angle near position 4096 is off by up to 16 rad.
+# batch_first=True would avoid the copies, but no test in the source exercises it.
 def rope_inputs_ok(x, cos, sin) -> bool:
     """Shapes and tables F.rope is known to take; anything else goes to the reference."""
     if x.dim() != 4 or x.shape[-1] % 2:
@@ -159,7 +194,7 @@ def musa_rope(x, cos, sin):
     theta = torch.atan2(sin, cos)  # back to angles: cos(theta) = cos up to rounding
     freq_cis = torch.cat((theta, theta), dim=-1)
     out = F.rope(
-        input=x.transpose(0, 1),
+        input=x.transpose(0, 1).contiguous(),  # [seq, batch, heads, dim], as tested
         freq_cis=freq_cis,
         rotary_interleaved=False,
         batch_first=False,
@@ -217,8 +252,8 @@ def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
         ),
     ]
     if mudnn_rms_norm_registered():
-        # torch.rms_norm on musa tensors routes to muDNN's fused RMSNorm, which keeps
-        # its inverse RMS in float32 for half inputs (RMSNorm.cpp, InferInvvarDType).
+        # torch.rms_norm on musa tensors calls aten::_fused_rmsnorm_forward (muDNN), which
+        # keeps its inverse RMS in float32 for half inputs (RMSNorm.cpp, InferInvvarDType).
         impls.append(
             KernelImpl(
                 "rms_norm",
@@ -227,6 +262,17 @@ def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
                 priority=50,
                 predicate=on_musa(_FLOATS),
                 fallback_ok=rms_norm_weight_ok,
+            )
+        )
+    if has_musa_kernel(NATIVE_LAYER_NORM_OP):
+        impls.append(
+            KernelImpl(
+                "layer_norm",
+                torch_native.fused_layer_norm,
+                "F.layer_norm",
+                priority=50,
+                predicate=on_musa(_FLOATS),
+                fallback_ok=layer_norm_affine_ok,
             )
         )
     # Only torch_musa's own op: torch's aten::_fused_adamw_ is a stub on musa that raises
@@ -251,7 +297,7 @@ def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
                 musa_rope,
                 "F.rope",
                 priority=50,
-                predicate=on_musa((torch.float32,), arch=True),
+                predicate=on_musa(_FLOATS, arch=True),
                 fallback_ok=rope_inputs_ok,
             )
         )

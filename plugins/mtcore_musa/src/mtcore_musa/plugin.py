@@ -8,31 +8,45 @@ from __future__ import annotations
 
 from mtcore.backend import (
     FP8,
+    Availability,
     BackendSpec,
     Collective,
     CollectiveCapabilities,
-    fp8_fallback_everywhere,
     hookimpl,
 )
-from mtcore_musa.devices import FP8_MIN_CAPABILITY, MUSA, MusaDevice
+from mtcore.backend.fp8 import k_n_multiple_of
+from mtcore_musa.collectives import mccl_fallback_dtypes
+from mtcore_musa.devices import FP8_MIN_CAPABILITY, MUSA, MusaDevice, float8_on_device
 from mtcore_musa.kernels import musa_kernels
-from mtcore_musa.triton_backend import musa_triton_backend
 
 BACKEND = "musa"
 
 # torch._scaled_mm reaches muDNN's scaled matmul with scalar or per-row (a) /
 # per-column (b) scales on arch >= 3.1; 1x128/128x128 blocks take the dequantize fallback.
 _NATIVE_FP8 = frozenset({("tensor", "tensor"), ("row", "row")})
+# torch_musa's ScaledMatmulOut (csrc/aten/ops/Matmul.cpp) says "Only works if matrices
+# sizes are divisible by 32" (a comment it shares with PyTorch's Blas.cpp, where the
+# check enforced is 16) and checks no size itself; its test_scaled_mm runs K and N in
+# {32, 64, 128, 256} (M down to 16). Only those shapes are sent to muDNN.
+MUSA_SCALED_MM_SHAPES = k_n_multiple_of(32)
 
 NOTES = (
     "Written against the torch_musa API; not exercised on MUSA hardware in this "
     "project's CI (no MUSA GPU available).",
     "Verify on a Moore Threads machine with the conformance kit: "
     "pytest --pyargs mtcore.testing.conformance --mtcore-backend musa",
-    "FP8 collectives move as bytes / reduce in float32: MCCL carries FP8 only when built "
-    "with MCCL_FP8_SUPPORTED, and torch_musa exposes no runtime probe for it.",
-    "rope uses torch_musa's F.rope for float32 only (the dtype its tests cover); other "
-    "dtypes use the reference.",
+    "bf16 and FP8 collectives follow the arch torch_musa was built for "
+    "(torch.musa.get_arch_list()): MCCL maps bf16 from arch 2.2 and FP8 from 3.1 "
+    "(ProcessGroupMCCL.h); in older builds they move as bytes and reduce in float32.",
+    "FP8 needs arch >= 3.1 and a torch_musa built with MUSA >= 4.0 (probed once: float8 "
+    "tensors and a 32x32 torch._scaled_mm on the device); torch._scaled_mm is used for K "
+    "and N multiples of 32.",
+    "rope uses torch_musa's F.rope for float32/float16/bfloat16 inputs with float32 "
+    "angles; torch_musa's own tests cover float32 only.",
+    "Triton on MUSA arch < 3.1 (the S4000 is 2.2) compiles with warp size 128, not 32 "
+    "(torch_musa csrc/extension/common/utils.muh): num_warps=4 is 512 threads there. The "
+    "mtcore-triton pack derives num_warps from the target's warp size; other Triton "
+    "code tuned for 32-wide warps does not carry over.",
 )
 
 # One device object for the process: the backend's device and the kernel predicates
@@ -40,22 +54,43 @@ NOTES = (
 _DEVICE = MusaDevice(MUSA)
 
 
+def _fp8_gate(device: MusaDevice):
+    """FP8's availability: the arch first, then (once) whether float8 tensors exist."""
+    probed: list[Availability] = []
+
+    def gate() -> Availability:
+        arch = device.capability_at_least(FP8_MIN_CAPABILITY)
+        if not arch:
+            return arch
+        if not probed:
+            probed.append(float8_on_device(device))
+        return probed[0]
+
+    return gate
+
+
 def _diagnostics() -> dict[str, str]:
-    return {"triton backend for musa": musa_triton_backend() or "none detected"}
+    # The Triton pack's own finder (mtcore-musa[triton]), imported only when doctor asks.
+    try:
+        from mtcore_triton.targets import describe_target
+    except ImportError:
+        return {"triton backend for musa": "not installed (mtcore-triton)"}
+    return {"triton backend for musa": describe_target(MUSA.device_type)}
 
 
 @hookimpl
 def mtcore_backends():
-    # MCCL maps ReduceOp.AVG to mcclAvg (csrc/distributed/ProcessGroupMCCL.cpp).
-    capabilities = CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=True)
+    # MCCL maps ReduceOp.AVG to mcclAvg (csrc/distributed/ProcessGroupMCCL.cpp). The
+    # dtype table is read on first use: it asks torch_musa, never imported at discovery.
+    capabilities = CollectiveCapabilities(lambda: mccl_fallback_dtypes(_DEVICE), avg_supported=True)
     musa = BackendSpec(
         name=BACKEND,
         device=_DEVICE,
         collective=Collective("mccl", capabilities),
-        fp8=FP8.gated(_NATIVE_FP8, lambda: _DEVICE.capability_at_least(FP8_MIN_CAPABILITY)),
+        fp8=FP8.gated(_NATIVE_FP8, _fp8_gate(_DEVICE), shape_ok=MUSA_SCALED_MM_SHAPES),
         priority=100,
-        description="Moore Threads GPUs: MCCL collectives, muDNN attention and RMSNorm, "
-        "torch_musa fused AdamW",
+        description="Moore Threads GPUs: MCCL collectives, muDNN attention, RMSNorm and "
+        "LayerNorm, torch_musa fused AdamW",
         notes=NOTES,
         diagnostics=_diagnostics,
     )

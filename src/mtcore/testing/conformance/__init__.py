@@ -2,7 +2,8 @@
 
     pytest --pyargs mtcore.testing.conformance --mtcore-backend NAME
 
-checks the four contracts of ``mtcore.backend`` on backend NAME (default:
+checks the four contracts of ``mtcore.backend``, and the health of the
+installed plugins, on backend NAME (default:
 ``MTCORE_BACKEND``, else automatic selection):
 
 * device: placement, synchronize, streams and events, memory stats, RNG,
@@ -13,9 +14,17 @@ checks the four contracts of ``mtcore.backend`` on backend NAME (default:
   ranks;
 * kernel: every implementation the kernel table can select, forward and
   backward, against the reference ops of ``mtcore.ops`` with stated
-  tolerances (``test_kernels.py``, ``kernel_cases.py``);
-* fp8: quantize/dequantize round trip and scaled matmul per granularity,
-  with the path (native or fallback) each takes (``test_fp8.py``).
+  tolerances, and bfloat16 results free of systematic bias
+  (``test_kernels.py``, ``kernel_cases.py``);
+* fp8: quantize/dequantize round trip per granularity, scaled matmul per
+  granularity pair (each granularity with itself, blockwise 1x128 x 128x128,
+  and every pair the backend declares native), with the path (native or
+  fallback) each takes (``test_fp8.py``);
+* plugins: no installed mtcore plugin is broken once the backend is built
+  (``test_plugins.py``).
+
+``--mtcore-area AREA`` (repeatable, or comma-separated) runs only the areas
+named: device, collective, kernel (or kernels), fp8, plugins.
 
 A summary titled "mtcore conformance: backend NAME" ends the run: passed,
 failed and skipped counts per area, and the reasons for skips. A skip whose

@@ -116,8 +116,13 @@ def _all_reduce(ctx, shared, op, dtype, async_op=False):
 for _op in REDUCE_OPS:
     for _dtype in DTYPES + FP8:
         check(f"all_reduce-{_op}-{_short(_dtype)}", op=_op, dtype=_dtype)(_all_reduce)
-check("all_reduce-async-sum-float32", op="sum", dtype=torch.float32, async_op=True)(_all_reduce)
-check("all_reduce-async-avg-float32", op="avg", dtype=torch.float32, async_op=True)(_all_reduce)
+# Async reductions take another path (a work object, and a Handle whose wait()
+# runs a fallback's epilogue: AVG emulation, FP8 widening), and a backend may map
+# each reduce op differently there; so every reduce op is checked async too.
+for _op in REDUCE_OPS:
+    check(f"all_reduce-async-{_op}-float32", op=_op, dtype=torch.float32, async_op=True)(
+        _all_reduce
+    )
 check("all_reduce-async-sum-float8_e4m3fn", op="sum", dtype=torch.float8_e4m3fn, async_op=True)(
     _all_reduce
 )
@@ -143,6 +148,9 @@ def _reduce_scatter(ctx, shared, op, dtype, async_op=False):
     out = torch.empty(rows, inp.shape[1], dtype=dtype, device=device)
     handle = ctx.backend.collective.reduce_scatter(out, inp, op=op, async_op=async_op)
     if async_op:
+        assert isinstance(handle, Handle), (
+            f"async reduce_scatter returned {type(handle).__name__}, not Handle"
+        )
         handle.wait()
     stack = torch.stack([_scatter_rows(r, ws, rows) for r in range(ws)])
     value = {
@@ -156,13 +164,14 @@ def _reduce_scatter(ctx, shared, op, dtype, async_op=False):
     return f"path={support.value}"
 
 
-for _op in ("sum", "avg", "max"):
+for _op in REDUCE_OPS:
     for _dtype in DTYPES:
         check(f"reduce_scatter-{_op}-{_short(_dtype)}", op=_op, dtype=_dtype)(_reduce_scatter)
 check("reduce_scatter-sum-float8_e4m3fn", op="sum", dtype=torch.float8_e4m3fn)(_reduce_scatter)
-check("reduce_scatter-async-avg-float32", op="avg", dtype=torch.float32, async_op=True)(
-    _reduce_scatter
-)
+for _op in REDUCE_OPS:
+    check(f"reduce_scatter-async-{_op}-float32", op=_op, dtype=torch.float32, async_op=True)(
+        _reduce_scatter
+    )
 
 
 def _all_gather(ctx, shared, dtype, async_op=False):

@@ -13,10 +13,20 @@ enough that forgetting it shows, masked attention rows, ignored targets, empty
 experts). ``adamw_step`` state must be float32, so its golden is the reference
 on the host with the same dtypes, compared after each of several steps.
 ``fp8_quantize`` is compared exactly up to one FP8 step (see ``check_fp8_quantize``).
+
+The element-wise bfloat16 tolerance is loose (rtol 1.6e-2), so a kernel that is
+wrong by a systematic 1% passes it. Every bfloat16 output and gradient of
+``check_op`` is therefore also checked for bias (``check_unbiased``): its mean
+signed relative error against the float64 golden must be near zero, within a
+bound derived from bfloat16's unit roundoff and the element count. It has no
+work in ``check_adamw`` (the state is float32; one bf16 parameter update is
+below a bf16 step of the parameter) nor in the FP8 checks (``data`` must equal
+round-to-nearest-even on all but 0.1% of elements, which a bias cannot pass).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +52,7 @@ DIFFERENTIABLE = (
     "rope",
     "swiglu",
     "attention",
+    "attention_lse",
     "cross_entropy",
     "grouped_mm",
 )
@@ -50,6 +61,20 @@ ADAMW_STEPS = 5
 FP8_MAX_OFF_BY_ONE = 1e-3
 _FP8_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 _FP8_MIN_SUBNORMAL = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}
+
+# Bias check (``check_unbiased``). Unit roundoff u: rounding to nearest gives
+# |fl(x) - x| <= u |x|; bfloat16 keeps 8 significant bits, so u = 2**-8. Only the
+# dtypes listed are checked: float32 outputs have an element-wise rtol of 1e-4,
+# which a bias cannot hide under, and float32 kernels' own reduction error is
+# larger than float32 rounding, so u would not bound it.
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8}
+# Hoeffding's inequality gives the bound (see check_unbiased): an honest kernel
+# exceeds BIAS_SIGMAS * u / sqrt(n_eff) with probability 2 exp(-BIAS_SIGMAS**2 / 2),
+# 3e-8 for 6.
+BIAS_SIGMAS = 6.0
+# Below this effective element count the bound (6 u / 8 = 2.9e-3 at 64) nears the
+# element-wise tolerance and the check adds nothing, so smaller tensors skip it.
+MIN_EFFECTIVE_ELEMENTS = 64
 
 
 # -- inputs ----------------------------------------------------------------------------
@@ -205,6 +230,12 @@ def _cases_cross_entropy() -> list[Case]:
         Case("13x101-ignored", [X(_randn(61, 13, 101)), Fixed(t1)]),
         Case("4x3000-peaky-ignore7", [X(_randn(62, 4, 3000, scale=5.0)), Fixed(t2), 7]),
         Case("1x2", [X(_randn(63, 1, 2)), Fixed(torch.tensor([1]))]),
+        # Many tokens, so the per-token losses and their gradients are enough
+        # elements for the bias check.
+        Case(
+            "257x50-many-tokens",
+            [X(_randn(64, 257, 50)), Fixed(torch.randint(0, 50, (257,), generator=g))],
+        ),
     ]
 
 
@@ -233,6 +264,7 @@ CASES: dict[str, Callable[[], list[Case]]] = {
     "rope": _cases_rope,
     "swiglu": _cases_swiglu,
     "attention": _cases_attention,
+    "attention_lse": _cases_attention,  # same arguments; also returns the LSE (float32)
     "cross_entropy": _cases_cross_entropy,
     "grouped_mm": _cases_grouped_mm,
 }
@@ -247,8 +279,12 @@ def compare(got: torch.Tensor, want: torch.Tensor, what: str, tol: Tolerance | N
     )
     tol = tol or TOLERANCES[got.dtype]
     g, w = got.detach().cpu().double(), want.detach().cpu().double()
-    if not torch.isfinite(g).all():
+    same_inf = torch.isinf(w) & (g == w)  # -inf LSE of a row that may attend no key
+    if not (torch.isfinite(g) | same_inf).all():
         raise AssertionError(f"{what}: non-finite values where the reference is finite")
+    if (torch.isinf(w) & ~same_inf).any():
+        raise AssertionError(f"{what}: finite values where the reference is infinite")
+    g, w = g.masked_fill(same_inf, 0.0), w.masked_fill(same_inf, 0.0)
     scale = w.abs().max().item() if w.numel() else 0.0
     err = (g - w).abs()
     bound = tol.atol * scale + tol.rtol * w.abs()
@@ -261,6 +297,65 @@ def compare(got: torch.Tensor, want: torch.Tensor, what: str, tol: Tolerance | N
             f"{[int(j) for j in idx]}: got {g.flatten()[i].item():.6g}, reference {w.flatten()[i].item():.6g}, "
             f"max abs error {err.max().item():.3g}"
         )
+
+
+def check_unbiased(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Raise AssertionError naming ``what`` if ``got`` is systematically off ``want``.
+
+    The statistic is the mean signed relative error weighted by ``|want|``::
+
+        M = sum((got_i - want_i) * sign(want_i)) / sum(|want_i|)
+
+    the relative error ``(got_i - want_i) / want_i`` of every element, weighted
+    by ``|want_i|`` so that elements near zero (whose relative error means
+    nothing) count little. A kernel that returns ``(1 + b)`` times the exact
+    value has ``M = b`` exactly, whatever the signs of the values.
+
+    Bound: an honest bfloat16 result is the exact value rounded to nearest (even),
+    ``got_i - want_i = d_i * want_i`` with ``|d_i| <= u`` (``UNIT_ROUNDOFF``),
+    of zero mean and independent across elements, as the rounding errors of
+    unrelated values are. Each term of the numerator lies in
+    ``[-u |want_i|, u |want_i|]``, so Hoeffding's inequality gives
+    ``P(|M| >= t) <= 2 exp(-t**2 n_eff / (2 u**2))`` with the effective element
+    count ``n_eff = sum(|want_i|)**2 / sum(want_i**2)`` (``n`` when all ``|want_i|``
+    are equal, fewer when a few elements dominate). ``t = BIAS_SIGMAS * u /
+    sqrt(n_eff)`` makes that ``2 exp(-BIAS_SIGMAS**2 / 2)``. Kernels that round
+    intermediates too (SDPA's bf16 path on the host) have larger but still
+    unbiased errors: the kit's own kernels, and the Triton pack, stay within 2.4
+    u / sqrt(n_eff) on every case. Tensors of another dtype, non-finite reference
+    elements (the LSE of a row without keys), and tensors with ``n_eff <
+    MIN_EFFECTIVE_ELEMENTS`` are not checked.
+    """
+    u = UNIT_ROUNDOFF.get(got.dtype)
+    if u is None:
+        return
+    g, w = got.detach().cpu().double().flatten(), want.detach().cpu().double().flatten()
+    finite = torch.isfinite(w)
+    g, w = g[finite], w[finite]
+    total = w.abs().sum().item()
+    if total == 0.0:
+        return
+    n_eff = total**2 / w.pow(2).sum().item()
+    if n_eff < MIN_EFFECTIVE_ELEMENTS:
+        return
+    mean = ((g - w) * w.sign()).sum().item() / total
+    bound = BIAS_SIGMAS * u / n_eff**0.5
+    if abs(mean) > bound:
+        raise AssertionError(
+            f"{what}: mean signed relative error {mean:+.3g} over {w.numel()} elements "
+            f"(effective count {n_eff:.0f}), a systematic bias: honest {dtype_name(got.dtype)} "
+            f"rounding to nearest averages out within +-{bound:.2g} ({BIAS_SIGMAS:g} u / "
+            f"sqrt(n_eff), u = 2**{math.log2(u):g}). Being within the element-wise tolerance "
+            "is not enough; truncating instead of rounding is a bias too."
+        )
+
+
+def _outputs(result, where: str) -> list[torch.Tensor]:
+    """An op's result as a list of tensors (``attention_lse`` returns two)."""
+    results = list(result) if isinstance(result, (tuple, list)) else [result]
+    for t in results:
+        assert isinstance(t, torch.Tensor), f"{where}: got {type(t).__name__}, expected a tensor"
+    return results
 
 
 def check_op(op: str, fn: Callable, guard: Callable | None, dtype, device) -> list[str]:
@@ -276,23 +371,29 @@ def check_op(op: str, fn: Callable, guard: Callable | None, dtype, device) -> li
         if guard is not None and not guard(*args, **kwargs):
             continue
         where = f"{op} case {case.name!r} ({str(dtype).removeprefix('torch.')})"
-        out = fn(*args, **kwargs)
+        outs = _outputs(fn(*args, **kwargs), where)
         gargs, gkwargs = materialize(case, dtype, "cpu", golden=True)
-        want = reference(*gargs, **gkwargs)
+        wants = _outputs(reference(*gargs, **gkwargs), where)
         host_args, host_kwargs = materialize(case, dtype, "cpu")
-        want_dtype = reference(*host_args, **host_kwargs).dtype
-        assert out.dtype == want_dtype, (
-            f"{where}: output dtype {out.dtype}, the reference gives {want_dtype}"
+        want_dtypes = [t.dtype for t in _outputs(reference(*host_args, **host_kwargs), where)]
+        assert len(outs) == len(wants), (
+            f"{where}: {len(outs)} outputs, the reference gives {len(wants)}"
         )
-        compare(out, want, f"{where} forward")
+        for i, (out, want, want_dtype) in enumerate(zip(outs, wants, want_dtypes, strict=True)):
+            what = f"{where} forward" + (f", output {i}" if len(outs) > 1 else "")
+            assert out.dtype == want_dtype, (
+                f"{what}: dtype {out.dtype}, the reference gives {want_dtype}"
+            )
+            compare(out, want, what)
+            check_unbiased(out, want, what)
         if op in DIFFERENTIABLE:
-            assert out.requires_grad, (
-                f"{where}: output does not require grad; the op is differentiable"
+            assert all(out.requires_grad for out in outs), (
+                f"{where}: an output does not require grad; the op is differentiable"
             )
             g = torch.Generator().manual_seed(99)
-            grad_out = torch.randn(*out.shape, generator=g).to(out.dtype)
-            out.backward(grad_out.to(out.device))
-            want.backward(grad_out.double())
+            grad_outs = [torch.randn(*out.shape, generator=g).to(out.dtype) for out in outs]
+            torch.autograd.backward(outs, [t.to(outs[0].device) for t in grad_outs])
+            torch.autograd.backward(wants, [t.double() for t in grad_outs])
             for (name, leaf), (_, gleaf) in zip(
                 _grad_leaves(case, args, kwargs), _grad_leaves(case, gargs, gkwargs), strict=True
             ):
@@ -301,6 +402,7 @@ def check_op(op: str, fn: Callable, guard: Callable | None, dtype, device) -> li
                     f"{where}: grad of {name} is {leaf.grad.dtype}, not {leaf.dtype}"
                 )
                 compare(leaf.grad, gleaf.grad, f"{where} backward, grad of {name}")
+                check_unbiased(leaf.grad, gleaf.grad, f"{where} backward, grad of {name}")
         ran.append(case.name)
     return ran
 

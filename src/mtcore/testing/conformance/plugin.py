@@ -1,8 +1,9 @@
-"""pytest plugin of the conformance kit: the ``--mtcore-backend`` option and the summary.
+"""pytest plugin of the conformance kit: the ``--mtcore-backend`` and ``--mtcore-area``
+options and the summary.
 
 Registered through the ``pytest11`` entry point of the ``mtcore`` distribution,
 so it is loaded in every pytest session where mtcore is installed. It is inert
-there: it adds one option and reports only on the kit's own tests. It imports
+there: it adds two options and reports only on the kit's own tests. It imports
 neither torch nor a backend until a kit test asks for one. Where plugin
 autoloading is off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), load it with
 ``-p mtcore.testing.conformance.plugin``.
@@ -18,13 +19,16 @@ import pytest
 
 PACKAGE = "mtcore.testing.conformance"
 _HERE = Path(__file__).resolve().parent
-AREAS = ("device", "collective", "kernel", "fp8")
+AREAS = ("device", "collective", "kernel", "fp8", "plugins")  # as the summary prints them
+# Other names ``--mtcore-area`` accepts for an area.
+AREA_ALIASES = {"kernels": "kernel"}
 CAPABILITY = "capability:"
 _MODULE_AREA = {
     f"{PACKAGE}.test_device": "device",
     f"{PACKAGE}.test_collective": "collective",
     f"{PACKAGE}.test_kernels": "kernel",
     f"{PACKAGE}.test_fp8": "fp8",
+    f"{PACKAGE}.test_plugins": "plugins",
 }
 
 
@@ -44,6 +48,7 @@ class KitState:
         self.skip_reason: dict[str, str] = {}
         self.notes: dict[str, list[str]] = {}  # area -> lines
         self.error: str | None = None  # why the backend could not be selected
+        self.areas: tuple[str, ...] = selected_areas(config)  # what --mtcore-area asks for
 
     @property
     def requested(self) -> str | None:
@@ -60,6 +65,19 @@ class KitState:
         # backend that cannot run stops the session with one message.
         if isinstance(collector, pytest.Package) and Path(collector.path).resolve() == _HERE:
             kit_backend(self.config)
+
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        if self.areas == AREAS:
+            return
+        keep, drop = [], []
+        for item in items:
+            area = _MODULE_AREA.get(getattr(getattr(item, "module", None), "__name__", ""))
+            (drop if area is not None and area not in self.areas else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         for item in session.items:  # after deselection (-k, -m)
@@ -104,6 +122,43 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         help="backend the conformance kit checks (default: $MTCORE_BACKEND, else automatic selection)",
     )
+    group.addoption(
+        "--mtcore-area",
+        dest="mtcore_area",
+        action="append",
+        default=None,
+        metavar="AREA",
+        help="run only this area of the conformance kit: "
+        f"{', '.join(_area_names())} (repeat the option, or separate by commas, for several; "
+        "default: all)",
+    )
+
+
+def _area_names() -> list[str]:
+    return [name for area in AREAS for name in (area, *_aliases_of(area))]
+
+
+def _aliases_of(area: str) -> list[str]:
+    return [alias for alias, target in AREA_ALIASES.items() if target == area]
+
+
+def selected_areas(config: pytest.Config) -> tuple[str, ...]:
+    """The areas ``--mtcore-area`` names, in summary order (all when it is not given).
+
+    Raises ``pytest.UsageError`` for a name that is not an area.
+    """
+    raw = getattr(config.option, "mtcore_area", None) or []
+    names = [n.strip() for value in raw for n in value.split(",") if n.strip()]
+    if not names:
+        return AREAS
+    unknown = [n for n in names if AREA_ALIASES.get(n, n) not in AREAS]
+    if unknown:
+        raise pytest.UsageError(
+            f"--mtcore-area {unknown[0]!r} is not an area of the mtcore conformance kit; "
+            f"the areas are {', '.join(_area_names())}"
+        )
+    chosen = {AREA_ALIASES.get(n, n) for n in names}
+    return tuple(area for area in AREAS if area in chosen)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -133,7 +188,9 @@ def kit_backend(config: pytest.Config):
 def _summary(state: KitState, tr) -> None:
     name = getattr(state.backend, "name", None) or state.requested or "auto"
     tr.write_sep("=", f"mtcore conformance: backend {name}")
-    for area in AREAS:
+    if state.areas != AREAS:
+        tr.write_line(f"areas: {', '.join(state.areas)} (--mtcore-area)")
+    for area in state.areas:
         ids = [n for n, a in state.area_of.items() if a == area]
         counts = Counter(state.outcome.get(n, "not run") for n in ids)
         line = f"{area:<11} {counts['passed']:>4} passed  {counts['failed']:>3} failed  {counts['skipped']:>3} skipped"
@@ -156,6 +213,6 @@ def _summary(state: KitState, tr) -> None:
         tr.write_line("failed:")
         for nodeid in failed:
             tr.write_line(f"  {state.area_of[nodeid]}: {nodeid.rsplit('::', 1)[-1]}", red=True)
-    for area in AREAS:
+    for area in state.areas:
         for line in state.notes.get(area, []):
             tr.write_line(f"{area}: {line}")

@@ -27,11 +27,11 @@ def mtcore_backends():
         BackendSpec(
             name=BACKEND,
             device=CpuDevice(),
-            # gloo carries no FP8 dtype and has no ReduceOp.AVG: say so, and the
-            # collective takes its fallbacks (bytes for FP8, sum-then-divide for AVG).
-            collective=Collective(
-                "gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=False)
-            ),
+            # gloo carries no FP8 dtype: say so, and the collective takes its fallback
+            # (bytes for data movement, float32 for reductions). It has ReduceOp.AVG
+            # from torch 2.8; a library without it sets avg_supported=False and gets
+            # sum-then-divide.
+            collective=Collective("gloo", CollectiveCapabilities(fp8_fallback_everywhere())),
             # torch._scaled_mm runs tensor-wise scales on the CPU; other granularities
             # take the dequantize fallback.
             fp8=FP8(native_granularities=frozenset({("tensor", "tensor")})),

@@ -25,15 +25,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+# triton.language, not triton: a namespace package named triton (a folder) must not pass.
+pytest.importorskip("triton.language")
+pytest.importorskip("mtcore_triton")
 
-from mtcore import ops  # noqa: E402
-from mtcore.ops import rope_tables  # noqa: E402
-from mtcore.testing.conformance import kernel_cases as kit  # noqa: E402
-from mtcore_cuda.triton_kernels import (  # noqa: E402
+from mtcore import ops
+from mtcore.ops import rope_tables
+from mtcore.testing.conformance import kernel_cases as kit
+from mtcore_triton import (
     adamw,
     cross_entropy,
     fp8,
+    launch,
     norms,
     pointwise,
     registration,
@@ -72,6 +75,41 @@ def test_runs_in_interpreter():
         assert isinstance(kernel, InterpretedFunction), (
             f"{kernel} is compiled, not interpreted: TRITON_INTERPRET was set too late"
         )
+
+
+def _record_num_warps(monkeypatch, kernel) -> list[int]:
+    """The num_warps of each launch of ``kernel``; the launch itself still runs."""
+    seen: list[int] = []
+    run = kernel.run
+
+    def recording_run(*args, **kwargs):
+        seen.append(kwargs["num_warps"])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", recording_run)
+    return seen
+
+
+@pytest.mark.parametrize("warp", [32, 128], ids=lambda w: f"warp{w}")
+def test_launches_take_num_warps_from_the_target_warp_size(monkeypatch, warp):
+    # The interpreter has no target (32 is assumed); a MUSA arch < 3.1 target reports
+    # 128. The same threads per program, so a quarter of the warps at 128; the
+    # interpreter ignores num_warps, so the results stay the reference's.
+    assert launch.warp_size() == launch.INTERPRETER_WARP_SIZE == 32
+    monkeypatch.setattr(launch, "warp_size", lambda: warp)
+    norm = _record_num_warps(monkeypatch, norms._norm_fwd)
+    glu = _record_num_warps(monkeypatch, pointwise._swiglu_fwd)
+    tile = _record_num_warps(monkeypatch, fp8._quantize)
+    x, w = _randn(1, 3, 4096), _randn(2, 4096)
+    kit.compare(
+        norms.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6), "rms_norm", TOL[torch.float32]
+    )
+    kit.compare(pointwise.swiglu(x), ops.swiglu(x), "swiglu", TOL[torch.float32])
+    (data, _, _) = fp8.fp8_quantize(x, torch.float8_e4m3fn, "tensor")
+    (want, _, _) = ops.fp8_quantize(x, torch.float8_e4m3fn, "tensor")
+    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
+    # 512 threads per 4096-wide norm row, 128 per swiglu block, 256 per FP8 tile.
+    assert (norm, glu, tile) == ([512 // warp], [128 // warp], [256 // warp])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=kit.dtype_name)

@@ -13,9 +13,10 @@ import triton
 import triton.language as tl
 
 from mtcore.ops.loss import check_cross_entropy_args
-from mtcore_cuda.triton_kernels.rounding import store_rounded
+from mtcore_triton.launch import DEFAULT_THREADS, num_warps
+from mtcore_triton.rounding import store_rounded
 
-BLOCK_V = 1024
+BLOCK_V = 1024  # vocabulary chunk per step: 8 logits per thread of DEFAULT_THREADS
 
 
 @triton.jit
@@ -75,6 +76,7 @@ class _CrossEntropy(torch.autograd.Function):
                 v,
                 ignore_index,
                 BLOCK=min(BLOCK_V, triton.next_power_of_2(v)),
+                num_warps=num_warps(DEFAULT_THREADS),
             )
         ctx.save_for_backward(logits, target, lse)
         ctx.ignore_index = ignore_index
@@ -95,6 +97,7 @@ class _CrossEntropy(torch.autograd.Function):
                 v,
                 ctx.ignore_index,
                 BLOCK=min(BLOCK_V, triton.next_power_of_2(v)),
+                num_warps=num_warps(DEFAULT_THREADS),
             )
         return dlogits, None, None
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from mtcore.ops import FP8_MAX
+from mtcore_triton.launch import TILE_THREADS, num_warps
 
 TILE = 128  # the block granularities' side; also the tile of both launches
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -153,7 +154,7 @@ def _run(x, dtype, granularity, scale, transpose: bool):
     mb, kb = math.ceil(m / TILE), math.ceil(k / TILE)
     rowmax = torch.empty((m, kb), dtype=torch.float32, device=x.device)
     colmax = torch.empty((mb, k), dtype=torch.float32, device=x.device)
-    _tile_amax[(mb, kb)](x, rowmax, colmax, m, k, TILE=TILE, num_warps=8)
+    _tile_amax[(mb, kb)](x, rowmax, colmax, m, k, TILE=TILE, num_warps=num_warps(TILE_THREADS))
     amax = _unit_amax(rowmax, colmax, granularity, m, k, False)
     amax_t = _unit_amax(rowmax, colmax, granularity, m, k, True) if transpose else None
     if scale is None:
@@ -184,7 +185,7 @@ def _run(x, dtype, granularity, scale, transpose: bool):
         MANT=mant,
         EMIN=emin,
         TILE=TILE,
-        num_warps=8,  # a 128x128 float32 tile: 64 values per thread
+        num_warps=num_warps(TILE_THREADS),  # a 128x128 float32 tile: 64 values per thread
     )
     first = (data, 1.0 / unit_scale, amax)
     if not transpose:

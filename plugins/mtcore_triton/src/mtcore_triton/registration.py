@@ -1,18 +1,18 @@
-"""Offer the Triton kernel pack to a backend, without importing triton until a kernel runs.
+"""The pack as ``KernelImpl`` objects, without importing triton until a kernel runs.
 
 The functions below carry each reference op's exact parameter names (the
 registry checks them) and forward to the Triton modules, imported on first
 call. Predicates admit the backend's device type and float32 / bfloat16 /
 float16; the ``*_ok`` guards send everything else (strided rows, hidden sizes
 beyond a block, tables that need gradients, tensors on another device) to the
-next implementation, ultimately the reference.
+next implementation, ultimately the reference. Which backend gets the pack, at
+which priority and with or without FP8 is :mod:`mtcore_triton.plugin`'s choice.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import types
 from collections.abc import Callable
 
@@ -30,37 +30,7 @@ FP8_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 @functools.cache
 def _pack() -> types.SimpleNamespace:
     mods = ("norms", "pointwise", "cross_entropy", "adamw", "fp8")
-    return types.SimpleNamespace(
-        **{m: importlib.import_module(f"mtcore_cuda.triton_kernels.{m}") for m in mods}
-    )
-
-
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_backend_for(target: str) -> str | None:
-    """Name of the registered Triton backend whose active driver targets ``target``.
-
-    Triton backends register under arbitrary names (Moore Threads' build says
-    ``mtgpu``, FlagTree ``mthreads``); the driver's ``GPUTarget.backend`` is the
-    stable fact. Imports triton (seconds): call it when a backend is built, not at
-    plugin discovery. Any failure means None.
-    """
-    try:
-        backends = importlib.import_module("triton.backends").backends
-    except Exception:
-        return None
-    for name, backend in dict(backends).items():
-        try:
-            if (
-                backend.driver.is_active()
-                and backend.driver().get_current_target().backend == target
-            ):
-                return name
-        except Exception:
-            continue
-    return None
+    return types.SimpleNamespace(**{m: importlib.import_module(f"mtcore_triton.{m}") for m in mods})
 
 
 # -- the ops, with the reference parameter names ----------------------------------------
@@ -201,8 +171,9 @@ def triton_kernel_impls(
 ) -> list[KernelImpl]:
     """The pack for tensors of ``device_type``, each impl guarded by its ``*_ok``.
 
-    ``fp8_supported``: whether the device can hold FP8 in Triton (float8e4nv needs
-    NVIDIA capability 8.9); asked when an FP8 op first resolves, not here.
+    ``fp8_supported``: whether the FP8 ops may run in Triton on this device (the
+    target table's gate); asked when an FP8 op first resolves, not here. None
+    admits them (the interpreter tables of the tests).
 
     ``priority`` places the pack among a backend's other implementations; adamw_step
     sits 20 below it so torch's multi-tensor fused AdamW (priority 50) keeps

@@ -11,9 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mtcore_cuda.triton_kernels.rounding import store_rounded
+from mtcore_triton.launch import DEFAULT_THREADS, num_warps
+from mtcore_triton.rounding import store_rounded
 
-SWIGLU_BLOCK = 1024
+SWIGLU_BLOCK = 1024  # columns per program: 8 per thread of DEFAULT_THREADS
 
 
 @triton.jit
@@ -59,6 +60,7 @@ def _rotate(x, cos, sin, sign: float):
             sign,
             BLOCK_H=triton.next_power_of_2(h),
             BLOCK_D=triton.next_power_of_2(d // 2),
+            num_warps=num_warps(DEFAULT_THREADS),
         )
     return y
 
@@ -127,7 +129,9 @@ class _SwiGLU(torch.autograd.Function):
         x2 = x.reshape(-1, 2 * n).contiguous()
         y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
         if y.numel():
-            _swiglu_fwd[_grid(x2.shape[0], n)](x2, y, n, BLOCK=SWIGLU_BLOCK)
+            _swiglu_fwd[_grid(x2.shape[0], n)](
+                x2, y, n, BLOCK=SWIGLU_BLOCK, num_warps=num_warps(DEFAULT_THREADS)
+            )
         ctx.save_for_backward(x2)
         ctx.shape = x.shape
         return y.view(*x.shape[:-1], n)
@@ -139,7 +143,12 @@ class _SwiGLU(torch.autograd.Function):
         dx = torch.empty_like(x2)
         if dx.numel():
             _swiglu_bwd[_grid(x2.shape[0], n)](
-                x2, dy.reshape(-1, n).contiguous(), dx, n, BLOCK=SWIGLU_BLOCK
+                x2,
+                dy.reshape(-1, n).contiguous(),
+                dx,
+                n,
+                BLOCK=SWIGLU_BLOCK,
+                num_warps=num_warps(DEFAULT_THREADS),
             )
         return dx.view(ctx.shape)
 

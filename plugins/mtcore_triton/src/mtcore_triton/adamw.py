@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mtcore_cuda.triton_kernels.rounding import store_rounded
+from mtcore_triton.launch import DEFAULT_THREADS, num_warps
+from mtcore_triton.rounding import store_rounded
 
-BLOCK = 1024
+BLOCK = 1024  # elements per loop step: 8 per thread of DEFAULT_THREADS
 MAX_CHUNK_PROGRAMS = 1024  # programs per tensor; each loops over its share of blocks
 
 
@@ -97,4 +98,6 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, 
         ).to(group[0][0].device, non_blocking=True)
         chunks = min(triton.cdiv(max(t[0].numel() for t in group), BLOCK), MAX_CHUNK_PROGRAMS)
         p0, g0 = group[0][0], group[0][1]
-        _adamw_multi[(len(group), chunks)](table, p0, g0, *scalars, BLOCK=BLOCK)
+        _adamw_multi[(len(group), chunks)](
+            table, p0, g0, *scalars, BLOCK=BLOCK, num_warps=num_warps(DEFAULT_THREADS)
+        )

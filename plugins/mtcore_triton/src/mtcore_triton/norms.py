@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mtcore_cuda.triton_kernels.rounding import store_rounded
+from mtcore_triton.launch import row_warps
+from mtcore_triton.rounding import store_rounded
 
 MAX_HIDDEN = 16384  # one row lives in registers; larger rows go to the reference
 ROWS_PER_BLOCK = 16  # rows per backward program (one weight-gradient partial each)
@@ -104,9 +105,10 @@ def _block(n: int) -> int:
 
 
 def _warps(n: int) -> int:
-    # A row lives in registers: 256 columns per warp (8 per thread), 16 warps at most,
-    # so a 16384-wide row is 32 float32 per thread for each live row tensor.
-    return min(max(_block(n) // 256, 1), 16)
+    # A row lives in registers: 8 columns per thread, 512 threads at most (16 warps
+    # of 32, 4 of 128), so a 16384-wide row is 32 float32 per thread for each live
+    # row tensor whatever the target's warp size.
+    return row_warps(_block(n))
 
 
 class _Norm(torch.autograd.Function):
