@@ -53,8 +53,8 @@ def mtcore_backends() -> list[BackendSpec]:
         collective=Collective("gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=avg)),
         fp8=FP8(native_granularities=NATIVE_FP8),
         accelerator=False,
-        description="host CPU: gloo collectives, torch fused SDPA/RMSNorm/LayerNorm/AdamW "
-        "kernels, FP8 through torch._scaled_mm",
+        description="host CPU: gloo collectives, torch fused SDPA/flash-LSE/RMSNorm/LayerNorm/"
+        "AdamW kernels, FP8 through torch._scaled_mm",
     )
     return [host]
 
@@ -71,6 +71,17 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
         # float32 only: the reference computes bf16 inputs in fp32, F.silu would not.
         KernelImpl("swiglu", torch_native.silu_glu, "torch-silu", priority=50, predicate=_float32),
     ]
+    if torch_native.cpu_flash_attention_lse_available():
+        # torch's CPU flash kernel returns the log-sum-exp ring attention merges with.
+        impls.append(
+            KernelImpl(
+                "attention_lse",
+                torch_native.cpu_flash_attention_lse,
+                "cpu-flash",
+                priority=50,
+                predicate=lambda q: q.dtype in (torch.float32, torch.bfloat16),
+            )
+        )
     if torch_native.fused_adamw_available():
         impls.append(
             KernelImpl(

@@ -18,6 +18,7 @@ import itertools
 import types
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -64,6 +65,11 @@ class LayoutSpec(BaseModel):
     ep: int = Field(1, ge=1)
     vpp: int = Field(1, ge=1, description="virtual pipeline stages per rank (interleaved 1F1B)")
     sequence_parallel: bool = False
+    cp_method: Literal["ring", "allgather", "a2a"] = Field(
+        "ring",
+        description="context-parallel attention: K/V ring, K/V all-gather, or all-to-all "
+        "head sharding (Ulysses)",
+    )
 
     @model_validator(mode="after")
     def _sp_needs_tp(self) -> LayoutSpec:
@@ -107,13 +113,27 @@ class LayoutSpec(BaseModel):
             (num_experts, self.ep, "experts", "ep"),
             (vocab_size, self.tp, "vocabulary entries", "tp"),
         ]
-        if self.sequence_parallel:
-            checks.append((seq_len, self.tp * self.cp, "sequence length", "tp*cp"))
-        elif self.cp > 1:
-            checks.append((seq_len, 2 * self.cp, "sequence length", "2*cp"))
         for count, size, what, axis in checks:
             if count is not None and count % size:
                 raise LayoutError(f"{count} {what} are not divisible by {axis}={size}")
+        seq_checks = []
+        if self.cp > 1:  # the load-balanced split: 2*cp chunks, two per cp rank
+            seq_checks.append((2 * self.cp, "2*cp", f"2*{self.cp}"))
+        if self.sequence_parallel:
+            seq_checks.append((self.tp * self.cp, "tp*cp", f"{self.tp}*{self.cp}"))
+        for size, axis, numbers in seq_checks:
+            if seq_len is not None and seq_len % size:
+                raise LayoutError(
+                    f"sequence length {seq_len} is not divisible by {axis} = {numbers} = {size}"
+                )
+        if self.cp > 1 and self.cp_method == "a2a":  # Ulysses shards each tp rank's heads
+            for count, what in ((num_heads, "attention heads"), (num_kv_heads, "key/value heads")):
+                if count is not None and (count // self.tp) % self.cp:
+                    raise LayoutError(
+                        f"cp_method a2a splits each tp rank's {count // self.tp} {what} "
+                        f"({count} / tp={self.tp}) over cp={self.cp}, which does not divide "
+                        "them; use cp_method ring or allgather, or another cp"
+                    )
 
 
 @dataclass

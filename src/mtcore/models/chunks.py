@@ -77,9 +77,11 @@ def hidden_state_messages(
     config, layout, micro_batch_size: int, dtype: torch.dtype
 ) -> MessageSpecs:
     """One tensor crosses every boundary: ``"hidden"``, the hidden states
-    ``[micro_batch_size, seq_len, hidden_size]``, a sequence shard under sp (anything
-    else a stage needs, e.g. a padding mask, it reads from the batch)."""
+    ``[micro_batch_size, seq_len / cp, hidden_size]``, a sequence shard over tp too
+    under sp (anything else a stage needs, e.g. a padding mask, it reads from the
+    batch)."""
     sp = layout.spec.sequence_parallel and layout.tp > 1
-    seq = config.seq_len // layout.tp if sp else config.seq_len
+    seq = config.seq_len // layout.cp
+    seq = seq // layout.tp if sp else seq
     spec = {"hidden": TensorSpec((micro_batch_size, seq, config.hidden_size), dtype)}
     return lambda boundary: spec

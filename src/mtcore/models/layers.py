@@ -11,8 +11,11 @@ GELU of BERT).
 Activations are ``[batch, seq, hidden]``, or the sequence shard
 ``[batch, seq / tp, hidden]`` between blocks under sequence parallelism (the
 column-parallel layers gather the sequence, the row-parallel ones scatter it
-back). Every numerical op goes through ``backend.kernels`` except GELU, which has
-no kernel op of its own.
+back). Under context parallelism (cp > 1) ``seq`` is this rank's share of the
+sequence (``mtcore.parallel.context``: two of ``2 * cp`` chunks), attention runs
+over the whole sequence through ``context_attention``, and positions are global
+(``Context.positions``). Every numerical op goes through ``backend.kernels``
+except GELU, which has no kernel op of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mtcore.parallel.context import CPGroup, context_attention, local_positions
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -39,6 +43,10 @@ from mtcore.parallel.tensor import (
     normal_init,
 )
 from mtcore.precision.fp8 import FP8Recipe
+
+# Dropout streams under cp: the tokens differ per cp rank (and per tp rank under sp).
+CP_STREAM, CP_TP_STREAM = "context-parallel", "context-and-tensor-parallel"
+_CP_SEED_OFFSET, _CP_TP_SEED_OFFSET = 5_000_011, 7_000_003
 
 
 @dataclass
@@ -54,6 +62,7 @@ class Context:
     seed: int
     fp8: FP8Recipe | None = None  # the block linears run FP8 under this recipe
     layout: object = None  # mtcore.distributed.ParallelLayout (MoE layers need its ep group)
+    cp: CPGroup | None = None  # context parallelism (None: cp = 1)
 
     def for_block(self, index: int) -> Context:
         """The context of transformer block ``index``: without FP8 where the recipe
@@ -75,12 +84,26 @@ class Context:
         digest = hashlib.sha256(f"{self.seed}/{name}".encode()).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
+    def positions(self, start: int, length: int) -> slice | Tensor:
+        """Global positions of tokens ``[start, start + length)`` of this rank's
+        sequence: a slice at cp = 1, an index of the rank's chunks under cp."""
+        if self.cp is None:
+            return slice(start, start + length)
+        index = local_positions(self.config.seq_len, self.cp.size, self.cp.rank, self.device)
+        return index[start : start + length]
+
     def dropout(self, x: Tensor, training: bool) -> Tensor:
         if not training or self.config.dropout == 0.0:
             return x
         # A sequence shard differs per tp rank and must draw a different mask
         # (tp stream); a replicated tensor must draw the same (default stream).
-        fork = self.tracker.fork() if self.sequence_parallel else contextlib.nullcontext()
+        # Under cp each cp rank holds other tokens: streams that differ over cp too.
+        if self.cp is not None:
+            fork = self.tracker.fork(CP_TP_STREAM if self.sequence_parallel else CP_STREAM)
+        elif self.sequence_parallel:
+            fork = self.tracker.fork()
+        else:
+            fork = contextlib.nullcontext()
         with fork:
             return F.dropout(x, self.config.dropout, training=True)
 
@@ -131,7 +154,9 @@ class Attention(nn.Module):
 
     causal: decoder (each position sees itself and the past) or bidirectional
     (encoder). ``key_padding_mask`` (bool ``[b, s]``, True = a real token) hides
-    padding keys.
+    padding keys; under cp it covers the whole sequence in cp order
+    (``mtcore.parallel.context.gather_key_mask``). ``rope`` tables are indexed by the
+    local sequence (the family takes its rows at ``Context.positions``).
     """
 
     def __init__(self, c: Context, generator: torch.Generator, causal: bool = True):
@@ -163,9 +188,15 @@ class Attention(nn.Module):
             q, k = self.c.kernels.rope(q, cos, sin), self.c.kernels.rope(k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, heads, s, d]
         v = v.view(b, s, self.kv_heads, self.d).transpose(1, 2)
-        attend = functools.partial(
-            self.c.kernels.attention, causal=self.causal, key_padding_mask=key_padding_mask
-        )
+        if self.c.cp is not None:  # key_padding_mask: the whole sequence's, in cp order
+            attend = functools.partial(
+                context_attention, cp=self.c.cp, kernels=self.c.kernels, causal=self.causal,
+                key_padding_mask=key_padding_mask,
+            )  # fmt: skip
+        else:
+            attend = functools.partial(
+                self.c.kernels.attention, causal=self.causal, key_padding_mask=key_padding_mask
+            )
         if self.c.config.recompute == "selective":
             y = checkpoint(attend, q, k, v, backend=self.c.backend)
         else:
@@ -204,7 +235,12 @@ def make_context(config, layout, backend, seed: int = 0, fp8: FP8Recipe | None =
     tracker = model_parallel_seed(seed, layout, backend)
     sp = layout.spec.sequence_parallel and tp.size > 1
     device = backend.torch_device()
-    return Context(config, tp, backend, tracker, sp, device, seed, fp8, layout=layout)
+    cp = CPGroup.from_layout(layout, backend)
+    if cp is not None:  # dropout streams that differ over cp (and over tp under sp)
+        stage = 100 * layout.pp_rank
+        tracker.add(CP_STREAM, seed + _CP_SEED_OFFSET + stage + cp.rank)
+        tracker.add(CP_TP_STREAM, seed + _CP_TP_SEED_OFFSET + stage + cp.rank * tp.size + tp.rank)
+    return Context(config, tp, backend, tracker, sp, device, seed, fp8, layout=layout, cp=cp)
 
 
 def single_context(config, backend=None, seed: int = 0) -> Context:

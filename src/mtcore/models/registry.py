@@ -21,6 +21,7 @@ DEFAULT_FAMILY = "gpt"
 BUILTIN = {
     "gpt": "mtcore.models.gpt.family",
     "bert": "mtcore.models.bert.family",
+    "t5": "mtcore.models.t5.family",
 }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from mtcore.ops.activations import swiglu
 from mtcore.ops.attention import attention
+from mtcore.ops.attention_lse import attention_lse, merge_attention
 from mtcore.ops.fp8 import (
     FP8_MAX,
     GRANULARITIES,
@@ -31,6 +32,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "rope": rope,
     "swiglu": swiglu,
     "attention": attention,
+    "attention_lse": attention_lse,
     "cross_entropy": cross_entropy,
     "adamw_step": adamw_step,
     "grouped_mm": grouped_mm,
@@ -44,12 +46,14 @@ __all__ = [
     "REFERENCE_OPS",
     "adamw_step",
     "attention",
+    "attention_lse",
     "cross_entropy",
     "fp8_dequantize",
     "fp8_quantize",
     "fp8_quantize_transpose",
     "grouped_mm",
     "layer_norm",
+    "merge_attention",
     "rms_norm",
     "rope",
     "rope_tables",

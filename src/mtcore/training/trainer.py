@@ -23,6 +23,7 @@ import torch
 from mtcore.data import DataError
 from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
 from mtcore.models import FamilyConfig, FamilyData, family_of
+from mtcore.parallel.context import check_backend_serves, shard_batch
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
 from mtcore.training.checkpoint.owner import claim as claim_checkpoint_dir
@@ -122,6 +123,10 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
         backend = select_backend(config.training.backend)
     prep = prepare(config, world, rank)
     config.precision.check_backend(backend)  # before any process group starts
+    try:  # the collectives the context-parallel method moves K/V with
+        check_backend_serves(prep.spec, backend, config.precision.mixed_precision().param_dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if backend.device.type != "cpu":
         backend.device.set_device(int(os.environ.get("LOCAL_RANK", 0)) % backend.device.device_count())
     if world > 1:
@@ -169,9 +174,11 @@ class _Loop:
         self.scalars = Scalars(config.logging.tensorboard_dir if is_main else None)
         self.flops = self.model.flops_per_step(self.t.global_batch_size)
         self.peak = peak_tflops(backend, mp.param_dtype)
-        # Samples are split over dp; the ranks of a cp group read the same samples (each
-        # takes its share of the sequence), as TrainConfig.check counts micro-batches.
+        # Samples are split over dp (TrainConfig.check counts micro-batches per dp rank);
+        # the ranks of a cp group read the same samples and each keeps its share of every
+        # sequence (``_batch``), so the engine's counts over dp x cp are the global ones.
         dp, dp_rank = layout.size("dp"), layout.coordinate("dp")
+        self.cp, self.cp_rank = layout.cp, layout.coordinate("cp")
         self.loader_args = dict(
             micro_batch_size=self.t.micro_batch_size,
             global_batch_size=self.t.global_batch_size,
@@ -203,7 +210,8 @@ class _Loop:
             self.say(f"mtcore train: warning: {note}")
         self.say(
             f"mtcore train: {self.model.describe()} | {self.layout.world_size} ranks: "
-            f"tp={s.tp} pp={s.pp} vpp={s.vpp} dp={s.dp} sp={s.sequence_parallel} "
+            f"tp={s.tp} pp={s.pp} vpp={s.vpp} dp={s.dp} "
+            f"cp={s.cp}{f' ({s.cp_method})' if s.cp > 1 else ''} sp={s.sequence_parallel} "
             f"zero1={self.config.parallel.zero1} | {self.config.precision.dtype} on "
             f"{self.backend.name} | {self.prep.microbatches} micro-batches x "
             f"{self.t.micro_batch_size} per dp rank, {tokens_per_step} tokens/step"
@@ -257,11 +265,14 @@ class _Loop:
         return (interval > 0 and step % interval == 0) or step == self.t.steps
 
     def _batch(self, loader) -> list[dict]:
-        """This dp rank's micro-batches of the next global batch, on the device."""
-        return [
+        """This dp rank's micro-batches of the next global batch, on the device: this cp
+        rank's share of each sequence under context parallelism."""
+        batches = [
             {name: t.to(self.device) for name, t in next(loader).items()}
             for _ in range(self.prep.microbatches)
         ]
+        seq = self.model.seq_len
+        return [shard_batch(batch, seq, self.cp, self.cp_rank) for batch in batches]
 
     def _log(self, step: int, out: StepOutcome, lr: float, step_s: float) -> None:
         memory = self._peak_memory()

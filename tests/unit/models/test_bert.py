@@ -58,6 +58,7 @@ def test_config_rejects_foreign_keys_bad_shapes_and_layouts():
         BertConfig(pair_task="mlm")
     config = _config(ffn_hidden_size=42)
     config.check_layout(LayoutSpec(tp=2, pp=2, vpp=2, sequence_parallel=True))
+    config.check_layout(LayoutSpec(cp=2, tp=2, sequence_parallel=True))  # context parallel
     refused = {
         "4 attention heads are not divisible by tp=8": (config, LayoutSpec(tp=8)),
         "ffn_hidden_size=42 is not divisible by tp=4": (config, LayoutSpec(tp=4)),
@@ -65,7 +66,11 @@ def test_config_rejects_foreign_keys_bad_shapes_and_layouts():
             _config(vocab_size=66),
             LayoutSpec(tp=4),
         ),
-        "cp=2": (config, LayoutSpec(cp=2)),
+        "sequence length 16 is not divisible by 2\\*cp = 2\\*3 = 6": (config, LayoutSpec(cp=3)),
+        "a2a splits each tp rank's 2 attention heads \\(4 / tp=2\\) over cp=4": (
+            config,
+            LayoutSpec(tp=2, cp=4, cp_method="a2a"),
+        ),
         "ep=2": (config, LayoutSpec(ep=2)),
         "pp\\*vpp = 4\\*2": (config, LayoutSpec(pp=4, vpp=2)),
     }

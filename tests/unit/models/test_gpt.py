@@ -66,8 +66,13 @@ def test_layout_checks_name_the_numbers():
         config.check_layout(LayoutSpec(pp=2, vpp=3).resolve(2))
     with pytest.raises(LayoutError, match="key/value heads are not divisible by tp=4"):
         config.check_layout(LayoutSpec(tp=4).resolve(4))
-    with pytest.raises(LayoutError, match="no context parallelism yet \\(cp=2\\)"):
-        config.check_layout(LayoutSpec(cp=2).resolve(2))
+    config.check_layout(LayoutSpec(cp=2).resolve(2))  # context parallel: seq_len 16
+    with pytest.raises(LayoutError, match="sequence length 16 is not divisible by 2\\*cp = 2\\*3 = 6"):
+        config.check_layout(LayoutSpec(cp=3).resolve(3))
+    with pytest.raises(LayoutError, match=r"a2a splits each tp rank's 2 key/value heads .* cp=4"):
+        GPTConfig(**{**SIZES, "seq_len": 32}).check_layout(
+            LayoutSpec(cp=4, cp_method="a2a").resolve(4)
+        )
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])

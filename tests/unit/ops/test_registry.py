@@ -15,6 +15,7 @@ EXPECTED_PARAMS = {
     "rope": ["x", "cos", "sin"],
     "swiglu": ["x"],
     "attention": ["q", "k", "v", "causal", "key_padding_mask", "scale"],
+    "attention_lse": ["q", "k", "v", "causal", "key_padding_mask", "scale"],
     "cross_entropy": ["logits", "target", "ignore_index"],
     "adamw_step": [
         "params",

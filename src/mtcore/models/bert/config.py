@@ -143,14 +143,14 @@ class BertConfig(FamilyConfig):
 
     def check_layout(self, spec: LayoutSpec) -> None:
         """Reject a layout this model cannot be split by, naming the numbers (LayoutError)."""
-        if spec.cp > 1:
-            raise LayoutError(
-                f"the BERT model has no context parallelism (cp={spec.cp}); use tp, pp, vpp, "
-                "dp and sequence_parallel"
-            )
         if spec.ep > 1:
             raise LayoutError(
                 f"ep={spec.ep} splits mixture-of-experts layers, but BERT is dense; use ep=1"
             )
-        spec.check_model(num_heads=self.num_heads, vocab_size=self.vocab_size, seq_len=self.seq_len)
+        spec.check_model(
+            num_heads=self.num_heads,
+            num_kv_heads=self.kv_heads,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+        )
         check_block_split(self.num_layers, self.ffn_size, spec)

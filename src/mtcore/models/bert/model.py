@@ -19,6 +19,11 @@ accuracy are computed without gathering them). Under sequence parallelism the hi
 states between blocks are sequence shards ``[b, s/tp, h]``: each rank adds the position
 and token-type embeddings of its own positions, the LayerNorms and the MLM transform
 run on the shard, and the pooler gathers just the first position of each shard.
+Under context parallelism each cp rank holds two of ``2 * cp`` chunks of every
+sequence (``mtcore.parallel.context``): the padding mask is gathered over cp once
+per stage, and [CLS] (cp rank 0's first token) is broadcast to every cp rank,
+which all run the pair head (its loss counted once per cp rank, as the engine's
+token weighting over dp x cp expects).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from mtcore.models.bert.config import BertConfig
 from mtcore.models.chunks import PipelineChunk, build_chunks
 from mtcore.models.family import BuiltModel
 from mtcore.models.layers import MLP, Attention, Context, Norm
+from mtcore.parallel.context import broadcast_from_first, gather_key_mask
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -108,7 +114,8 @@ class Embeddings(nn.Module):
         if token_types is None:
             token_types = torch.zeros_like(tokens)
         types = F.embedding(token_types[:, start : start + s], self.token_type)
-        x = x + types.to(x.dtype) + self.position[start : start + s].to(x.dtype)
+        position = self.position[self.c.positions(start, s)]  # global positions under cp
+        x = x + types.to(x.dtype) + position.to(x.dtype)
         return self.c.dropout(self.norm(x), self.training)
 
 
@@ -223,6 +230,8 @@ class Bert(PipelineChunk):
             first = gather_from_sp(x[:, :1], self.tp, reduce_grad=False)[:, 0]
         else:
             first = x[:, 0]
+        if self.c.cp is not None:  # [CLS] is cp rank 0's; every cp rank runs the pair head
+            first = broadcast_from_first(first, self.c.cp)
         return torch.tanh(self.pooler(first))
 
     # -- the pipeline-stage contract (mtcore.models.family) --------------------------
@@ -231,6 +240,8 @@ class Bert(PipelineChunk):
         on the others -> ``{"hidden"}`` for the next stage, or on the last
         ``{"mlm_logits", "pair_logits"}`` (no ``pair_logits`` without a pair head)."""
         padding_mask = batch.get("padding_mask")
+        if self.c.cp is not None:  # attention reads the whole sequence's key mask
+            padding_mask = gather_key_mask(padding_mask, self.c.cp)
         if self.first:
             x = self.embed(batch["tokens"], batch.get("token_types"))
         else:

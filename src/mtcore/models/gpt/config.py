@@ -225,11 +225,6 @@ class GPTConfig(FamilyConfig):
 
     def check_layout(self, spec: LayoutSpec) -> None:
         """Reject a layout this model cannot be split by, naming the numbers (LayoutError)."""
-        if spec.cp > 1:
-            raise LayoutError(
-                f"the GPT model has no context parallelism yet (cp={spec.cp}); use tp, pp, "
-                "vpp, dp, ep (MoE) and sequence_parallel"
-            )
         if spec.ep > 1 and self.moe is None:
             raise LayoutError(
                 f"ep={spec.ep} splits mixture-of-experts layers, but this model is dense "

@@ -69,7 +69,7 @@ class Embedding(nn.Module):
             s, start = x.shape[1], 0
             if self.c.sequence_parallel:
                 start = self.c.tp.rank * s
-            x = x + self.pos[start : start + s].to(x.dtype)
+            x = x + self.pos[self.c.positions(start, s)].to(x.dtype)  # global positions under cp
         return self.c.dropout(x, self.training)
 
 
@@ -147,6 +147,9 @@ class GPT(PipelineChunk):
         self.rope = None
         if config.position == "rope":  # plain tensors, not buffers: .to(bf16) must not round them
             self.rope = rope_tables(config.seq_len, config.head_dim, config.rope_theta, device=c.device)
+            if c.cp is not None:  # the rows of this rank's tokens (their global positions)
+                rows = c.positions(0, config.seq_len // c.cp.size)
+                self.rope = tuple(table[rows] for table in self.rope)
 
     def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         """tokens ``[b, s]`` (first chunk) or hidden states -> hidden states, logits

@@ -52,6 +52,52 @@ def layer_counts(num_layers: int, pp: int, vpp: int = 1, counts: Sequence[int] |
     return [num_layers // stages] * stages
 
 
+def encoder_decoder_counts(
+    encoder_layers: int, decoder_layers: int, pp: int, vpp: int = 1, split_rank: int | None = None
+) -> list[int]:
+    """Layers per virtual stage of an encoder-decoder stack (encoder layers first, then
+    the decoder's, as one sequence of ``encoder_layers + decoder_layers`` layers).
+
+    ``split_rank`` None: the whole stack split evenly, so the encoder/decoder boundary
+    falls wherever the sizes put it: inside a stage's run (the stage ends the encoder
+    and starts the decoder), at a stage boundary, or deeper. ``split_rank = k``
+    (Megatron's pipeline split rank, over virtual stages): stages ``0..k-1`` share the
+    encoder evenly and stages ``k..`` the decoder. A stage left empty, or a stack that
+    does not divide, is a SplitError naming the numbers.
+    """
+    stages = pp * vpp
+    if encoder_layers < 1 or decoder_layers < 1:
+        raise SplitError(
+            f"an encoder-decoder needs layers in both stacks, got {encoder_layers} encoder "
+            f"and {decoder_layers} decoder layers"
+        )
+    total = encoder_layers + decoder_layers
+    if split_rank is None:
+        if total < stages:
+            raise SplitError(
+                f"{encoder_layers} encoder + {decoder_layers} decoder = {total} layers leave "
+                f"pipeline stages empty: pp*vpp = {pp}*{vpp} = {stages} stages need one each"
+            )
+        return layer_counts(total, pp, vpp)
+    if not 0 < split_rank < stages:
+        raise SplitError(
+            f"pipeline split rank {split_rank} must leave encoder and decoder stages: it must "
+            f"be in [1, pp*vpp - 1] = [1, {stages - 1}]"
+        )
+    counts = []
+    for layers, parts, what in (
+        (encoder_layers, split_rank, "encoder"),
+        (decoder_layers, stages - split_rank, "decoder"),
+    ):
+        if layers % parts:
+            raise SplitError(
+                f"pipeline split rank {split_rank} gives the {what} {parts} stage(s), which "
+                f"do not divide its {layers} layers"
+            )
+        counts += [layers // parts] * parts
+    return counts
+
+
 def stage_plan(
     num_layers: int, pp: int, rank: int, vpp: int = 1, chunk: int = 0, counts: Sequence[int] | None = None
 ) -> StagePlan:

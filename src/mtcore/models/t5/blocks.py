@@ -1,0 +1,279 @@
+"""T5 v1.1's blocks: relative position bias, attention with it, gated-GELU feed-forward,
+and the encoder and decoder layers (pre-norm, RMS norms without bias, no biases).
+
+T5 does not scale the attention logits by ``d^-0.5``: the query projection's init
+carries that factor (Mesh TensorFlow's convention, kept by HuggingFace). The logits
+get the relative position bias added, which the kernel ``attention`` op has no
+argument for, so the attention core here is plain torch in float32 (the reference
+op's arithmetic); a fused biased-attention kernel op is future work. Heads are split
+over tp (q, k, v column-parallel, the output row-parallel), and so is the bias
+table: each rank holds the columns of its heads.
+
+Weights are drawn whole from ``Context.generator`` with HuggingFace's T5 init
+(``initializer_factor`` = ``init_factor``), then sliced for tp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mtcore.models.layers import Context, Norm, linear_kwargs
+from mtcore.parallel.recompute import checkpoint
+from mtcore.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPPartition,
+    set_tp_partition,
+    shard_tensor,
+)
+
+
+def relative_position_bucket(
+    relative_position: Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> Tensor:
+    """The bucket of each ``key - query`` distance (Raffel et al. 2020, section 2.1).
+
+    Bidirectional: half the buckets for keys after the query, half for keys at or
+    before it. Causal: keys after the query share bucket 0 with distance 0. Within a
+    direction, distances below half the buckets get one bucket each and the rest are
+    spaced logarithmically up to ``max_distance``, beyond which all share the last.
+    """
+    bucket = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    exact = num_buckets // 2
+    far = (
+        exact
+        + (
+            torch.log(distance.float().clamp(min=1) / exact)
+            / math.log(max_distance / exact)
+            * (num_buckets - exact)
+        ).long()
+    )
+    far = far.clamp(max=num_buckets - 1)
+    return bucket + torch.where(distance < exact, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """One stack's bias table ``[buckets, heads]`` (this rank's heads' columns), computed
+    once per micro-batch and shared by every layer of the stack."""
+
+    def __init__(self, c: Context, name: str, bidirectional: bool):
+        super().__init__()
+        cfg = c.config
+        self.bidirectional, self.device = bidirectional, c.device
+        self.buckets, self.max_distance = cfg.relative_buckets, cfg.relative_max_distance
+        full = torch.empty(cfg.relative_buckets, cfg.num_heads)
+        full.normal_(0.0, cfg.init_factor * cfg.hidden_size**-0.5, generator=c.generator(name))
+        partition = TPPartition(1, (cfg.num_heads,))
+        shard = shard_tensor(full, partition, c.tp.rank, c.tp.size) if c.tp.size > 1 else full
+        self.weight = nn.Parameter(shard.to(c.device))
+        set_tp_partition(self, "weight", partition)
+
+    def forward(self, query_len: int, key_len: int, query_offset: int = 0) -> Tensor:
+        """``[1, heads / tp, query_len, key_len]``; queries start at ``query_offset``
+        (a decoding step's position)."""
+        query = torch.arange(query_offset, query_offset + query_len, device=self.device)
+        key = torch.arange(key_len, device=self.device)
+        buckets = relative_position_bucket(
+            key[None, :] - query[:, None], self.bidirectional, self.buckets, self.max_distance
+        )
+        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
+
+
+def biased_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+) -> Tensor:
+    """``softmax(q k^T + bias + mask) v`` in float32, unscaled (T5); ``[b, h, sq, d]``.
+
+    ``causal`` aligns the mask to the bottom-right corner (a decoding step's query sees
+    every cached key); a query with no key to attend gives 0, as the reference op."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2))
+    if bias is not None:
+        logits = logits + bias.to(acc)
+    sq, sk = q.shape[2], k.shape[2]
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.ones_like(allowed).tril(sk - sq)
+    allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    has_key = allowed.any(dim=-1, keepdim=True)
+    logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
+    probs = torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
+    return torch.matmul(probs, v.to(acc)).to(q.dtype)
+
+
+def _sectioned_init(stds: list[tuple[int, float]]):
+    """An init of a fused ``[sum(rows), in]`` weight drawing each row section with its
+    own std, from one generator in order (q, k, v or wi_0, wi_1)."""
+
+    def init(t: Tensor, generator: torch.Generator | None) -> None:
+        with torch.no_grad():
+            for part, (_, std) in zip(t.split([rows for rows, _ in stds]), stds, strict=True):
+                part.normal_(0.0, std, generator=generator)
+
+    return init
+
+
+def _linear(c: Context, generator, stds: list[tuple[int, float]], column: bool, in_features: int):
+    kwargs = linear_kwargs(c, generator, 1.0)
+    kwargs["init_method"] = _sectioned_init(stds)
+    out = sum(rows for rows, _ in stds)
+    if column:
+        sections = tuple(rows for rows, _ in stds)
+        return ColumnParallelLinear(in_features, out, c.tp, sections=sections, **kwargs)
+    return RowParallelLinear(in_features, out, c.tp, **kwargs)
+
+
+class Attention(nn.Module):
+    """Self-attention (``cross=False``: fused q|k|v) or cross-attention to the encoder
+    output (q from the decoder, fused k|v from the encoder); this rank's heads."""
+
+    def __init__(self, c: Context, generator: torch.Generator, causal: bool, cross: bool = False):
+        super().__init__()
+        cfg = c.config
+        h, d, self.c = cfg.hidden_size, cfg.kv_dim, c
+        self.d, self.heads, self.causal, self.cross = d, cfg.num_heads // c.tp.size, causal, cross
+        inner = cfg.num_heads * d
+        f = cfg.init_factor
+        q_std, kv_std = f * (h * d) ** -0.5, f * h**-0.5
+        if cross:
+            self.q = _linear(c, generator, [(inner, q_std)], True, h)
+            self.kv = _linear(c, generator, [(inner, kv_std)] * 2, True, h)
+        else:
+            self.qkv = _linear(c, generator, [(inner, q_std)] + [(inner, kv_std)] * 2, True, h)
+        self.out = _linear(c, generator, [(h, f * inner**-0.5)], False, inner)
+
+    def heads_of(self, x: Tensor) -> Tensor:
+        """``[b, s, heads * d]`` -> ``[b, heads, s, d]``."""
+        b, s, _ = x.shape
+        return x.view(b, s, self.heads, self.d).transpose(1, 2)
+
+    def keys_values(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention's keys and values of the encoder output (computed once when
+        decoding)."""
+        k, v = self.kv(memory).chunk(2, dim=-1)
+        return self.heads_of(k), self.heads_of(v)
+
+    def forward(
+        self,
+        x: Tensor,
+        bias: Tensor | None,
+        key_padding_mask: Tensor | None = None,
+        memory: Tensor | None = None,
+        cache: dict | None = None,
+    ) -> Tensor:
+        """``x`` ``[b, s(/tp), h]``; ``memory``: the encoder output (cross-attention).
+        ``cache``: a decoding cache (self: the keys and values so far, grown here;
+        cross: the encoder's keys and values)."""
+        if self.cross:
+            q = self.heads_of(self.q(x))
+            if cache is not None and "k" in cache:
+                k, v = cache["k"], cache["v"]
+            else:
+                k, v = self.keys_values(memory)
+                if cache is not None:
+                    cache.update(k=k, v=v)
+        else:
+            q, k, v = (self.heads_of(t) for t in self.qkv(x).chunk(3, dim=-1))
+            if cache is not None:
+                if "k" in cache:
+                    k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+                cache.update(k=k, v=v)
+        attend = functools.partial(
+            biased_attention, causal=self.causal, key_padding_mask=key_padding_mask
+        )
+        if self.c.config.recompute == "selective":
+            y = checkpoint(attend, q, k, v, bias, backend=self.c.backend)
+        else:
+            y = attend(q, k, v, bias)
+        b, _, s, _ = y.shape
+        return self.out(y.transpose(1, 2).reshape(b, s, self.heads * self.d))
+
+
+class GatedGelu(nn.Module):
+    """``wo(dropout(gelu(wi_0 x) * wi_1 x))`` (Shazeer 2020), tanh GELU as v1.1; wi_0|wi_1
+    fused and split over tp by hidden units."""
+
+    def __init__(self, c: Context, generator: torch.Generator):
+        super().__init__()
+        cfg, self.c = c.config, c
+        h, f = cfg.hidden_size, cfg.ffn_size
+        self.wi = _linear(c, generator, [(f, cfg.init_factor * h**-0.5)] * 2, True, h)
+        self.wo = _linear(c, generator, [(h, cfg.init_factor * f**-0.5)], False, f)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.wi(x).chunk(2, dim=-1)
+        return self.wo(
+            sharded_dropout(self.c, F.gelu(gate, approximate="tanh") * up, self.training)
+        )
+
+
+def sharded_dropout(c: Context, x: Tensor, training: bool) -> Tensor:
+    """Dropout of a tensor split over tp (heads or hidden units): each rank holds other
+    units, so each draws from its own tensor-parallel stream."""
+    if not training or c.config.dropout == 0.0:
+        return x
+    with c.tracker.fork():
+        return F.dropout(x, c.config.dropout, training=True)
+
+
+class EncoderBlock(nn.Module):
+    """x + dropout(attn(norm(x))), then x + dropout(ffn(norm(x))); bidirectional."""
+
+    def __init__(self, c: Context, index: int):
+        super().__init__()
+        self.c = c = c.for_block(index)
+        g = c.generator(f"layers.{index}")
+        self.attn_norm, self.attn = Norm(c), Attention(c, g, causal=False)
+        self.mlp_norm, self.mlp = Norm(c), GatedGelu(c, g)
+
+    def forward(self, x: Tensor, bias: Tensor, padding_mask: Tensor | None) -> Tensor:
+        x = x + self.c.dropout(self.attn(self.attn_norm(x), bias, padding_mask), self.training)
+        return x + self.c.dropout(self.mlp(self.mlp_norm(x)), self.training)
+
+
+class DecoderBlock(nn.Module):
+    """Causal self-attention, cross-attention to the encoder output, feed-forward; each
+    pre-norm with a residual add."""
+
+    def __init__(self, c: Context, index: int):
+        super().__init__()
+        self.c = c = c.for_block(index)
+        g = c.generator(f"layers.{index}")
+        self.attn_norm, self.attn = Norm(c), Attention(c, g, causal=True)
+        self.cross_norm, self.cross = Norm(c), Attention(c, g, causal=False, cross=True)
+        self.mlp_norm, self.mlp = Norm(c), GatedGelu(c, g)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        bias: Tensor,
+        memory_mask: Tensor | None,
+        cache: dict | None = None,
+    ) -> Tensor:
+        self_cache = cross_cache = None
+        if cache is not None:
+            self_cache, cross_cache = cache.setdefault("self", {}), cache.setdefault("cross", {})
+        drop = functools.partial(self.c.dropout, training=self.training)
+        x = x + drop(self.attn(self.attn_norm(x), bias, cache=self_cache))
+        attended = self.cross(self.cross_norm(x), None, memory_mask, memory, cross_cache)
+        x = x + drop(attended)
+        return x + drop(self.mlp(self.mlp_norm(x)))

@@ -1,0 +1,361 @@
+"""Context parallelism trains the same as one process (gloo; one 2-rank and one 4-rank spawn).
+
+Each case runs the trainer's ``Engine`` for three optimizer steps, fp32 with clipping
+active, each rank taking its dp rows and its cp share of every sequence
+(``shard_batch``), against a one-process ``Engine`` on the whole batches: the loss
+(and its terms) at every step, the gradient norm, every gradient of the first step
+(gathered whole; not under ZeRO-1, whose gradients are shards), the evaluation loss
+and the weights after the last step, relative error <= 1e-5.
+
+2 ranks: cp2 causal GPT with GQA (RoPE) for ring, allgather and a2a; cp2 GPT-2 style
+(learned positions, tied output); cp2 with full and with selective recompute; cp2
+BERT with uneven padding (bidirectional, padding mask, [CLS] pair head) for each
+method; the ring op itself against one process (fully masked rows included) and the
+order of its transfers. 4 ranks (ring): cp2 x tp2 with sp (GPT-2 style and BERT), cp2 x
+pp2, cp2 x pp2 x vpp2 (tied output), cp2 x dp2 with ZeRO-1; and a MoE GPT at cp2 x ep2
+(2 ranks: the experts split over the cp ranks; router losses off). Slow: cp4 for each method,
+BERT cp4 and cp2 x tp2 x pp2 (8 ranks).
+"""
+
+from __future__ import annotations
+
+import io
+import types
+
+import pytest
+import torch
+
+from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.models.bert import BertConfig
+from mtcore.models.gpt import GPTConfig
+from mtcore.ops import attention
+from mtcore.ops.torch_native import cpu_flash_attention_lse
+from mtcore.parallel.context import CPGroup, causal_pairs, ring_attention, shard_batch
+from mtcore.testing.compare import rel_error
+from mtcore.testing.distributed import run_ranks
+from mtcore.training.config import OptimizerConfig
+from mtcore.training.engine import Engine
+
+RTOL = 1e-5
+STEPS, BATCH, MB, SEQ, VOCAB, PAD = 3, 8, 2, 16, 64, 4
+GPT_SIZES = dict(
+    vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=SEQ
+)
+BERT_SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, seq_len=SEQ)
+MODELS = {
+    "llama": GPTConfig(style="llama", init_std=0.1, **GPT_SIZES),
+    "llama8": GPTConfig(
+        style="llama", init_std=0.1, **{**GPT_SIZES, "num_heads": 8, "num_kv_heads": 4}
+    ),
+    "gpt2": GPTConfig(style="gpt2", init_std=0.1, **GPT_SIZES),
+    "llama_full": GPTConfig(style="llama", init_std=0.1, recompute="full", **GPT_SIZES),
+    "gpt2_selective": GPTConfig(style="gpt2", init_std=0.1, recompute="selective", **GPT_SIZES),
+    # Router losses are per micro-batch statistics (a cp rank sees part of its tokens):
+    # off, so the rest of the MoE layer must match exactly.
+    "moe": GPTConfig(
+        init_std=0.1, moe=dict(num_experts=4, top_k=2, ffn_size=32, aux_loss="none"), **GPT_SIZES
+    ),
+    "bert": BertConfig(dropout=0.0, init_std=0.1, pair_task="nsp", **BERT_SIZES),
+}
+OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
+# name: (world, model, layout, zero1)
+CASES = {
+    "cp2_ring": (2, "llama", dict(cp=2), False),
+    "cp2_allgather": (2, "llama", dict(cp=2, cp_method="allgather"), False),
+    "cp2_a2a": (2, "llama", dict(cp=2, cp_method="a2a"), False),
+    "cp2_gpt2_allgather": (2, "gpt2", dict(cp=2, cp_method="allgather"), False),
+    "cp2_full_recompute": (2, "llama_full", dict(cp=2), False),
+    "cp2_selective_a2a": (2, "gpt2_selective", dict(cp=2, cp_method="a2a"), False),
+    "bert_cp2_ring": (2, "bert", dict(cp=2), False),
+    "bert_cp2_allgather": (2, "bert", dict(cp=2, cp_method="allgather"), False),
+    "bert_cp2_a2a": (2, "bert", dict(cp=2, cp_method="a2a"), False),
+    "cp2_ep2_moe": (2, "moe", dict(cp=2, ep=2), False),
+    "cp2_tp2_sp": (4, "gpt2", dict(cp=2, tp=2, sequence_parallel=True), False),
+    "cp2_pp2": (4, "llama", dict(cp=2, pp=2), False),
+    "cp2_pp2_vpp2": (4, "gpt2", dict(cp=2, pp=2, vpp=2), False),
+    "cp2_dp2_zero1": (4, "gpt2", dict(cp=2, dp=2), True),
+    "bert_cp2_tp2_sp": (4, "bert", dict(cp=2, tp=2, sequence_parallel=True), False),
+}
+SLOW_CASES = {
+    "cp4_ring": (4, "llama8", dict(cp=4), False),
+    "cp4_allgather": (4, "llama8", dict(cp=4, cp_method="allgather"), False),
+    "cp4_a2a": (4, "llama8", dict(cp=4, cp_method="a2a"), False),
+    "bert_cp4_ring": (4, "bert", dict(cp=4), False),
+    "bert_cp2_tp2_pp2": (8, "bert", dict(cp=2, tp=2, pp=2), False),
+}
+ALL_CASES = {**CASES, **SLOW_CASES}
+
+
+def _gpt_batches():
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g)
+    return [dict(tokens=tokens[s], labels=labels[s]) for s in range(STEPS)]
+
+
+def _bert_batches():
+    """Padded sentence pairs of very different lengths: cp ranks hold different
+    numbers of real and masked tokens (rank 1's second chunk is mostly padding)."""
+    g = torch.Generator().manual_seed(11)
+    steps = []
+    for _ in range(STEPS):
+        lengths = torch.sort(torch.randint(5, SEQ + 1, (BATCH,), generator=g)).values
+        lengths[: BATCH // 2] = torch.clamp(lengths[: BATCH // 2] // 2, min=5)
+        positions = torch.arange(SEQ)[None, :]
+        real = positions < lengths[:, None]
+        tokens = torch.randint(PAD + 1, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, PAD)
+        token_types = ((positions >= (lengths // 2)[:, None]) & real).long()
+        masked = (torch.rand(BATCH, SEQ, generator=g) < 0.3) & real
+        masked[:, 1] = True
+        labels = torch.randint(PAD + 1, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~masked, -100)
+        pair = torch.randint(0, 2, (BATCH,), generator=g)
+        steps.append(
+            dict(
+                tokens=tokens,
+                token_types=token_types,
+                padding_mask=real,
+                labels=labels,
+                pair_labels=pair,
+            )
+        )
+    return steps
+
+
+def _batches_for(model: str):
+    return _bert_batches() if model == "bert" else _gpt_batches()
+
+
+def _micro(batch, rows: slice, cp: int = 1, cp_rank: int = 0) -> list[dict]:
+    local = {name: t[rows] for name, t in batch.items()}
+    count = next(iter(local.values())).shape[0]
+    micro = [{n: t[i : i + MB] for n, t in local.items()} for i in range(0, count, MB)]
+    return [shard_batch(mb, SEQ, cp, cp_rank) for mb in micro]
+
+
+def _full_grads(engine: Engine):
+    """The reduced (and clipped) gradients, gathered whole like the weights."""
+    params = [p for chunk in engine.chunks for p in chunk.parameters()]
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = p.main_grad.view_as(p)
+    try:
+        return engine.full_state_dict()
+    finally:
+        for p, data in zip(params, saved, strict=True):
+            p.data = data
+
+
+def _engine(model: str, layout, backend, local: int, zero1: bool) -> Engine:
+    return Engine(
+        MODELS[model], layout, backend, micro_batch_size=MB, num_microbatches=local // MB,
+        optimizer=OPT, seed=5, zero1=zero1, bucket_size=700,
+    )  # fmt: skip
+
+
+def _run(engine: Engine, batches, rows: slice, cp: int, cp_rank: int, grads: bool) -> dict:
+    out = {"loss": [], "terms": [], "norm": []}
+    for step, batch in enumerate(batches):
+        result = engine.train_step(_micro(batch, rows, cp, cp_rank))
+        assert not result.skipped, result
+        out["loss"].append(result.loss)
+        out["terms"].append(result.terms)
+        out["norm"].append(result.grad_norm)
+        if step == 0 and grads:
+            out["grads"] = _full_grads(engine)
+    out["eval"] = engine.evaluate(_micro(batches[0], rows, cp, cp_rank))
+    out["weights"] = engine.full_state_dict()
+    return out
+
+
+def _shard_heads(t: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """This cp rank's tokens of a ``[b, h, S, d]`` tensor."""
+    return shard_batch({"x": t.transpose(1, 2)}, SEQ, cp.size, cp.rank)["x"].transpose(1, 2)
+
+
+def _cp_mask(key_mask, cp: CPGroup):
+    """The whole sequence's key mask in cp order (what the model gathers)."""
+    if key_mask is None:
+        return None
+    return torch.cat(
+        [shard_batch({"m": key_mask}, SEQ, cp.size, r)["m"] for r in range(cp.size)], 1
+    )
+
+
+def _ring_op_checks(ctx) -> dict:
+    """ring_attention against one process's attention, forward and backward, with GQA,
+    causal and bidirectional with padding (a batch row with no real key at all), through
+    the reference op (float64) and torch's CPU flash kernel (float32), and the recorded
+    order of one forward."""
+    layout = ParallelLayout.build(
+        LayoutSpec(cp=ctx.world_size), ctx.backend.collective, ctx.rank, ctx.world_size
+    )
+    trace: list = []
+    cp = CPGroup.from_layout(layout, ctx.backend)
+    cp.trace = trace
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, h, SEQ, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    dout = torch.randn(2, 4, SEQ, 8, generator=g, dtype=torch.float64)
+    mask = torch.arange(SEQ)[None, :] < torch.tensor([[11], [0]])  # row 1: no key at all
+    errors = {}
+    native = types.SimpleNamespace(attention_lse=cpu_flash_attention_lse)
+    for causal, key_mask in ((True, None), (False, mask), (True, mask)):
+        # torch's CPU flash kernel (float32) in the ring, as a backend would serve it.
+        local = [_shard_heads(t, cp).float().requires_grad_() for t in (q, k, v)]
+        got = ring_attention(*local, causal, _cp_mask(key_mask, cp), cp, native)
+        got_grads = torch.autograd.grad(got, local, _shard_heads(dout, cp).float())
+        want = [t.float().requires_grad_() for t in (q, k, v)]
+        ref = attention(*want, causal=causal, key_padding_mask=key_mask)
+        want_grads = torch.autograd.grad(ref, want, dout.float())
+        errors[f"native causal={causal} mask={key_mask is not None}"] = [
+            rel_error(a, _shard_heads(b, cp))
+            for a, b in zip((got, *got_grads), (ref.detach(), *want_grads), strict=True)
+        ]
+    for causal, key_mask in ((True, None), (False, mask), (True, mask)):
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = attention(*full, causal=causal, key_padding_mask=key_mask)
+        want_grads = torch.autograd.grad(want, full, dout)
+        local = [_shard_heads(t, cp).clone().requires_grad_() for t in (q, k, v)]
+        got = ring_attention(*local, causal, _cp_mask(key_mask, cp), cp, ctx.backend.kernels)
+        got_grads = torch.autograd.grad(got, local, _shard_heads(dout, cp))
+        key = f"causal={causal} mask={key_mask is not None}"
+        errors[key] = [rel_error(got, _shard_heads(want.detach(), cp))] + [
+            rel_error(a, _shard_heads(b, cp)) for a, b in zip(got_grads, want_grads, strict=True)
+        ]
+        errors[key + " finite"] = all(torch.isfinite(t).all().item() for t in (got, *got_grads))
+    return {"errors": errors, "trace": trace[: 3 * (cp.size - 1) + 1]}
+
+
+def _rank_main(ctx, names, batches):
+    results = {}
+    for name in names:
+        world, model, layout_kw, zero1 = ALL_CASES[name]
+        layout = ParallelLayout.build(
+            LayoutSpec(**layout_kw), ctx.backend.collective, ctx.rank, world
+        )
+        dp, dp_rank = layout.size("dp"), layout.coordinate("dp")
+        local = BATCH // dp
+        engine = _engine(model, layout, ctx.backend, local, zero1)
+        rows = slice(dp_rank * local, (dp_rank + 1) * local)
+        results[name] = _run(
+            engine, batches[model], rows, layout.cp, layout.coordinate("cp"), not zero1
+        )
+    if ctx.world_size == 2:
+        results["ring_op"] = _ring_op_checks(ctx)
+    buf = io.BytesIO()
+    torch.save(results, buf)
+    return buf.getvalue()
+
+
+def _reference(name: str, batches) -> dict:
+    from mtcore.backend import select_backend
+
+    _, model, _, _ = ALL_CASES[name]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = _engine(model, ParallelLayout.single(), select_backend("cpu"), BATCH, False)
+        return _run(engine, batches[model], slice(None), 1, 0, True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _spawn(cases: dict) -> dict:
+    models = {case[1] for case in cases.values()}
+    batches = {m: _batches_for(m) for m in models}
+    out, references = {}, {}
+    for world in sorted({case[0] for case in cases.values()}):
+        names = [n for n, case in cases.items() if case[0] == world]
+        ranks = [
+            torch.load(io.BytesIO(r), weights_only=False)
+            for r in run_ranks(_rank_main, world, names, batches)
+        ]
+        for name in names:
+            key = ALL_CASES[name][1]
+            if key not in references:
+                references[key] = _reference(name, batches)
+            out[name] = ([r[name] for r in ranks], references[key])
+        if world == 2:
+            out["ring_op"] = [r["ring_op"] for r in ranks]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _spawn(CASES)
+
+
+def _check_case(case, ranks, ref):
+    for rank, got in enumerate(ranks):
+        for step in range(STEPS):
+            err = abs(got["loss"][step] - ref["loss"][step]) / abs(ref["loss"][step])
+            assert err <= RTOL, (
+                f"{case} rank {rank} step {step}: loss {got['loss'][step]} vs {ref['loss'][step]}"
+            )
+            for term, want in ref["terms"][step].items():
+                assert abs(got["terms"][step][term] - want) <= RTOL * abs(want), (case, term, step)
+            err = abs(got["norm"][step] - ref["norm"][step]) / ref["norm"][step]
+            assert err <= RTOL, (
+                f"{case} rank {rank} step {step}: grad norm {got['norm'][step]} vs {ref['norm'][step]}"
+            )
+        for metric, want in ref["eval"].items():
+            assert abs(got["eval"][metric] - want) <= RTOL * max(abs(want), 1e-6), (case, metric)
+    for what in ("grads", "weights"):
+        if what == "grads" and ALL_CASES[case][3]:
+            continue  # ZeRO-1: each rank's gradients are a shard
+        full = ranks[0][what]
+        assert full is not None and set(full) == set(ref[what]), (case, what)
+        for name, want in ref[what].items():
+            err = rel_error(full[name], want)
+            assert err <= RTOL, f"{case}: {what} {name}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_matches_one_process(runs, case):
+    ranks, ref = runs[case]
+    _check_case(case, ranks, ref)
+
+
+@pytest.mark.slow
+def test_cp4_and_long_compositions_match_one_process():
+    out = _spawn(SLOW_CASES)
+    for case in SLOW_CASES:
+        _check_case(case, *out[case])
+
+
+def test_ring_op_matches_one_process_with_fully_masked_rows(runs):
+    for rank, result in enumerate(runs["ring_op"]):
+        for key, errors in result["errors"].items():
+            if key.endswith("finite"):
+                assert errors, f"rank {rank} {key}: NaN or inf"
+            elif key.startswith("native"):
+                assert max(errors) <= 1e-5, (
+                    f"rank {rank} {key}: out, dq, dk, dv rel errors {errors}"
+                )
+            else:
+                assert max(errors) <= 1e-12, (
+                    f"rank {rank} {key}: out, dq, dk, dv rel errors {errors}"
+                )
+
+
+def test_ring_posts_next_block_before_computing_the_current_one(runs):
+    """The recorded order: block t+1's send/receive is posted before block t's compute,
+    and waited for only after it."""
+    for result in runs["ring_op"]:
+        trace = result["trace"]
+        assert trace == [("post", 1), ("compute", 0), ("wait", 1), ("compute", 1)], trace
+
+
+def test_clipping_was_active(runs):
+    _, ref = runs["cp2_ring"]
+    assert min(ref["norm"]) > OPT.max_grad_norm, ref["norm"]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_load_balanced_split_gives_every_rank_the_same_causal_work(cp):
+    seq = 64
+    work = [causal_pairs(seq, cp, r) for r in range(cp)]
+    assert len(set(work)) == 1, work
+    assert sum(work) == seq * (seq + 1) // 2
+    # A contiguous split would not be balanced: its last rank does (2cp - 1)x the first's work.
+    contiguous = [sum(range(r * seq // cp + 1, (r + 1) * seq // cp + 1)) for r in range(cp)]
+    assert contiguous[-1] > contiguous[0]
