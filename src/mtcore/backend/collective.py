@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEFAULT_TIMEOUT_S = 600.0
+# How long ranks may take to arrive at process-group creation (see _gather_ranks).
+STARTUP_TIMEOUT_S = 300.0
 OPS = (
     "all_reduce",
     "all_gather",
@@ -187,13 +189,30 @@ class Collective:
             return
         self.timeout_s = timeout_s
         kwargs = {"backend": self.c10d_backend, "timeout": timedelta(seconds=timeout_s)}
-        if init_method is not None:
-            kwargs["init_method"] = init_method
-        if rank is not None:
-            kwargs.update(rank=rank, world_size=world_size)
         if device_id is not None:
             kwargs["device_id"] = device_id
-        dist.init_process_group(**kwargs)
+        store, rank, world_size = self._gather_ranks(init_method, rank, world_size, timeout_s)
+        dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
+
+    @staticmethod
+    def _gather_ranks(init_method, rank, world_size, timeout_s: float):
+        """Rendezvous, then wait until every rank has arrived, allowing for slow starts.
+
+        Ranks start seconds apart on a loaded machine (imports, data preparation); a
+        short ``timeout_s``, meant for a peer that stops answering mid-run, must not cut
+        that start short. So the arrival wait gets at least ``STARTUP_TIMEOUT_S``, and
+        the store then takes ``timeout_s`` for the group's own key exchange.
+        """
+        startup = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
+        store, rank, world_size = next(
+            dist.rendezvous(init_method or "env://", rank=-1 if rank is None else rank,
+                            world_size=-1 if world_size is None else world_size, timeout=startup)
+        )
+        store.set_timeout(startup)
+        store.set(f"mtcore/arrived/{rank}", "1")
+        store.wait([f"mtcore/arrived/{r}" for r in range(world_size)], startup)
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store, rank, world_size
 
     def is_initialized(self) -> bool:
         return dist.is_initialized()
