@@ -5,12 +5,16 @@ directory, or the checkpoint root: its latest step). One process, the whole
 model, whatever layout trained it. Greedy decoding by default; `--top-k K`
 samples among the K likeliest tokens (--temperature, --seed). Prints the prompt
 and its continuation. Families that do not generate (an encoder such as BERT) are
-refused with one line.
+refused with one line. ``--image PATH`` gives a vision-language model (the llava
+family) an image to answer from; the prompt may be given after the checkpoint too:
+``mtcore generate CHECKPOINT --image a.png "What is in the image?"``, and the
+answer alone is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import sys
 
@@ -20,6 +24,11 @@ HELP = "continue a prompt with a trained checkpoint (greedy or top-k sampling)"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint directory (step_N, or the root: latest)")
     parser.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    parser.add_argument("text", nargs="?", default=None, help="the prompt (instead of --prompt)")
+    parser.add_argument(
+        "--image", nargs="+", default=None, metavar=("PATH", "PROMPT"),
+        help="an image for a vision-language model, optionally followed by the prompt",
+    )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
     parser.add_argument("--top-k", type=int, default=None, metavar="K", help="sample (default: greedy)")
     parser.add_argument("--temperature", type=float, default=1.0, help="with --top-k (default 1.0)")
@@ -54,17 +63,34 @@ def run(args: argparse.Namespace) -> int:
     if family.generate is None:
         print(f"mtcore generate: error: the {family.name} family does not generate text", file=sys.stderr)
         return 2
+    prompt, extra = args.prompt if args.text is None else args.text, {}
+    if args.image is not None:
+        if "image" not in inspect.signature(family.generate).parameters:
+            print(f"mtcore generate: error: the {family.name} family does not read images (--image)", file=sys.stderr)
+            return 2
+        extra["image"], *rest = args.image
+        prompt = rest[0] if rest else prompt
     generator = torch.Generator(device=backend.torch_device()).manual_seed(args.seed)
-    text = family.generate(
-        model, tokenizer, args.prompt, args.max_new_tokens, args.top_k, args.temperature, generator
-    )
-    print(text if args.prompt else text.removeprefix(tokenizer.decode([tokenizer.eod_id])))
+    try:
+        text = family.generate(
+            model, tokenizer, prompt, args.max_new_tokens, args.top_k, args.temperature, generator,
+            **extra,
+        )  # fmt: skip
+    except DataError as e:  # an unreadable image, a prompt that does not fit
+        print(f"mtcore generate: error: {e}", file=sys.stderr)
+        return 2
+    print(text if prompt else text.removeprefix(tokenizer.decode([tokenizer.eod_id])))
     return 0
 
 
 def _bad_arguments(args: argparse.Namespace) -> str | None:
     """What is wrong with the numbers given, before anything loads (argparse takes
     ``nan`` and ``inf`` as floats; sampling with them gives garbage or a crash)."""
+    given = [args.text, args.prompt or None, *(args.image or [None, None])[1:]]
+    if len(args.image or ()) > 2:
+        return "--image takes a path and at most one prompt"
+    if sum(p is not None for p in given) > 1:
+        return "give the prompt once: --prompt TEXT, after the checkpoint, or after --image PATH"
     if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
         return "--max-new-tokens must be >= 0 and --top-k >= 1"
     if not math.isfinite(args.temperature) or args.temperature <= 0:

@@ -22,6 +22,7 @@ BUILTIN = {
     "gpt": "mtcore.models.gpt.family",
     "bert": "mtcore.models.bert.family",
     "t5": "mtcore.models.t5.family",
+    "llava": "mtcore.models.vlm.family",
 }
 
 

@@ -1,0 +1,175 @@
+"""LLaVA (Liu et al. 2023, arXiv 2304.08485): a vision tower, a projector and a GPT.
+
+One class serves the whole model and each pipeline chunk of it, as the GPT does (it
+is a ``GPT``): the first chunk holds the vision tower and the projector beside the
+token embedding and its first language-model layers; parameter names are the whole
+model's at any layout (``vision.layers.0.attn.qkv.weight``, ``projector.fc1.weight``,
+``layers.3.mlp.fc1.weight``).
+
+A micro-batch carries ``tokens [b, s]`` in which every image already stands as
+``image_tokens`` copies of the ``<image>`` id (the data pipeline expands each
+placeholder, so ``s`` is known before the step), ``image_mask [b, s]`` (True at
+those positions), ``pixel_values [b, max_images, C, H, W]`` and ``labels``. The first
+stage embeds the tokens and puts the projected features of sample ``i``'s images, in
+order, at its image positions: the ``k``-th image position of a sample takes the
+``k``-th feature of its images laid end to end. Image slots a sample does not use
+are computed and ignored (they get no gradient).
+
+Under sequence parallelism the token embedding is a sequence shard and each rank
+fills in the image positions of its shard; the features enter through
+``copy_to_tp``, whose backward sums the ranks' partial gradients, so the projector
+and the tower get whole gradients on every rank.
+
+Freezing (``config.freeze``) turns off ``requires_grad`` of a part's parameters, so
+data parallelism and the optimizer never see them (no gradient, no optimizer state,
+no ZeRO shard); a frozen tower (and projector) runs under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from mtcore.models.chunks import build_chunks
+from mtcore.models.family import BuiltModel
+from mtcore.models.gpt.model import GPT, IGNORE_INDEX
+from mtcore.models.layers import Context
+from mtcore.models.vlm.config import LlavaConfig
+from mtcore.models.vlm.vision import Projector, VisionTower
+from mtcore.parallel.recompute import checkpoint
+from mtcore.parallel.tensor import column_parallel_matmul, copy_to_tp, vocab_parallel_argmax
+from mtcore.precision.fp8 import FP8Recipe
+
+
+def place_images(x: Tensor, features: Tensor, image_mask: Tensor, start: int) -> Tensor:
+    """``x [b, s_local, h]`` (positions ``start ..`` of the sequence) with its image
+    positions replaced by ``features [b, n, h]``: the ``k``-th image position of a row
+    (counted over the whole sequence of ``image_mask [b, s]``) takes feature ``k``."""
+    order = image_mask.long().cumsum(dim=1) - 1  # k at each image position
+    local = slice(start, start + x.shape[1])
+    order, mask = order[:, local].clamp(min=0), image_mask[:, local]
+    order = order.clamp(max=features.shape[1] - 1)
+    picked = features.gather(1, order.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
+    return torch.where(mask.unsqueeze(-1), picked.to(x.dtype), x)
+
+
+class Llava(GPT):
+    """The whole model (default) or one pipeline chunk; the first holds the vision tower."""
+
+    def __init__(
+        self,
+        config: LlavaConfig,
+        context: Context | None = None,
+        layers: range | None = None,
+        first: bool = True,
+        last: bool = True,
+    ):
+        super().__init__(config, context, layers, first, last)
+        self.vision = self.projector = None
+        if first:
+            self.vision = VisionTower(self.c, config.vision, config.recompute)
+            self.projector = Projector(self.c, config.vision.hidden_size, config.projector)
+        for name, p in self.named_parameters():
+            if config.frozen(self.part_of(name)):
+                p.requires_grad_(False)
+
+    @staticmethod
+    def part_of(name: str) -> str:
+        """``vision``, ``projector`` or ``language``: which part a parameter belongs to."""
+        head = name.split(".", 1)[0]
+        return head if head in ("vision", "projector") else "language"
+
+    def image_features(self, pixels: Tensor) -> Tensor:
+        """``[b, max_images, C, H, W]`` -> ``[b, max_images * image_tokens, h]``."""
+        cfg = self.config
+        frozen = cfg.frozen("vision") and cfg.frozen("projector")
+        with torch.no_grad() if cfg.frozen("vision") else contextlib.nullcontext():
+            x = self.vision(pixels.flatten(0, 1))
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            x = self.projector(x)
+        return x.reshape(pixels.shape[0], -1, x.shape[-1])
+
+    def embed_multimodal(self, batch: dict[str, Tensor]) -> Tensor:
+        """Token embeddings with the image features in place (a sequence shard under sp)."""
+        e = self.embed
+        x = e.tok(batch["tokens"])
+        image_mask = batch.get("image_mask")
+        if image_mask is not None and "pixel_values" in batch:
+            features = self.image_features(batch["pixel_values"])
+            start = 0
+            if self.c.sequence_parallel:
+                features, start = copy_to_tp(features, self.tp), self.tp.rank * x.shape[1]
+            x = place_images(x, features, image_mask, start)
+        if e.pos is not None:
+            s, start = x.shape[1], self.tp.rank * x.shape[1] if self.c.sequence_parallel else 0
+            x = x + e.pos[start : start + s].to(x.dtype)
+        return self.c.dropout(x, self.training)
+
+    # -- the pipeline-stage contract (mtcore.models.family) --------------------------
+    def stage(self, inputs: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``batch`` (tokens, image_mask, pixel_values) on the first stage, ``{"hidden"}``
+        on the others -> ``{"hidden"}``, or ``{"logits"}`` on the last."""
+        x = self.embed_multimodal(batch) if self.first else inputs["hidden"]
+        for block in self.layers.values():
+            if self.config.recompute == "full":
+                x = checkpoint(block, x, self.rope, backend=self.c.backend, tracker=self.c.tracker)
+            else:
+                x = block(x, self.rope)
+        if not self.last:
+            return {"hidden": x}
+        x = self.norm(x)
+        if self.output is not None:
+            return {"logits": self.output(x)}
+        weight = self.embed.tok.weight
+        return {
+            "logits": column_parallel_matmul(x, weight, None, self.tp, self.c.sequence_parallel)
+        }
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:  # type: ignore[override]
+        """The whole model: logits ``[b, s, vocab / tp]`` of a micro-batch."""
+        if not (self.first and self.last):
+            raise ValueError("forward() runs the whole model; a pipeline chunk runs stage()")
+        return self.stage({}, batch)["logits"]
+
+    def metrics(self, outputs: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, tuple]:
+        """``caption_accuracy``: the share of target tokens (caption or answer) whose
+        argmax over the vocabulary shards is right, as ``(correct, count)``."""
+        labels = batch["labels"]
+        predicted = vocab_parallel_argmax(outputs["logits"].detach(), self.tp)
+        valid = labels != IGNORE_INDEX
+        return {"caption_accuracy": (((predicted == labels) & valid).sum(), valid.sum())}
+
+    @torch.no_grad()
+    def generate(self, batch: dict[str, Tensor], max_new_tokens: int, top_k: int | None = None,
+                 temperature: float = 1.0, generator: torch.Generator | None = None,
+                 stop_id: int | None = None) -> Tensor:  # fmt: skip
+        """``batch["tokens"] [1, s]`` (images expanded) continued by up to
+        ``max_new_tokens`` tokens (one process, tp=1), stopping after ``stop_id``."""
+        if self.tp.size != 1 or not (self.first and self.last):
+            raise ValueError("generate() runs on the whole model in one process (tp=1, pp=1)")
+        tokens, image_mask = batch["tokens"], batch["image_mask"]
+        for _ in range(max_new_tokens):
+            if tokens.shape[1] >= self.config.seq_len:
+                break
+            step = {**batch, "tokens": tokens, "image_mask": image_mask}
+            logits = self.stage({}, step)["logits"][:, -1].float()
+            if top_k is None or top_k <= 1:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                values, index = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+                probs = torch.softmax(values / max(temperature, 1e-6), dim=-1)
+                nxt = index.gather(-1, torch.multinomial(probs, 1, generator=generator))
+            tokens = torch.cat([tokens, nxt], dim=1)
+            image_mask = torch.cat([image_mask, torch.zeros_like(nxt, dtype=torch.bool)], dim=1)
+            if stop_id is not None and int(nxt) == stop_id:
+                break
+        return tokens
+
+
+def build(
+    config: LlavaConfig, layout, backend, seed: int = 0, fp8: FP8Recipe | None = None
+) -> BuiltModel:
+    """This rank's chunks (the vision tower on virtual stage 0) and their RNG tracker."""
+    return build_chunks(Llava, config, layout, backend, seed, fp8)
