@@ -38,7 +38,9 @@ def _float32(query) -> bool:
     return query.dtype == torch.float32
 
 
-def fused_adamw_fits(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay):
+def fused_adamw_fits(
+    params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay
+):
     """torch's fused kernel wants params and optimizer state in one dtype (the cuda
     plugin's fused AdamW reuses this guard)."""
     return all(p.dtype == m.dtype for p, m in zip(params, exp_avgs, strict=True))
@@ -50,11 +52,13 @@ def mtcore_backends() -> list[BackendSpec]:
     host = BackendSpec(
         name=HOST_BACKEND,
         device=CpuDevice(),
-        collective=Collective("gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=avg)),
+        collective=Collective(
+            "gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=avg)
+        ),
         fp8=FP8(native_granularities=NATIVE_FP8),
         accelerator=False,
         description="host CPU: gloo collectives, torch fused SDPA/flash-LSE/RMSNorm/LayerNorm/"
-        "AdamW kernels, FP8 through torch._scaled_mm",
+        "cross-entropy/AdamW kernels, FP8 through torch._scaled_mm",
     )
     return [host]
 
@@ -66,10 +70,16 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
     impls = [
         KernelImpl("attention", torch_native.sdpa_attention, "sdpa", priority=50),
         KernelImpl("rms_norm", torch_native.fused_rms_norm, "torch-fused", priority=50),
-        # float32 only, like swiglu: the reference rounds a bf16 result once, from fp32.
-        KernelImpl("layer_norm", torch_native.fused_layer_norm, "torch-fused", priority=50, predicate=_float32),
-        # float32 only: the reference computes bf16 inputs in fp32, F.silu would not.
-        KernelImpl("swiglu", torch_native.silu_glu, "torch-silu", priority=50, predicate=_float32),
+        # Every dtype: F.layer_norm runs on float32 operands and the result is rounded
+        # once, as the reference specifies (for float32 inputs the casts are no-ops).
+        KernelImpl("layer_norm", torch_native.fused_layer_norm_fp32, "torch-fused", priority=50),
+        # F.cross_entropy on float32 logits: the reference's float32 log-softmax, fused.
+        KernelImpl("cross_entropy", torch_native.fused_cross_entropy, "torch-fused", priority=50),
+        # torch has no fused rotary kernel on the CPU: the reference's forward arithmetic
+        # with a hand-written backward (no zero-filled slice buffers).
+        KernelImpl("rope", torch_native.rope_rotation, "torch-rotation", priority=50),
+        # Every dtype: F.silu on float32 operands, one rounding, as the reference.
+        KernelImpl("swiglu", torch_native.silu_glu_fp32, "torch-silu", priority=50),
     ]
     if torch_native.cpu_flash_attention_lse_available():
         # torch's CPU flash kernel returns the log-sum-exp ring attention merges with.

@@ -14,6 +14,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mtcore.ops.loss import check_cross_entropy_args
+from mtcore.ops.rope import rope
+
 
 def sdpa_attention(q, k, v, causal=True, key_padding_mask=None, scale=None):
     """``mtcore.ops.attention`` through ``F.scaled_dot_product_attention``."""
@@ -169,3 +172,88 @@ def cpu_flash_attention_lse(q, k, v, causal=True, key_padding_mask=None, scale=N
 
 def cpu_flash_attention_lse_available() -> bool:
     return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def fused_layer_norm_fp32(x, weight, bias, eps=1e-5):
+    """``mtcore.ops.layer_norm`` for any dtype through ``F.layer_norm`` on float32 (float64
+    for float64) operands: the reference's contract (statistics in float32, one rounding
+    of the result) with one fused kernel; for float32 inputs the casts are no-ops."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = F.layer_norm(
+        x.to(acc),
+        (x.shape[-1],),
+        weight.to(acc),
+        None if bias is None else bias.to(acc),
+        eps,
+    )
+    return y.to(x.dtype)
+
+
+def fused_cross_entropy(logits, target, ignore_index=-100):
+    """``mtcore.ops.cross_entropy`` through ``F.cross_entropy(reduction="none")``: one fused
+    log-softmax and NLL on float32 (float64) logits, float32 losses, 0 and a zero
+    gradient row for ``ignore_index``; a target outside ``[0, V)`` raises, as the
+    reference's gather does."""
+    check_cross_entropy_args(logits, target)
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.to(acc), target, ignore_index=ignore_index, reduction="none")
+
+
+class _Rope(torch.autograd.Function):
+    """The reference rotation with a hand-written backward (the same rotation by ``-angle``).
+
+    Forward is the reference's arithmetic, element for element; backward computes
+    ``dx1 = g1 cos + g2 sin``, ``dx2 = g2 cos - g1 sin`` in two products each, where
+    autograd through the reference's slices, products and ``cat`` allocates and
+    zero-fills a buffer per slice. The tables' gradients, when they require one, are
+    ``sum(g1 x1 + g2 x2)`` and ``sum(g2 x1 - g1 x2)`` over batch and heads.
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        half = x.shape[-1] // 2
+        xf = x.to(acc)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        c = cos.to(acc)[None, :, None, :]
+        s = sin.to(acc)[None, :, None, :]
+        tables_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        ctx.save_for_backward(c, s, x if tables_grad else None)
+        ctx.x_dtype, ctx.table_dtypes = x.dtype, (cos.dtype, sin.dtype)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        c, s, x = ctx.saved_tensors
+        g1, g2 = grad.to(c.dtype).chunk(2, dim=-1)
+        dx = dcos = dsin = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.cat((g1 * c + g2 * s, g2 * c - g1 * s), dim=-1).to(ctx.x_dtype)
+        if x is not None:
+            x1, x2 = x.to(c.dtype).chunk(2, dim=-1)
+            if ctx.needs_input_grad[1]:
+                dcos = (g1 * x1 + g2 * x2).sum(dim=(0, 2)).to(ctx.table_dtypes[0])
+            if ctx.needs_input_grad[2]:
+                dsin = (g2 * x1 - g1 * x2).sum(dim=(0, 2)).to(ctx.table_dtypes[1])
+        return dx, dcos, dsin
+
+
+def rope_rotation(x, cos, sin):
+    """``mtcore.ops.rope`` with a hand-written backward (``_Rope``): the same forward
+    numbers, fewer and smaller kernels in backward. torch has no fused rotary kernel
+    on the CPU; this is the op's arithmetic in the fewest torch calls."""
+    if x.dim() != 4 or x.shape[-1] % 2 or tuple(cos.shape) != (x.shape[1], x.shape[-1] // 2):
+        return rope(x, cos, sin)  # the reference raises the op's own error messages
+    if tuple(sin.shape) != tuple(cos.shape):
+        return rope(x, cos, sin)
+    return _Rope.apply(x, cos, sin)
+
+
+def silu_glu_fp32(x):
+    """``mtcore.ops.swiglu`` for any dtype: ``F.silu(gate) * up`` on float32 (float64)
+    operands, rounded once to ``x.dtype``, as the reference specifies; for float32
+    inputs it is ``silu_glu``."""
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"swiglu needs an even last dim [..., 2n], got shape {list(x.shape)}")
+    gate, up = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)

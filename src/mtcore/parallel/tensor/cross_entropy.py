@@ -9,8 +9,9 @@ over tp: an all-reduce(max) of ``[N]`` and one all-reduce(sum) of ``[N, 2]``
 matters at V = 128k: it would be the largest activation of the model.
 
 Backward is the softmax minus the one-hot target, both local to the shard. It
-reuses the saved softmax buffer in place (as Megatron does: that buffer is the
-size of the logits), so the graph supports one backward; a second one, with
+reuses the saved buffer of exps in place (Megatron keeps the softmax the same
+way: that buffer is the size of the logits), dividing by the sums as it scales
+by the loss gradient, so the graph supports one backward; a second one, with
 ``retain_graph``, fails loudly on autograd's version check instead of
 returning wrong numbers.
 """
@@ -32,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         v_local = x.shape[1]
         start = tp.rank * v_local
 
-        logit_max = x.max(dim=1).values
+        logit_max = torch.amax(x, dim=1)  # no argmax indices, unlike ``max``
         tp.collective.all_reduce(logit_max, op="max", group=tp.group)
         x = x - logit_max[:, None]  # a new tensor: ``logits`` is untouched
 
@@ -47,18 +48,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp, target_logit = sums.unbind(1)
 
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        softmax = exp.div_(sum_exp[:, None])
-        ctx.save_for_backward(softmax, local_target, here, valid)
+        # The exps are kept, not the softmax: backward divides by the sums in the one
+        # pass it makes anyway (a pass over [N, V/tp] less than dividing here).
+        ctx.save_for_backward(exp, sum_exp, local_target, here, valid)
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        softmax, local_target, here, valid = ctx.saved_tensors
-        grad = softmax  # reused in place: backward runs once per forward
+        exp, sum_exp, local_target, here, valid = ctx.saved_tensors
+        scale = (grad_loss * valid).to(exp.dtype)
+        grad = exp.mul_((scale / sum_exp)[:, None])  # softmax * dloss, in place: one backward
         rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_target] -= here.to(grad.dtype)
-        grad.mul_((grad_loss * valid).to(grad.dtype)[:, None])
+        grad[rows, local_target] -= scale * here.to(grad.dtype)
         return grad.to(ctx.logits_dtype), None, None, None
 
 

@@ -1,4 +1,4 @@
-"""The column-parallel matmul with its input-gradient collective overlapped.
+"""The column-parallel matmul with its input-gradient collective overlapped (or not).
 
 ``y = gather_sp(x) @ W^T + b`` as one autograd function, so that backward can
 run the collective on the input gradient while it computes the weight
@@ -18,14 +18,39 @@ keeping the gathered ``[b, s, h]`` would give back most of the activation
 memory that sequence parallel saves. The collectives are async calls of the
 backend's collective interface, so this overlaps on any backend that runs
 them concurrently with compute (NCCL/MCCL streams, gloo's worker threads).
+``MTCORE_TP_OVERLAP=0`` (``overlaps_backward_collectives``) takes the blocking order
+instead, each collective to completion before the next matmul: the same numbers,
+for a host whose ranks have no core to spare for the collective's thread.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
 
 from mtcore.parallel.tensor.mappings import SEQ_DIM, TPGroup
+
+OVERLAP_ENV = "MTCORE_TP_OVERLAP"
+
+
+def overlaps_backward_collectives() -> bool:
+    """Whether backward runs the input-gradient collective concurrently with the
+    weight-gradient matmul: yes unless ``MTCORE_TP_OVERLAP=0``.
+
+    The blocking order (the collective to completion, then the matmul) is there to
+    measure, and for a host where a rank has no core to spare: on CPU the gloo
+    worker thread that runs the collective shares the rank's core with the matmul.
+    Measured on 2 shared cores (docs/results/megatron.md), overlap was not slower than
+    blocking, under load too, so it stays the default on every backend.
+    """
+    choice = os.environ.get(OVERLAP_ENV, "").strip()
+    if choice in ("", "1"):
+        return True
+    if choice == "0":
+        return False
+    raise ValueError(f"{OVERLAP_ENV} must be 0 or 1 (unset: 1, overlap), got {choice!r}")
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -34,6 +59,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         total = tp.all_gather(x, SEQ_DIM) if sequence_parallel else x
         ctx.save_for_backward(x, weight)
         ctx.tp, ctx.sp, ctx.has_bias = tp, sequence_parallel, bias is not None
+        ctx.overlap = overlaps_backward_collectives()
         return torch.nn.functional.linear(total, weight, bias)
 
     @staticmethod
@@ -41,6 +67,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         tp, sp = ctx.tp, ctx.sp
         gather = tp.all_gather_async(x, SEQ_DIM) if sp else None
+        if gather is not None and not ctx.overlap:
+            gathered = gather()
+            gather = lambda: gathered  # noqa: E731
         grad = grad.contiguous()
         grad_x = finish = None
         if ctx.needs_input_grad[0]:
@@ -52,6 +81,8 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             else:
                 handle = tp.collective.all_reduce(grad_x, group=tp.group, async_op=True)
                 finish = lambda: (handle.wait(), grad_x)[1]  # noqa: E731
+            if not ctx.overlap:  # blocking: the collective does not share the core
+                grad_x, finish = finish(), None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
             grad_w = grad.flatten(0, -2).t().matmul(total.flatten(0, -2))
