@@ -133,7 +133,12 @@ def test_delayed_amax_history_is_identical_on_tp_ranks_and_matches_one_process(r
         assert first and set(first) == set(second) == set(refs[case]["history"])
         for name, hist in first.items():
             assert torch.equal(hist, second[name]), f"{case} {name}: {hist} vs {second[name]}"
-            assert hist.count_nonzero() == hist.numel(), f"{case} {name} not filled: {hist}"
+            # one entry per step and role (the engine bookkeeps FP8 once per step)
+            filled = min(STEPS, hist.shape[1])
+            assert hist[:, :filled].count_nonzero() == hist.shape[0] * filled, (
+                f"{case} {name}: {hist}"
+            )
+            assert not hist[:, filled:].any(), f"{case} {name} rolled more than once a step: {hist}"
             err = rel_error(hist, refs[case]["history"][name])
             assert err <= 1e-2, (
                 f"{case} {name}: {hist} vs one process {refs[case]['history'][name]}"

@@ -9,12 +9,13 @@ reduce-scatter over dp) with one mtcore ``AdamW``/``DistributedAdamW``, and a
 ``PipelineRunner`` runs the micro-batches: ``no_pipelining`` (gradient
 accumulation) at pp=1, 1F1B / interleaved / GPipe otherwise. A step:
 
-1. the runner runs every micro-batch forward and backward; at pp=1 the
-   DataParallel wrapper is the runner's chunk, so the last micro-batch's
-   backward launches the bucket reductions as buckets fill (overlap);
-2. at pp > 1 the whole step runs under ``no_sync`` and the halves of a tied
-   embedding/output weight are summed over the first and last stage *before*
-   the dp reduction (a ZeRO-1 shard cannot be summed across stages after it);
+1. the runner runs every micro-batch forward and backward; each model chunk's
+   last backward launches that chunk's bucket reductions as buckets fill, while
+   the rest of the pipeline's backward goes on (overlap, per chunk as in Megatron);
+2. the halves of a tied embedding/output weight split over pipeline stages have
+   buckets of their own that backward leaves alone: they are summed over the
+   first and last stage, *then* ``finish_grad_sync`` reduces them over dp (a
+   ZeRO-1 shard cannot be summed across stages after it);
 3. the loss is agreed on every rank (sum over pp and dp); a NaN/inf loss skips
    the step everywhere. Each term's global count (over micro-batches and dp) is
    summed before the step from the batches (``ModelFamily.loss_counts``), so a
@@ -25,11 +26,16 @@ accumulation) at pp=1, 1F1B / interleaved / GPipe otherwise. A step:
    the clipping norm and the inf/nan check: a non-finite norm skips the step on
    every rank, at no extra pass over the gradients. Under fp16 the optimizer's
    loss scaler does this instead (unscale, check, back off, clip).
+
+FP8 delayed scaling is bookkept once per step (``FP8StepBookkeeping``): after the
+pipeline, the step's amaxes of every FP8 linear are reduced in one collective per
+group and the step's cached FP8 weights dropped. ``optimizer.name: onebit_adam``
+puts ``OneBitAdam`` in AdamW's place (it switches the dp reduction off itself in
+its compression stage).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -43,7 +49,7 @@ from mtcore.backend.collective import P2P
 from mtcore.models import Batch, FamilyConfig, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
 from mtcore.parallel.data import DataParallel, DataParallelConfig
-from mtcore.parallel.optimizer import AdamW, DistributedAdamW
+from mtcore.parallel.optimizer import AdamW, DistributedAdamW, OneBitAdam
 from mtcore.parallel.pipeline import (
     PipelineGroups,
     PipelineRunner,
@@ -52,6 +58,7 @@ from mtcore.parallel.pipeline import (
 )
 from mtcore.parallel.tensor import full_tensors
 from mtcore.precision import MixedPrecision
+from mtcore.precision.fp8 import FP8StepBookkeeping
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.moe import MoEStep, gather_experts
 
@@ -96,16 +103,26 @@ class Engine:
         self.chunks, self.rng_tracker = built.chunks, built.rng_tracker
         for chunk in self.chunks:
             precision.cast_module(chunk)
+        self.fp8 = FP8StepBookkeeping(self.chunks)  # amaxes reduced, weights cast once a step
         self.dtype = precision.param_dtype
         module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         dp_config = DataParallelConfig(shard_optimizer=zero1)
         if bucket_size is not None:
             dp_config = DataParallelConfig(bucket_size=bucket_size, shard_optimizer=zero1)
-        self.ddp = DataParallel(module, layout, backend, dp_config)
+        # Tied halves on other stages are summed over the stages before their dp reduction.
+        self.tied = [p for chunk in self.chunks for p in chunk.tied_copies()]
+        self.ddp = DataParallel(
+            module, layout, backend, dp_config, chunks=self.chunks, deferred=self.tied
+        )
         scaler = precision.make_loss_scaler()
         self.max_grad_norm = optimizer.max_grad_norm
-        self.optimizer = (DistributedAdamW if zero1 else AdamW)(
+        kind, extra = DistributedAdamW if zero1 else AdamW, {}
+        if optimizer.name == "onebit_adam":
+            kind = OneBitAdam
+            extra = {"freeze_step": optimizer.freeze_step, "block_size": optimizer.block_size}
+        self.optimizer = kind(
             self.ddp,
+            **extra,
             lr=optimizer.lr,
             betas=tuple(optimizer.betas),
             eps=optimizer.eps,
@@ -117,7 +134,6 @@ class Engine:
         moe = getattr(config, "moe", None)
         experts = moe.num_experts if moe is not None else 0
         self.moe = MoEStep(self.chunks, layout, self.collective, self.ddp.device, experts)
-        self.tied = [p for chunk in self.chunks for p in chunk.tied_copies()]
         self.pp, self.m = layout.pp, num_microbatches
         self.dp = layout.size("dp_cp")
         name = "no_pipelining" if self.pp == 1 else schedule
@@ -132,7 +148,7 @@ class Engine:
             loss_fn=self._loss,
             dtype=self.dtype,
             timing=False,
-            grad_sync=self.ddp if self.pp == 1 else None,
+            grad_sync=self.ddp,
         )
         self._counts: dict[str, Tensor] = {}
         self._terms: dict[str, list[Tensor]] = {}
@@ -185,9 +201,8 @@ class Engine:
         scaler = self.optimizer.loss_scaler
         scale = scaler.scale if scaler is not None else 1.0
         self._counts, self._terms = self.global_counts(batches), {}
-        quiet = self.ddp.no_sync() if self.pp > 1 else contextlib.nullcontext()
-        with quiet:
-            self.runner.step(batches)
+        self.runner.step(batches)  # each chunk's last backward launches its buckets
+        self.fp8.finish_step()
         if self.tied:
             allreduce_tied_grads(self.tied, self.groups, self.collective)
         self.ddp.finish_grad_sync()

@@ -89,6 +89,10 @@ class GradBuffer:
             raise ValueError(f"one GradBuffer holds one dtype, got {sorted(map(str, dtypes))}")
         self.dtype = params[0].dtype
         self.reduce_group = reduce_group
+        # Set by DataParallel: the model chunk the params belong to, and whether
+        # backward leaves the buffer's reduction to finish_grad_sync (tied halves).
+        self.chunk = 0
+        self.deferred = False
         self.device = params[0].device
         self.params = list(params)
         self.ranges: dict[int, tuple[int, int]] = {}

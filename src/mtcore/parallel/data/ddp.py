@@ -24,7 +24,8 @@ over ``edp`` covers every data-parallel rank once, and 1/dp makes it the mean.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +56,16 @@ class DataParallelConfig(BaseModel):
 
 @dataclass(frozen=True)
 class LaunchRecord:
-    """One bucket reduction: which bucket, and how many param grads of the running
-    backward had not arrived yet (0 for launches from ``finish_grad_sync``)."""
+    """One bucket reduction: which bucket, how many param grads of its chunk's running
+    backward had not arrived yet (0 for launches from ``finish_grad_sync``), the model
+    chunk it belongs to and when it was launched (``time.perf_counter()``, comparable
+    between the processes of one machine)."""
 
     bucket: int
     pending_grads: int
     from_backward: bool
+    chunk: int = 0
+    time_s: float = 0.0
 
 
 class DataParallel(torch.nn.Module):
@@ -72,10 +77,26 @@ class DataParallel(torch.nn.Module):
     until ``finish_grad_sync()`` has summed it). Cast the module to its final
     dtype and device before wrapping it: a later ``.to()`` would detach the
     params from the buffers.
+
+    chunks: the model chunks ``module`` holds (pipeline virtual stages), when it holds
+    several: each chunk's params get buffers of their own, so no bucket spans two
+    chunks and a chunk's buckets are launched by that chunk's last backward (the
+    pipeline runner runs the others under ``no_sync``), while the other chunks'
+    backward goes on. deferred: params whose buckets backward must not launch
+    (halves of a tied weight split over pipeline stages: they are summed over the
+    stages first, then ``finish_grad_sync`` reduces them over dp); they get buffers
+    of their own too.
     """
 
     def __init__(
-        self, module: torch.nn.Module, layout, backend, config: DataParallelConfig | None = None
+        self,
+        module: torch.nn.Module,
+        layout,
+        backend,
+        config: DataParallelConfig | None = None,
+        *,
+        chunks: Sequence[torch.nn.Module] | None = None,
+        deferred: Sequence[torch.nn.Parameter] = (),
     ):
         super().__init__()
         self.module = module
@@ -96,36 +117,50 @@ class DataParallel(torch.nn.Module):
             "dp_cp": (self.group, self.dp_size, self.dp_rank)
         }
         params = [p for p in module.parameters() if p.requires_grad]
-        by_kind: dict[tuple[str, torch.dtype], list] = {}
+        chunk_of = {id(p): c for c, ch in enumerate(chunks or [module]) for p in ch.parameters()}
+        missing = [p for p in params if id(p) not in chunk_of]
+        if missing:
+            raise ValueError(f"{len(missing)} trainable params of the module are in no chunk")
+        deferred_ids = {id(p) for p in deferred}
+        # (reduce group, chunk, deferred, dtype) -> params, in module order
+        by_kind: dict[tuple[str, int, bool, torch.dtype], list] = {}
         for p in params:
             kind = "edp" if is_expert_parallel(p) else "dp_cp"
-            by_kind.setdefault((kind, p.dtype), []).append(p)
-        if any(kind == "edp" for kind, _ in by_kind):
+            key = (kind, chunk_of[id(p)], id(p) in deferred_ids, p.dtype)
+            by_kind.setdefault(key, []).append(p)
+        if any(key[0] == "edp" for key in by_kind):
             self.reductions["edp"] = (
                 layout.group("edp"),
                 layout.size("edp"),
                 layout.coordinate("edp"),
             )
         self.grad_buffers: list[GradBuffer] = []
-        for (kind, _), group in sorted(by_kind.items(), key=lambda item: item[0][0] == "edp"):
+        order = sorted(by_kind.items(), key=lambda item: (item[0][0] == "edp", *item[0][1:3]))
+        for (kind, chunk, later, _), group in order:
             pad_to = self.reductions[kind][1] if self.config.shard_optimizer else 1
             first = sum(len(b.buckets) for b in self.grad_buffers)
-            self.grad_buffers.append(
-                GradBuffer(group, self.config.bucket_size, pad_to, first, reduce_group=kind)
-            )
+            buf = GradBuffer(group, self.config.bucket_size, pad_to, first, reduce_group=kind)
+            buf.chunk, buf.deferred = chunk, later
+            self.grad_buffers.append(buf)
         self.device = self.grad_buffers[0].device if self.grad_buffers else torch.device("cpu")
         self.buckets: list[Bucket] = [b for buf in self.grad_buffers for b in buf.buckets]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._buffer_of = {id(p): buf for buf in self.grad_buffers for p in buf.params}
-        self._num_params = len(params)
+        self._chunk_of = chunk_of
+        self._chunk_params = [0] * len(chunks or [module])
+        for p in params:
+            self._chunk_params[chunk_of[id(p)]] += 1
         # Replicated params that saw only a sequence shard under sequence
         # parallelism: their gradient is a partial sum over tp (Megatron sums
         # them in finalize_model_grads; here in finish_grad_sync, on main_grad).
         self._sp_params = [p for p in params if getattr(p, "sequence_parallel", False)]
 
+        # False: backward and finish_grad_sync leave the data-parallel reduction out
+        # (1-bit Adam's compression stage reduces the momentum instead).
+        self.reduce_gradients = True
         self._sync = True
         self._synced = True
-        self._seen: set[int] = set()
+        self._seen: list[set[int]] = [set() for _ in self._chunk_params]
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._handles: dict[int, object] = {}
         self.launch_log: list[LaunchRecord] = []
@@ -151,22 +186,29 @@ class DataParallel(torch.nn.Module):
         param.main_grad.add_(param.grad, alpha=self._grad_scale)
         param.grad = None
         self._synced = False
-        self._seen.add(id(param))
-        pending = self._num_params - len(self._seen)
+        chunk = self._chunk_of[id(param)]
+        seen = self._seen[chunk]
+        seen.add(id(param))
+        pending = self._chunk_params[chunk] - len(seen)
         if pending == 0:
-            self._seen.clear()
+            seen.clear()
         bucket = self._bucket_of[id(param)]
         ready = self._ready[bucket.index]
         ready.add(id(param))
         if len(ready) == len(bucket.params):
             ready.clear()
-            if self._sync and self.config.overlap_grad_reduce:
+            launch = self._sync and self.reduce_gradients and self.config.overlap_grad_reduce
+            if launch and not bucket.buffer.deferred:
                 self._launch(bucket, pending, from_backward=True)
 
     def _launch(self, bucket: Bucket, pending: int, from_backward: bool) -> None:
         if bucket.index in self._handles:
             return
-        self.launch_log.append(LaunchRecord(bucket.index, pending, from_backward))
+        self.launch_log.append(
+            LaunchRecord(
+                bucket.index, pending, from_backward, bucket.buffer.chunk, time.perf_counter()
+            )
+        )
         handle = None
         group, size, rank = self.reduction_of(bucket)
         if size > 1:
@@ -188,10 +230,12 @@ class DataParallel(torch.nn.Module):
 
         Idempotent until the next backward. Buckets are launched in the same order
         on every rank as long as every rank's backward reaches the same params.
+        With ``reduce_gradients`` False the buckets keep this rank's own gradients
+        (divided by dp); only the sequence-parallel sums over tp run.
         """
         if self._synced:
             return
-        for bucket in self.buckets:
+        for bucket in self.buckets if self.reduce_gradients else ():
             if bucket.index not in self._handles:
                 self._launch(bucket, 0, from_backward=False)
         for handle in self._handles.values():
@@ -199,7 +243,8 @@ class DataParallel(torch.nn.Module):
                 handle.wait()
         self._handles.clear()
         self._sum_sequence_parallel_grads()
-        self._seen.clear()
+        for seen in self._seen:
+            seen.clear()
         for ready in self._ready:
             ready.clear()
         self._synced = True
@@ -225,7 +270,8 @@ class DataParallel(torch.nn.Module):
             buf.grad.zero_()
             for p in buf.params:
                 p.grad = None
-        self._seen.clear()
+        for seen in self._seen:
+            seen.clear()
         for ready in self._ready:
             ready.clear()
         self._synced = True

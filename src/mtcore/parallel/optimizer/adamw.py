@@ -150,6 +150,16 @@ class AdamW:
             clip_by_total_norm_(grads, self.max_grad_norm, total)
             norm = float(total.item())
         self.step_count += 1
+        self._update()
+        for s in self.segments:
+            if s.master.data_ptr() != s.param_data.data_ptr():
+                s.param_data.copy_(s.master)
+        self._gather_params()
+        return StepResult(True, norm, scale)
+
+    def _update(self) -> None:
+        """AdamW on the owned ranges' master weights (``step_count`` already counts
+        this step), one kernel call per param group."""
         beta1, beta2 = self.betas
         for group, (params, grads_, exp_avgs, exp_avg_sqs) in zip(
             self.param_groups, self._kernel_args, strict=True
@@ -168,11 +178,6 @@ class AdamW:
                 eps=self.eps,
                 weight_decay=group["weight_decay"],
             )
-        for s in self.segments:
-            if s.master.data_ptr() != s.param_data.data_ptr():
-                s.param_data.copy_(s.master)
-        self._gather_params()
-        return StepResult(True, norm, scale)
 
     def grad_norm(self) -> Tensor:
         """The global gradient norm (fp32 scalar) over tp, pp and, for ZeRO, dp ranks."""

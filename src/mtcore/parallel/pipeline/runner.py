@@ -87,8 +87,10 @@ class PipelineRunner:
     chunks[c] maps the received activation (or, on virtual stage 0, the
     micro-batch input) to its output; on the last virtual stage the output
     goes to ``loss_fn(output, target)``. A chunk with ``no_sync()`` (a
-    DataParallel wrapper) runs every backward but its last under it, so
-    gradients are reduced once per step.
+    DataParallel wrapper), or ``grad_sync`` (one DataParallel over every chunk,
+    with a buffer per chunk), runs every backward of a chunk but the chunk's last
+    under ``no_sync``, so each chunk's gradients are reduced once per step, launched
+    as soon as that chunk is done while the other chunks' backward goes on.
     """
 
     def __init__(
@@ -120,7 +122,7 @@ class PipelineRunner:
             spec = TensorSpec(tuple(tensor_shape), dtype)
             self.messages = lambda boundary: {"": spec}
         self.dtype, self.loss_fn = dtype, loss_fn
-        self.grad_sync = grad_sync  # a DataParallel whose no_sync() quiets all but the last backward
+        self.grad_sync = grad_sync  # a DataParallel: no_sync() for all but a chunk's last backward
         self.timing, self.trace = timing, trace
         self.has_first = is_first_stage(self.rank, 0)
         self.has_last = is_last_stage(self.rank, self.vpp - 1, self.pp, self.vpp)

@@ -18,6 +18,7 @@ from mtcore.precision.fp8.state import (
     replay_delayed_scales,
     snapshot_delayed_scales,
 )
+from mtcore.precision.fp8.step import FP8StepBookkeeping
 
 __all__ = [
     "FORMATS",
@@ -25,6 +26,7 @@ __all__ = [
     "SCALINGS",
     "FP8Recipe",
     "FP8Scaling",
+    "FP8StepBookkeeping",
     "accept_fp8_state",
     "check_backend_fp8",
     "fp8_linear",

@@ -53,7 +53,7 @@ class _FP8Matmul(torch.autograd.Function):
             keep = (qx, qw)
         else:  # blockwise: x along K for this GEMM, along M (x^T) for wgrad, in one pass
             qx, x_t = fp8.quantize_transpose(x, recipe.dtype("input"), "1x128")
-            qw = fp8.quantize(weight, recipe.dtype("weight"), "128x128")
+            qw = scaling.quantize_weight(weight, record)  # 128x128 blocks
             keep = (x_t, qw)
         ctx.granularities = [q.granularity for q in keep]
         ctx.save_for_backward(*(t for q in keep for t in (q.data, q.scale_inv)))

@@ -16,6 +16,18 @@ Delayed scaling, per role (input, weight, grad), on every quantization:
 
 The first call of a role (empty history) has no past to go on: it is scaled
 just in time from its own (reduced) amax instead of saturating at scale 1.
+
+Per-step bookkeeping (``per_step``, set by ``FP8StepBookkeeping`` for the
+trainer's engine): steps 2-4 above move to the end of the optimizer step. Every
+quantization of the step uses the scale the step started with and only notes its
+local amax (the max over the step's micro-batches); ``FP8StepBookkeeping.finish_step``
+then reduces the noted amaxes of every FP8 linear in one all-reduce per group
+and rolls each history once. The FP8 weight is quantized by the step's first
+training forward and reused by the later micro-batches (the weight only changes
+at the optimizer step). A first call (empty history) is still scaled just in time
+from its own reduced amax (one collective per linear, on the first step only);
+the step's later passes use that scale, and the history gets one entry per step
+and role like any other step.
 Forward passes replayed by activation recomputation inside backward record
 nothing, so a recomputed step does not advance the history twice, and quantize
 with the scales their original forward used (``snapshot_delayed_scales`` /
@@ -66,6 +78,11 @@ class FP8Scaling(nn.Module):
         self.recipe, self.fp8 = recipe, fp8
         self.amax_groups = [g for g in (amax_group, replica_group) if g is not None]
         self._fresh = [True] * len(ROLES)
+        self.per_step = False  # FP8StepBookkeeping: amaxes reduced once per step, weight cached
+        self.weight_quantizations = 0  # how often the weight was quantized (a statistic)
+        self._noted = [False] * len(ROLES)
+        self._pending: Tensor | None = None  # per role: max local amax noted this step
+        self._weight_cache = None  # per_step: this step's FP8 weight
         if recipe.delayed:
             n = len(ROLES)
             history = torch.zeros(n, recipe.amax_history_len, device=device)
@@ -98,18 +115,42 @@ class FP8Scaling(nn.Module):
             amax = self._reduce(x.detach().abs().amax().float())
             scale = self._scale_from(amax, self.fp8.max_value(dtype))
             q = self.fp8.quantize(x, dtype, granularity, scale=scale)
+            if record and self.per_step:  # the step's later passes use this scale
+                self._note(i, amax)
+                with torch.no_grad():
+                    self.scale[i] = scale
+                self._fresh[i] = False
+                return q
         else:
             q = self.fp8.quantize(x, dtype, granularity, scale=self.scale[i])
+            if record and self.per_step:
+                self._note(i, q.amax)
+                return q
             amax = self._reduce(q.amax) if record else None
         if record:
             self._record(i, amax, self.fp8.max_value(dtype))
         return q
 
+    def quantize_weight(self, weight: Tensor, record: bool | None = None):
+        """The weight as the forward GEMM takes it. Under ``per_step`` the first
+        training forward of a step quantizes it and later micro-batches (and a
+        recomputed forward) reuse that copy."""
+        if self._weight_cache is not None:
+            return self._weight_cache
+        record = self.records_now() if record is None else record
+        q = self.quantize(weight, "weight", record)
+        self.weight_quantizations += 1
+        if self.per_step and record:
+            self._weight_cache = q
+        return q
+
     def quantize_forward(self, x: Tensor, weight: Tensor, record: bool):
         """Input and weight of one forward GEMM; delayed scaling reduces both amaxes
-        over the tp group in one all-reduce once past the first call."""
-        if not self.recipe.delayed or not record or self._fresh[0] or self._fresh[1]:
-            return self.quantize(x, "input", record), self.quantize(weight, "weight", record)
+        over the tp group in one all-reduce once past the first call (per quantization),
+        or at the end of the step with every other linear's (``per_step``)."""
+        if self.per_step or not self.recipe.delayed or not record or any(self._fresh[:2]):
+            return self.quantize(x, "input", record), self.quantize_weight(weight, record)
+        self.weight_quantizations += 1
         recipe = self.recipe
         qx, qw = (
             self.fp8.quantize(t, recipe.dtype(role), recipe.granularity(role), scale=self.scale[i])
@@ -119,6 +160,37 @@ class FP8Scaling(nn.Module):
         self._record(0, amax[0], self.fp8.max_value(recipe.dtype("input")))
         self._record(1, amax[1], self.fp8.max_value(recipe.dtype("weight")))
         return qx, qw
+
+    def _note(self, i: int, amax: Tensor) -> None:
+        """Per-step bookkeeping: keep the largest local amax of role ``i`` this step."""
+        amax = amax.detach().float().reshape(())
+        if self._pending is None:
+            self._pending = torch.zeros(len(ROLES), device=amax.device)
+        self._pending[i] = torch.maximum(self._pending[i], amax)
+        self._noted[i] = True
+
+    def noted_amaxes(self) -> Tensor | None:
+        """This step's noted local amaxes, one per role (0 where none), or None."""
+        return self._pending if any(self._noted) else None
+
+    @torch.no_grad()
+    def record_noted(self, reduced: Tensor) -> None:
+        """Roll the history of every role noted this step with its ``reduced`` amax
+        (already reduced over the groups; non-finite ones made 0), then start anew."""
+        for i, noted in enumerate(self._noted):
+            if noted:
+                self._record(i, reduced[i], self.fp8.max_value(self.recipe.dtype(ROLES[i])))
+        self._noted = [False] * len(ROLES)
+        self._pending = None
+
+    def reduce_amaxes(self, amaxes: Tensor) -> Tensor:
+        """``amaxes`` (any shape) reduced (max) over this layer's groups, one collective
+        per group; non-finite entries become 0."""
+        return self._reduce(amaxes)
+
+    def new_step(self) -> None:
+        """Drop the cached FP8 weight (the optimizer step is about to change it)."""
+        self._weight_cache = None
 
     def _reduce(self, amax: Tensor) -> Tensor:
         """Max over the tp group, then the replicas (a scalar, or several stacked: one
@@ -153,8 +225,10 @@ class FP8Scaling(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
         )
+        self._weight_cache = None  # loading a checkpoint may change the weight too
         if not self.recipe.delayed:
             return
+        self._noted, self._pending = [False] * len(ROLES), None
         keys = [prefix + name for name in _BUFFERS]
         if not any(key in state_dict for key in keys):  # saved without FP8: start fresh
             missing_keys[:] = [k for k in missing_keys if k not in keys]

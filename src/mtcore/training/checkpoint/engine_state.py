@@ -145,7 +145,19 @@ class EngineState:
                 for kind, local in self._param_state(entry, flat).items():
                     for piece in self._pieces(entry, local, f"optim.{kind}"):
                         out[piece.key] = self._logical(piece)
+            for name, tensor in self._rank_state().items():
+                out[self._rank_key(name)] = tensor.detach()
         return out
+
+    # -- per-rank optimizer state (1-bit Adam's error feedback) --------------------------
+    def _rank_state(self) -> dict[str, Tensor]:
+        """Optimizer state that differs between ranks and has no logical form (1-bit
+        Adam's worker and server error buffers), saved under this rank's own keys."""
+        rank_state = getattr(self.engine.optimizer, "rank_state", None)
+        return rank_state() if rank_state is not None else {}
+
+    def _rank_key(self, name: str) -> str:
+        return f"optim.rank{self.layout.rank}.{name}"
 
     def _gather_optimizer_state(self) -> dict[str, dict[int, Tensor]]:
         """``kind -> id(buffer) -> flat fp32 state of the whole buffer`` on every dp rank."""
@@ -242,11 +254,22 @@ class EngineState:
             load = lambda t, c=chunk, n=name: c.load_state_dict({n: t}, strict=False)  # noqa: E731
             want([Piece(f"model.{name}", value.detach(), None)], load, required=False)
 
+        # Per-rank state is restored when this rank saved it with the same shapes (the same
+        # layout); otherwise it starts at zero, which is a valid (if less exact) state.
+        rank_targets: dict[str, Tensor] = {}
+        if optimizer:
+            for name, tensor in self._rank_state().items():
+                key = self._rank_key(name)
+                if key in available and tuple(available[key][0]) == tuple(tensor.shape):
+                    rank_targets[name] = targets[key] = torch.empty_like(tensor)
+
         def apply() -> None:
             with torch.no_grad():
                 for fn, pieces in plans:
                     fn(join_pieces([p.local for p in pieces], pieces[0].dim))
                 self._install_optimizer_state(flat)
+                if rank_targets and len(rank_targets) == len(self._rank_state()):
+                    self.engine.optimizer.load_rank_state(rank_targets)
 
         return targets, apply
 
