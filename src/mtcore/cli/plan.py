@@ -1,0 +1,178 @@
+"""Predict memory and step time of a training layout: `mtcore plan CONFIG --gpus N --hardware NAME`.
+
+CONFIG and `--section.key VALUE` overrides are read exactly as `mtcore train` reads
+them, and the layout is checked by the same validators: a layout the trainer would
+reject is rejected here with the same message. It prints per-rank memory (weights,
+gradients, master weights, optimizer state under ZeRO-1 or not, the activations the
+pipeline schedule keeps in flight, MoE experts) against the accelerator's memory, and
+the predicted step time by cause (compute, recompute, exposed tp/cp/ep communication,
+pipeline bubble, dp reduction as mtcore overlaps it), tokens/s, TFLOP/s per
+accelerator and MFU. `--search` lists the fastest layouts that fit and pass the
+checks; `--compare A B ...` prints layouts (`tp=2,pp=2,mb=2,sp,zero1`) or config
+files side by side. The model and its two fitted constants: docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "predict per-rank memory and step time of a layout; search or compare layouts"
+_VALUED = ("--gpus", "--hardware", "--top", "--dp-overlap")
+_FLAGS = ("--json", "--search")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "config", nargs="?", help="YAML or TOML training config (default: built-in)"
+    )
+    parser.add_argument("--gpus", metavar="N", required=True, help="accelerators in the job")
+    parser.add_argument(
+        "--hardware",
+        metavar="NAME|FILE",
+        default="H100-SXM",
+        help="a shipped description (A100-80GB, H100-SXM, H200, B200, MTT-S4000, "
+        "cpu-host) or a .toml file (default H100-SXM)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
+    parser.add_argument("--top", metavar="K", default="5", help="--search: how many (default 5)")
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="LAYOUT",
+        help="layouts (tp=2,pp=2,mb=2,sp,zero1,recompute=full) or config files",
+    )
+    parser.add_argument(
+        "--dp-overlap",
+        default="mtcore",
+        choices=("mtcore", "none", "full"),
+        help="how the dp reduction meets backward (default: as mtcore does it)",
+    )
+    parser.epilog = "overrides: --section.key VALUE, as in mtcore train\n" + (parser.epilog or "")
+    parser.parse_known_args = lambda args=None, namespace=None: (_parse(parser, args), [])
+
+
+def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Known options, then free-form overrides (argparse cannot declare --any.key)."""
+    argv = list(sys.argv[2:] if argv is None else argv)
+    ns, _ = argparse.ArgumentParser.parse_known_args(parser, ["--gpus", "0"])
+    ns.gpus, ns.overrides, ns.compare = None, [], None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, inline = arg.partition("=")
+        if arg in ("-h", "--help"):
+            parser.print_help()
+            parser.exit()
+        if name in _VALUED:
+            if eq:
+                value = inline
+            elif i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            else:
+                parser.error(f"{name} needs a value")
+            setattr(ns, name[2:].replace("-", "_"), value)
+        elif arg in _FLAGS:
+            setattr(ns, arg[2:], True)
+        elif arg == "--compare":
+            ns.compare = []
+            while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                ns.compare.append(argv[i + 1])
+                i += 1
+            if not ns.compare:
+                parser.error("--compare needs one or more layouts or config files")
+        elif arg.startswith("--"):
+            ns.overrides.append(arg)
+            if not eq and i + 1 < len(argv):
+                ns.overrides.append(argv[i + 1])
+                i += 1
+        elif ns.config is None:
+            ns.config = arg
+        else:
+            parser.error(
+                f"unexpected argument {arg!r} (one CONFIG; overrides are --section.key VALUE)"
+            )
+        i += 1
+    for name in ("gpus", "top"):
+        value = getattr(ns, name)
+        if value is None:
+            parser.error(f"--{name} N is required")
+        if not str(value).isdigit() or int(value) < 1:
+            parser.error(f"--{name} needs a positive number, got {value!r}")
+        setattr(ns, name, int(value))
+    if ns.dp_overlap not in ("mtcore", "none", "full"):
+        parser.error(f"--dp-overlap must be mtcore, none or full, not {ns.dp_overlap!r}")
+    return ns
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtcore.plan import HardwareError, NotModelled, Options, load_hardware, plan
+    from mtcore.plan.layouts import LayoutStringError, layout_overrides
+    from mtcore.plan.render import describe, side_by_side, size
+    from mtcore.plan.search import search
+    from mtcore.training.config import ConfigError
+    from mtcore.training.overrides import load_config
+
+    options = Options(dp_overlap=args.dp_overlap)
+    try:
+        hardware = load_hardware(args.hardware)
+        if args.compare:
+            names, plans = [], []
+            for item in args.compare:
+                is_file = item.endswith((".yaml", ".yml", ".toml"))
+                path = item if is_file else args.config
+                extra = [] if is_file else layout_overrides(item)
+                config = load_config(path, [*args.overrides, *extra])
+                names.append(item)
+                try:
+                    plans.append(plan(config, args.gpus, hardware, options))
+                except NotModelled:
+                    raise
+                except ValueError as e:  # the trainer's refusal, in its words
+                    plans.append(str(e))
+            if args.json:
+                out = [p.to_dict() if not isinstance(p, str) else {"rejected": p} for p in plans]
+                print(json.dumps(dict(zip(names, out, strict=True)), indent=2))
+            else:
+                print(side_by_side(names, plans))
+            return 0
+        config = load_config(args.config, args.overrides)
+        if args.search:
+            ranked, fitting = search(config, args.gpus, hardware, options, top=args.top)
+            if args.json:
+                print(json.dumps([{**r.plan.to_dict(), "why": r.why} for r in ranked], indent=2))
+                return 0 if ranked else 1
+            if not ranked:
+                print(
+                    f"mtcore plan: no layout of {args.gpus} x {hardware.name} passes the checks "
+                    "and fits memory",
+                    file=sys.stderr,
+                )
+                return 1
+            print(
+                f"{fitting} layouts fit and pass the trainer's checks; the fastest {len(ranked)}:"
+            )
+            for i, r in enumerate(ranked, 1):
+                p = r.plan
+                print(
+                    f"{i}. {_short(p)}  {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, "
+                    f"peak {size(p.peak_memory).strip()}\n   why: {r.why}"
+                )
+            return 0
+        result = plan(config, args.gpus, hardware, options)
+    except (ConfigError, HardwareError, NotModelled, LayoutStringError) as e:
+        print(f"mtcore plan: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # LayoutError / SplitError: the message `mtcore train` prints
+        print(f"mtcore plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if args.json else describe(result))
+    return 0
+
+
+def _short(p) -> str:
+    from mtcore.plan.render import _layout_line
+
+    return _layout_line(p)

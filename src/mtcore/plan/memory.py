@@ -1,0 +1,113 @@
+"""Per-rank memory: weights, gradients, master weights and optimizer state, activations.
+
+Weights and optimizer state follow mtcore's mixed precision: parameters in the
+compute dtype, fp32 gradient buffers, fp32 master weights (none when the dtype is
+fp32 itself) and fp32 AdamW moments; ZeRO-1 shards master weights and moments over
+the data-parallel ranks. In bf16 that is 18 bytes per parameter, 6 + 12/d under
+ZeRO-1 (Megatron-Core's distributed optimizer, Rajbhandari et al. 2020).
+
+Activations follow Korthikanti et al. 2022 (arXiv 2205.05198), generalised to
+grouped-query attention, gated MLPs, mixture of experts and context parallelism;
+for a GPT-3 block (4h GELU MLP, as many key/value heads as heads, dropout) they are
+exactly the paper's per-layer counts:
+
+* no recompute, tp t:        s b h (10 + 24/t + 5 a s / (h t))
+* with sequence parallel:    s b h (34/t + 5 a s / (h t))
+* selective recompute:       the 5 a s / (h t) term (attention scores) dropped
+* full recompute:            2 s b h per layer (its input; / t with sequence parallel)
+
+A fused (flash) attention keeps no score matrix, only a log-sum-exp per query.
+"""
+
+from __future__ import annotations
+
+from mtcore.plan.shapes import Block
+
+MASK_BYTES = 1  # a dropout mask element
+
+
+def dtype_bytes(dtype: str) -> int:
+    return {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+
+
+def state_bytes_per_param(dtype: str, zero1: bool, shards: int) -> dict[str, float]:
+    """Bytes per parameter: ``params``, ``grads`` (fp32 buffer), ``master`` and
+    ``optimizer`` (AdamW moments), the last two divided by ``shards`` under ZeRO-1."""
+    p = dtype_bytes(dtype)
+    master = 0.0 if p == 4 else 4.0
+    divide = shards if zero1 else 1
+    return {"params": float(p), "grads": 4.0, "master": master / divide, "optimizer": 8.0 / divide}
+
+
+def layer_activation_bytes(
+    block: Block,
+    micro_batch: int,
+    tp: int,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    fused_attention: bool = False,
+    act_bytes: int = 2,
+) -> float:
+    """Bytes one layer keeps for its backward, for one micro-batch on one rank."""
+    s = block.seq / cp
+    b, h, e = micro_batch, block.hidden, act_bytes
+    outside_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return e * s * b * h / outside_div
+    masks = MASK_BYTES * 2 if block.dropout else 0
+    # Outside the tensor-parallel region: two norm inputs, the QKV and MLP inputs, masks.
+    outside = s * b * h * (4 * e + masks)
+    # Inside it (sharded over tp): Q, K, V, the projection's input, the MLP intermediates.
+    inside = e * s * b * (2 * block.q_width + 2 * block.kv_width)
+    inside += _mlp_bytes(block, s * b, e)
+    scores = 0.0
+    if block.cross_seq:  # a second attention over the encoder tokens (T5's decoder)
+        outside += e * s * b * h  # its norm's input
+        inside += (
+            e * s * b * 2 * block.q_width + e * (block.cross_seq / cp) * b * 2 * block.kv_width
+        )
+    if recompute != "selective":
+        scores = _score_bytes(block, s, b, e, fused_attention)
+    return outside / outside_div + (inside + scores) / tp
+
+
+def _mlp_bytes(block: Block, tokens: float, e: int) -> float:
+    """The MLP's (or experts') kept intermediates: fc1/fc3 outputs and fc2's input."""
+    branches = 2 if block.gated else 1
+    dense = e * tokens * (block.ffn + block.shared_ffn) * (branches + 1)
+    if not block.experts:
+        return dense
+    rows = tokens * block.top_k  # routed rows this rank computes (balanced routing)
+    experts = e * rows * block.expert_ffn * (branches + 1)
+    # the dispatched input and the expert output are outside the expert's tp split but
+    # are counted here once per rank as the tp ranks each hold the same rows / tp share
+    experts += e * rows * block.hidden * 2
+    router = 4 * tokens * block.experts  # fp32 router logits
+    return dense + experts + router
+
+
+def _score_bytes(block: Block, s: float, b: int, e: int, fused: bool) -> float:
+    keys = block.kv_seq + block.cross_seq
+    if fused:
+        return 4.0 * block.heads * s * b * (2 if block.cross_seq else 1)  # log-sum-exp
+    per_element = 2 * e + MASK_BYTES if block.dropout else e
+    return per_element * block.heads * s * keys * b
+
+
+def in_flight(schedule: str, pp: int, vpp: int, rank: int, microbatches: int) -> float:
+    """Micro-batches' worth of this rank's layers whose activations are held at once.
+
+    1F1B: stage r holds ``p - r`` micro-batches after warm-up (stage 0 the most).
+    Interleaved (v chunks per rank): ``2 (p - r - 1) + (v - 1) p + 1`` chunks in
+    flight, each 1/v of the rank's layers: on stage 0, ``p (1 + (p - 1) / (p v))``
+    micro-batches' worth (Korthikanti et al. 2022, sec. 4.2.3). GPipe: all of them.
+    """
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if vpp == 1:
+        return float(min(pp - rank, microbatches))
+    chunks = min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
+    return chunks / vpp

@@ -1,0 +1,250 @@
+"""What the planner needs to know of a model: its transformer blocks, embedding and head.
+
+Families are read through the seam only (a ``FamilyConfig`` instance, its fields and
+its ``num_params``/``flops_per_step``); the per-family shape is written here, keyed by
+``config.family``. A family with no entry here is "not modelled": ``model_shape``
+raises ``NotModelled`` naming it, rather than guessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class NotModelled(ValueError):
+    """The planner has no shape for this family (the message names it)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One transformer layer, per sequence. ``seq``: its query tokens; ``kv_seq``: the
+    keys each query attends to; ``cross_seq``: the encoder tokens a cross-attention
+    reads (0: none). A mixture-of-experts layer has ``experts > 0`` and ``ffn == 0``
+    unless it also has a dense shared expert (``shared_ffn``)."""
+
+    seq: int
+    kv_seq: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    gated: bool
+    dropout: bool
+    cross_seq: int = 0
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def attention_weights(self) -> int:
+        one = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
+        return one * (2 if self.cross_seq else 1)
+
+    def _mlp(self, inner: int) -> int:
+        return (3 if self.gated else 2) * self.hidden * inner
+
+    def dense_mlp_weights(self) -> int:
+        """The weights every tp rank shards and dp reduces (dense MLP, shared expert, router)."""
+        router = self.hidden * self.experts
+        return self._mlp(self.ffn) + self._mlp(self.shared_ffn) + router
+
+    def expert_weights(self) -> int:
+        """All routed experts' weights (sharded over ep and tp, reduced over edp)."""
+        return self.experts * self._mlp(self.expert_ffn)
+
+    def weights(self) -> int:
+        return self.attention_weights() + self.dense_mlp_weights() + self.expert_weights()
+
+    def active_weights(self) -> int:
+        """Weights one token is multiplied by: top_k experts instead of all."""
+        routed = self.top_k * self._mlp(self.expert_ffn)
+        return self.attention_weights() + self.dense_mlp_weights() + routed
+
+    def attention_product_flops(self) -> float:
+        """``QK^T`` and ``AV`` of one sequence, forward: 4 s s_kv d per head (the whole
+        score matrix, as Narayanan et al. count it)."""
+        flops = 4.0 * self.seq * self.kv_seq * self.q_width
+        if self.cross_seq:
+            flops += 4.0 * self.seq * self.cross_seq * self.q_width
+        return flops
+
+    def forward_flops(self) -> float:
+        """One sequence through this layer, forward (backward is twice this)."""
+        weights = 2.0 * self.seq * self.active_weights()
+        if self.cross_seq:  # the cross-attention's K/V projections read the encoder tokens
+            kv = 2 * self.hidden * self.kv_width
+            weights += 2.0 * (self.cross_seq - self.seq) * kv
+        return weights + self.attention_product_flops()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the planner sees it. ``blocks`` in pipeline order; ``embed_params``
+    on the first stage, ``head_params`` (its weights beyond a tied embedding) on the
+    last; ``head_seq`` tokens reach the head per sequence; ``recompute`` is the model's
+    setting (``none`` for families that have none)."""
+
+    family: str
+    blocks: tuple[Block, ...]
+    vocab: int
+    hidden: int
+    seq_len: int
+    head_seq: int
+    embed_params: int
+    head_params: int
+    head_dense: int  # an h x h transform before the output layer (BERT's MLM head)
+    tied: bool
+    recompute: str
+    total_params: int
+    stage_counts: Callable[[int, int], list[int]] = field(repr=False, default=None)
+
+    def counts(self, pp: int, vpp: int) -> list[int]:
+        """Layers per virtual stage, index ``chunk * pp + rank`` (the trainer's order)."""
+        if self.stage_counts is not None:
+            return list(self.stage_counts(pp, vpp))
+        stages = pp * vpp
+        return [len(self.blocks) // stages] * stages
+
+
+def _even_counts(num_layers: int) -> Callable[[int, int], list[int]]:
+    from mtcore.parallel.pipeline.split import layer_counts
+
+    return lambda pp, vpp: layer_counts(num_layers, pp, vpp)
+
+
+def _vocab(config) -> int:
+    if config.vocab_size is None:
+        raise NotModelled("model.vocab_size is unset; set it (or data.vocab_size) to plan")
+    return config.vocab_size
+
+
+def _gpt(config) -> ModelShape:
+    h, s, v = config.hidden_size, config.seq_len, _vocab(config)
+    moe = config.moe
+    blocks = []
+    for i in range(config.num_layers):
+        common = dict(
+            seq=s,
+            kv_seq=s,
+            hidden=h,
+            heads=config.num_heads,
+            kv_heads=config.kv_heads,
+            head_dim=config.head_dim,
+            gated=config.activation == "swiglu",
+            dropout=config.dropout > 0,
+        )
+        if moe is not None and i % config.moe_layer_freq == 0:
+            blocks.append(
+                Block(
+                    **{**common, "gated": moe.activation == "swiglu"},
+                    ffn=0,
+                    experts=moe.num_experts,
+                    top_k=moe.top_k,
+                    expert_ffn=moe.ffn_size,
+                    shared_ffn=moe.shared_ffn_size,
+                )
+            )
+        else:
+            blocks.append(Block(**common, ffn=config.ffn_size))
+    positions = s * h if config.position == "learned" else 0
+    return ModelShape(
+        family="gpt",
+        blocks=tuple(blocks),
+        vocab=v,
+        hidden=h,
+        seq_len=s,
+        head_seq=s,
+        embed_params=v * h + positions,
+        head_params=0 if config.tie_embeddings else v * h,
+        head_dense=0,
+        tied=config.tie_embeddings,
+        recompute=config.recompute,
+        total_params=config.num_params(),
+        stage_counts=_even_counts(config.num_layers),
+    )
+
+
+def _bert(config) -> ModelShape:
+    h, s, v = config.hidden_size, config.seq_len, _vocab(config)
+    block = Block(
+        seq=s,
+        kv_seq=s,
+        hidden=h,
+        heads=config.num_heads,
+        kv_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        ffn=config.ffn_size,
+        gated=False,
+        dropout=config.dropout > 0,
+    )
+    return ModelShape(
+        family="bert",
+        blocks=(block,) * config.num_layers,
+        vocab=v,
+        hidden=h,
+        seq_len=s,
+        head_seq=s,
+        embed_params=(v + s + config.type_vocab_size) * h,
+        head_params=h * h,
+        head_dense=h,
+        tied=True,
+        recompute=getattr(config, "recompute", "none"),
+        total_params=config.num_params(),
+        stage_counts=_even_counts(config.num_layers),
+    )
+
+
+def _t5(config) -> ModelShape:
+    h, v = config.hidden_size, _vocab(config)
+    se, sd = config.seq_len, config.decoder_seq_len
+    common = dict(
+        hidden=h,
+        heads=config.num_heads,
+        kv_heads=config.num_heads,
+        head_dim=config.kv_dim,
+        ffn=config.ffn_size,
+        gated=True,
+        dropout=config.dropout > 0,
+    )
+    encoder = [Block(seq=se, kv_seq=se, **common)] * config.encoder_layers
+    decoder = [Block(seq=sd, kv_seq=sd, cross_seq=se, **common)] * config.decoder_layers
+    return ModelShape(
+        family="t5",
+        blocks=tuple(encoder + decoder),
+        vocab=v,
+        hidden=h,
+        seq_len=se,
+        head_seq=sd,
+        embed_params=v * h,
+        head_params=0 if config.tie_embeddings else v * h,
+        head_dense=0,
+        tied=config.tie_embeddings,
+        recompute=getattr(config, "recompute", "none"),
+        total_params=config.num_params(),
+        stage_counts=config.stage_counts,
+    )
+
+
+SHAPES: dict[str, Callable] = {"gpt": _gpt, "bert": _bert, "t5": _t5}
+"""family name -> ``config -> ModelShape``; families not here are not modelled."""
+
+
+def model_shape(config) -> ModelShape:
+    """The planner's view of a ``FamilyConfig``, or ``NotModelled`` naming the family."""
+    make = SHAPES.get(config.family)
+    if make is None:
+        raise NotModelled(
+            f"the planner does not model the {config.family!r} family yet (it models: "
+            f"{', '.join(sorted(SHAPES))}); its memory and step time are not predicted"
+        )
+    return make(config)

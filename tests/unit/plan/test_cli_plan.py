@@ -1,0 +1,97 @@
+"""``mtcore plan`` as a user runs it: same refusals as ``mtcore train``, JSON, compare."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtcore.cli.main import main
+from mtcore.plan import load_hardware, plan
+from mtcore.training.overrides import load_config
+
+DEFAULT = "configs/default.yaml"
+
+
+def test_a_layout_train_rejects_gets_trains_message(capsys):
+    config = load_config(DEFAULT, ["--parallel.tp", "3"])
+    with pytest.raises(ValueError) as trainer:
+        config.check(6)
+    assert (
+        main(["plan", DEFAULT, "--gpus", "6", "--hardware", "cpu-host", "--parallel.tp", "3"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert str(trainer.value) in err and "are not divisible by tp=3" in err
+
+
+def test_a_batch_train_rejects_gets_trains_message(capsys):
+    args = ["--training.global_batch_size", "10"]
+    with pytest.raises(ValueError) as trainer:
+        load_config(DEFAULT, args).check(4)
+    assert main(["plan", DEFAULT, "--gpus", "4", "--hardware", "cpu-host", *args]) == 2
+    assert str(trainer.value) in capsys.readouterr().err
+
+
+def test_json_gives_the_library_numbers(capsys):
+    assert main(["plan", DEFAULT, "--gpus", "4", "--hardware", "cpu-host", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = plan(load_config(DEFAULT), 4, load_hardware("cpu-host"))
+    assert out["memory"]["peak_bytes"] == pytest.approx(expected.peak_memory)
+    assert out["time_s"]["total"] == pytest.approx(expected.time.total)
+    assert out["layout"]["tp"] == 2 and out["layout"]["pp"] == 2
+    assert set(out["time_s"]) >= {"compute", "tp_comm", "bubble", "dp_exposed", "total"}
+
+
+def test_text_report_names_every_part(capsys):
+    assert main(["plan", DEFAULT, "--gpus", "4", "--hardware", "cpu-host"]) == 0
+    out = capsys.readouterr().out
+    for part in ("optimizer state", "activations", "peak", "pipeline bubble", "tp comm", "MFU"):
+        assert part in out
+
+
+def test_compare_shows_layouts_and_the_trainers_refusals(capsys):
+    code = main(
+        [
+            "plan",
+            DEFAULT,
+            "--gpus",
+            "4",
+            "--hardware",
+            "cpu-host",
+            "--compare",
+            "tp=2,pp=2",
+            "tp=1,pp=2,vpp=2",
+            "tp=4,pp=1",
+            "zero1,tp=1,pp=1",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "tp2 cp1 pp2 dp1" in out and "tp1 cp1 pp2 dp2 vpp2" in out and "dp4 zero1" in out
+    assert "tp=4,pp=1: rejected: 2 key/value heads are not divisible by tp=4" in out
+
+
+def test_unknown_hardware_lists_the_shipped_ones(capsys):
+    assert main(["plan", DEFAULT, "--gpus", "4", "--hardware", "tpu9"]) == 2
+    err = capsys.readouterr().err
+    assert "A100-80GB" in err and "MTT-S4000" in err and "cpu-host" in err
+
+
+def test_bad_layout_string(capsys):
+    assert main(["plan", DEFAULT, "--gpus", "4", "--compare", "tq=2"]) == 2
+    assert "use key=value with keys" in capsys.readouterr().err
+
+
+def test_gpus_is_required(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", DEFAULT])
+    assert "--gpus N is required" in capsys.readouterr().err
+
+
+def test_search_prints_why(capsys):
+    assert (
+        main(["plan", DEFAULT, "--gpus", "4", "--hardware", "cpu-host", "--search", "--top", "2"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("why:") == 2 and "bubble" in out

@@ -1,0 +1,87 @@
+"""Per-rank memory against the closed forms: 6 + 12/d (ZeRO-1) or 18 bytes per parameter
+for weights and optimizer state, and Korthikanti et al. 2022's activation formulas."""
+
+from __future__ import annotations
+
+import pytest
+from published import MEGATRON_CORE_2024, NARAYANAN_2021, megatron_core_config, narayanan_config
+
+from mtcore.plan import Options, load_hardware, plan
+from mtcore.plan.memory import in_flight, layer_activation_bytes
+from mtcore.plan.shapes import Block
+
+ROWS = [("narayanan", r) for r in NARAYANAN_2021] + [
+    ("megatron-core", r) for r in MEGATRON_CORE_2024
+]
+
+
+def _config(source, row, zero1):
+    _, hidden, layers, heads, tp, pp, gpus, batch, _ = row
+    make = narayanan_config if source == "narayanan" else megatron_core_config
+    config = make(hidden, layers, heads, tp, pp, gpus, batch)
+    parallel = config.parallel.model_copy(update={"zero1": zero1})
+    precision = config.precision.model_copy(update={"dtype": "bf16"})
+    return config.model_copy(update={"parallel": parallel, "precision": precision}), gpus
+
+
+@pytest.mark.parametrize("zero1", [False, True], ids=["no-zero", "zero1"])
+@pytest.mark.parametrize("source,row", ROWS, ids=[f"{s}-{r[0]}" for s, r in ROWS])
+def test_weights_and_optimizer_bytes_per_parameter(source, row, zero1):
+    config, gpus = _config(source, row, zero1)
+    result = plan(config, gpus, load_hardware("H100-SXM"), Options())
+    d = result.layout["dp"]
+    expected = 6 + 12 / d if zero1 else 18
+    for rank in result.ranks:
+        assert rank.state / rank.params == pytest.approx(expected, rel=0.05)
+
+
+GPT3 = dict(gated=False, dropout=True)
+
+
+def _block(h, a, s):
+    return Block(seq=s, kv_seq=s, hidden=h, heads=a, kv_heads=a, head_dim=h // a, ffn=4 * h, **GPT3)
+
+
+# (hidden, heads, seq, micro-batch, tp) from Table 1's 18.4B, 145.6B and 1T rows
+SHAPES = [
+    (6144, 48, 2048, 1, 8),
+    (12288, 96, 2048, 2, 8),
+    (25600, 160, 2048, 1, 8),
+    (2304, 24, 2048, 4, 1),
+]
+
+
+@pytest.mark.parametrize("h,a,s,b,t", SHAPES)
+def test_korthikanti_2022_activation_formulas(h, a, s, b, t):
+    block = _block(h, a, s)
+    sbh, scores = s * b * h, 5 * a * s / (h * t)
+    cases = {
+        ("none", False): sbh * (10 + 24 / t + scores),
+        ("none", True): sbh * (34 / t + scores),
+        ("selective", False): sbh * (10 + 24 / t),
+        ("selective", True): sbh * (34 / t),
+        ("full", False): 2 * sbh,
+        ("full", True): 2 * sbh / t,
+    }
+    for (recompute, sp), formula in cases.items():
+        if sp and t == 1:
+            continue
+        got = layer_activation_bytes(
+            block, b, t, 1, sp, recompute, fused_attention=False, act_bytes=2
+        )
+        assert got == pytest.approx(formula, rel=0.10), (recompute, sp)
+
+
+def test_first_stage_holds_p_microbatches_under_1f1b():
+    """Korthikanti et al. sec. 4.2.3: stage 0 of 1F1B holds L/p layers for p micro-batches,
+    i.e. every layer's activations once; interleaving adds a factor 1 + (p-1)/(p v)."""
+    assert in_flight("1f1b", 8, 1, 0, 64) == 8
+    assert in_flight("1f1b", 8, 1, 7, 64) == 1
+    assert in_flight("1f1b", 8, 1, 0, 3) == 3  # fewer micro-batches than stages
+    assert in_flight("1f1b", 8, 4, 0, 64) == pytest.approx(8 * (1 + 7 / (8 * 4)))
+    assert in_flight("gpipe", 4, 1, 0, 16) == 16
+    _, hidden, layers, heads, tp, pp, gpus, batch, _ = NARAYANAN_2021[2]  # 76.1B, pp 4
+    config = narayanan_config(hidden, layers, heads, tp, pp, gpus, batch)
+    result = plan(config, gpus, load_hardware("A100-80GB"), Options())
+    per_layer = 2 * 2048 * 1 * hidden  # full recompute keeps each layer's input
+    assert result.ranks[0].activations == pytest.approx(layers * per_layer, rel=0.10)
