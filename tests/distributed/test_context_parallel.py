@@ -19,6 +19,7 @@ BERT cp4 and cp2 x tp2 x pp2 (8 ranks).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import types
 
@@ -30,7 +31,13 @@ from mtcore.models.bert import BertConfig
 from mtcore.models.gpt import GPTConfig
 from mtcore.ops import attention
 from mtcore.ops.torch_native import cpu_flash_attention_lse
-from mtcore.parallel.context import CPGroup, causal_pairs, ring_attention, shard_batch
+from mtcore.parallel.context import (
+    CPGroup,
+    causal_pairs,
+    context_attention,
+    ring_attention,
+    shard_batch,
+)
 from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig
@@ -184,8 +191,8 @@ def _cp_mask(key_mask, cp: CPGroup):
 def _ring_op_checks(ctx) -> dict:
     """ring_attention against one process's attention, forward and backward, with GQA,
     causal and bidirectional with padding (a batch row with no real key at all), through
-    the reference op (float64) and torch's CPU flash kernel (float32), and the recorded
-    order of one forward."""
+    the reference op (float64) and torch's CPU flash kernel (float32), the same cases
+    for the allgather method, and the recorded order of one forward and its backward."""
     layout = ParallelLayout.build(
         LayoutSpec(cp=ctx.world_size), ctx.backend.collective, ctx.rank, ctx.world_size
     )
@@ -203,6 +210,7 @@ def _ring_op_checks(ctx) -> dict:
         local = [_shard_heads(t, cp).float().requires_grad_() for t in (q, k, v)]
         got = ring_attention(*local, causal, _cp_mask(key_mask, cp), cp, native)
         got_grads = torch.autograd.grad(got, local, _shard_heads(dout, cp).float())
+        cp.trace = None  # the trace holds the first forward and its backward
         want = [t.float().requires_grad_() for t in (q, k, v)]
         ref = attention(*want, causal=causal, key_padding_mask=key_mask)
         want_grads = torch.autograd.grad(ref, want, dout.float())
@@ -222,7 +230,17 @@ def _ring_op_checks(ctx) -> dict:
             rel_error(a, _shard_heads(b, cp)) for a, b in zip(got_grads, want_grads, strict=True)
         ]
         errors[key + " finite"] = all(torch.isfinite(t).all().item() for t in (got, *got_grads))
-    return {"errors": errors, "trace": trace[: 3 * (cp.size - 1) + 1]}
+        # allgather's causal chunks (keys before the chunk merged with its own block).
+        gather = dataclasses.replace(cp, method="allgather")
+        local = [_shard_heads(t, cp).clone().requires_grad_() for t in (q, k, v)]
+        got = context_attention(*local, gather, ctx.backend.kernels, causal, _cp_mask(key_mask, cp))
+        got_grads = torch.autograd.grad(got, local, _shard_heads(dout, cp))
+        errors["allgather " + key] = [rel_error(got, _shard_heads(want.detach(), cp))] + [
+            rel_error(a, _shard_heads(b, cp)) for a, b in zip(got_grads, want_grads, strict=True)
+        ]
+        finite = all(torch.isfinite(t).all().item() for t in (got, *got_grads))
+        errors["allgather " + key + " finite"] = finite
+    return {"errors": errors, "trace": trace}
 
 
 def _rank_main(ctx, names, batches):
@@ -322,7 +340,7 @@ def test_cp4_and_long_compositions_match_one_process():
         _check_case(case, *out[case])
 
 
-def test_ring_op_matches_one_process_with_fully_masked_rows(runs):
+def test_ring_and_allgather_ops_match_one_process_with_fully_masked_rows(runs):
     for rank, result in enumerate(runs["ring_op"]):
         for key, errors in result["errors"].items():
             if key.endswith("finite"):
@@ -341,8 +359,27 @@ def test_ring_posts_next_block_before_computing_the_current_one(runs):
     """The recorded order: block t+1's send/receive is posted before block t's compute,
     and waited for only after it."""
     for result in runs["ring_op"]:
-        trace = result["trace"]
-        assert trace == [("post", 1), ("compute", 0), ("wait", 1), ("compute", 1)], trace
+        forward = result["trace"][:4]
+        assert forward == [("post", 1), ("compute", 0), ("wait", 1), ("compute", 1)], forward
+
+
+def test_ring_backward_overlaps_both_hops_with_the_next_blocks_gradients(runs):
+    """Backward: block 1's K/V is posted before block 0's gradients are computed, and
+    block 0's dK/dV hop right after they are added; the K/V is waited for before block
+    1's gradients, the dK/dV only after them (so it hides behind them), and the last
+    hop returns this rank's own dK/dV."""
+    for result in runs["ring_op"]:
+        backward = result["trace"][4:]
+        assert backward == [
+            ("post", 1),
+            ("grad", 0),
+            ("post dkv", 0),
+            ("wait", 1),
+            ("grad", 1),
+            ("wait dkv", 0),
+            ("post dkv", 1),
+            ("wait dkv", 1),
+        ], backward
 
 
 def test_clipping_was_active(runs):

@@ -90,6 +90,35 @@ class RelativePositionBias(nn.Module):
         return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
 
 
+def attention_mask(
+    sq: int, sk: int, causal: bool, key_padding_mask: Tensor | None, dtype, device
+) -> tuple[Tensor | None, Tensor | None]:
+    """The additive mask (0 where a query may attend, ``-inf`` elsewhere) and the rows
+    that may attend some key (None when every row may).
+
+    The mask is ``[1, 1, sq, sk]`` causal, ``[b, 1, 1, sk]`` padding, ``[b, 1, sq, sk]``
+    both, None for neither: far smaller than the ``[b, heads, sq, sk]`` scores, so it is
+    cheap to build and is added to them in the same op as the position bias. Only a
+    padding mask (or fewer keys than causal queries) can leave a row with no key; its
+    mask row is 0 instead of ``-inf`` (finite logits, no NaN), and the caller zeroes the
+    row's output (``has_key``).
+    """
+    allowed = None
+    if causal:
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)[None, None]
+    if key_padding_mask is not None:
+        keys = key_padding_mask[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    if allowed is None:
+        return None, None
+    has_key = None
+    if key_padding_mask is not None or sk < sq:
+        has_key = allowed.any(dim=-1, keepdim=True)
+        allowed = allowed | ~has_key
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, float("-inf")), has_key
+
+
 def biased_attention(
     q: Tensor,
     k: Tensor,
@@ -101,22 +130,22 @@ def biased_attention(
     """``softmax(q k^T + bias + mask) v`` in float32, unscaled (T5); ``[b, h, sq, d]``.
 
     ``causal`` aligns the mask to the bottom-right corner (a decoding step's query sees
-    every cached key); a query with no key to attend gives 0, as the reference op."""
+    every cached key); a query with no key to attend gives 0, as the reference op. The
+    masks are additive (``attention_mask``) and join the bias before the scores, so the
+    ``[b, h, sq, sk]`` scores see one add and no masked fill, forward or backward."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    logits = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2))
-    if bias is not None:
-        logits = logits + bias.to(acc)
     sq, sk = q.shape[2], k.shape[2]
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.ones_like(allowed).tril(sk - sq)
-    allowed = allowed[None, None]
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :]
-    has_key = allowed.any(dim=-1, keepdim=True)
-    logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
-    probs = torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
-    return torch.matmul(probs, v.to(acc)).to(q.dtype)
+    mask, has_key = attention_mask(sq, sk, causal, key_padding_mask, acc, q.device)
+    if bias is not None:
+        bias = bias.to(acc)
+        mask = bias if mask is None else bias + mask  # small unless padded self-attention
+    logits = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2))
+    if mask is not None:
+        logits = logits + mask
+    out = torch.matmul(torch.softmax(logits, dim=-1), v.to(acc))
+    if has_key is not None:
+        out = out.masked_fill(~has_key, 0.0)  # [b, h, sq, d]: d wide, not sk
+    return out.to(q.dtype)
 
 
 def _sectioned_init(stds: list[tuple[int, float]]):

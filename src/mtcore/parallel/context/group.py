@@ -36,8 +36,9 @@ class CPGroup:
     rank, size: this rank's cp index and the cp size.
     method: ``ring``, ``allgather`` or ``a2a`` (``parallel.cp_method``).
     trace: when a list, the ring method appends what it does in order
-      (``("post", step)``, ``("compute", step)``, ``("wait", step)``), so a test
-      can see that a block's transfer is posted before the previous block's compute.
+      (``("post", step)``, ``("compute", step)``, ``("wait", step)``; in backward
+      ``("grad", step)``, ``("post dkv", step)``, ``("wait dkv", step)`` too), so a test
+      can see that each transfer is posted before the compute it hides behind.
     """
 
     backend: object

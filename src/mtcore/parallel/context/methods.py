@@ -2,7 +2,10 @@
 
 - **all-gather**: every rank gathers the whole sequence's K and V (cp order, put in
   global order for a causal mask) and attends its own queries to it; the backward
-  reduce-scatters dK/dV. One collective each way, but each rank holds all K/V.
+  reduce-scatters dK/dV. One collective each way, but each rank holds all K/V. Causal
+  query chunks are attended without a dense mask and recomputed in backward
+  (``_causal_chunk``, ``allgather_attention``), so a rank saves about 1/cp of one
+  process's activations plus the gathered K/V.
 - **a2a** (Ulysses, Jacobs et al. 2023): an all-to-all turns sequence shards into
   head shards (``[b, h, S/cp, d]`` -> ``[b, h/cp, S, d]``), each rank attends its
   heads over the whole sequence, and a second all-to-all turns the output back.
@@ -14,9 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mtcore.ops import merge_attention
 from mtcore.parallel.context.comm import gather_sequence, heads_to_sequence, sequence_to_heads
 from mtcore.parallel.context.group import CPGroup, chunk_ids, cp_to_global
 from mtcore.parallel.context.ring import ring_attention
+from mtcore.parallel.recompute import checkpoint
 
 
 def allgather_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels) -> Tensor:
@@ -28,22 +33,61 @@ def allgather_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels) -
     order = cp_to_global(full, cp.size, q.device)
     kv = kv.index_select(3, order)
     mask = key_mask.index_select(1, order) if key_mask is not None else None
+    # Recomputed in backward: what the chunks' kernels and merges would save (folded
+    # queries, grouped-query K/V expanded per call, partial outputs) is several times
+    # this rank's share of q, k, v; kept are only q and the gathered K/V.
+    return checkpoint(_causal_chunks, q, kv, mask, cp.rank, cp.size, kernels, backend=cp.backend)
+
+
+def _causal_chunks(q, kv, mask, rank: int, size: int, kernels) -> Tensor:
+    """Causal attention of this rank's two query chunks over the gathered K/V (global order)."""
     c = q.shape[2] // 2
     outs = []
-    for half, chunk in enumerate(chunk_ids(cp.size, cp.rank)):
-        # Queries of chunk ``chunk`` see the keys before its end; the causal mask is
-        # aligned to the bottom-right corner, so it is the global one.
-        end = (chunk + 1) * c
-        outs.append(
-            kernels.attention(
-                q[:, :, half * c : (half + 1) * c],
-                kv[0][:, :, :end],
-                kv[1][:, :, :end],
-                causal=True,
-                key_padding_mask=mask[:, :end] if mask is not None else None,
-            )
-        )
+    for half, chunk in enumerate(chunk_ids(size, rank)):
+        rows = q[:, :, half * c : (half + 1) * c]
+        outs.append(_causal_chunk(rows, kv, mask, chunk * c, c, kernels))
     return torch.cat(outs, dim=2)
+
+
+def _causal_chunk(rows, kv, mask, start: int, c: int, kernels) -> Tensor:
+    """Causal attention of the ``c`` queries at global positions ``start..start+c-1``.
+
+    One causal call over keys ``[0, start + c)`` would need a rectangular causal mask,
+    which the kernels build densely and save for backward (``O(S^2/cp)`` per layer).
+    Instead: the keys before the chunk, which every query sees (no causal mask), and
+    the chunk's own square causal block (the kernels' maskless causal path), merged
+    exactly by their log-sum-exps.
+    """
+    own = slice(start, start + c)
+    own_mask = mask[:, own] if mask is not None else None
+    if start == 0:
+        return kernels.attention(
+            rows, kv[0][:, :, own], kv[1][:, :, own], causal=True, key_padding_mask=own_mask
+        )
+    before = slice(0, start)
+    out_a, lse_a = _full_attention_lse(
+        rows, kv[0][:, :, before], kv[1][:, :, before],
+        mask[:, before] if mask is not None else None, kernels,
+    )  # fmt: skip
+    out_b, lse_b = kernels.attention_lse(rows, kv[0][:, :, own], kv[1][:, :, own], True, own_mask)
+    return merge_attention(out_a, lse_a, out_b, lse_b)[0]
+
+
+def _full_attention_lse(q, k, v, key_mask, kernels) -> tuple[Tensor, Tensor]:
+    """``attention_lse`` without a causal mask, grouped-query heads folded into the rows.
+
+    Without a causal mask every query row is independent, so the ``hq / hkv`` query
+    heads of one key/value head can attend it as one head with that many times the
+    rows: a kernel then never expands K/V to ``hq`` heads (which it would save for
+    backward, a copy of every key before the chunk per layer).
+    """
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    if hq == hkv:
+        return kernels.attention_lse(q, k, v, False, key_mask)
+    folded = q.reshape(b, hkv, (hq // hkv) * sq, d)
+    out, lse = kernels.attention_lse(folded, k, v, False, key_mask)
+    return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)
 
 
 def a2a_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels) -> Tensor:

@@ -19,7 +19,9 @@ Causal blocks under the load-balanced split (rank ``r`` holds chunks ``r`` and
 So every step is one plain (causal or full) attention call of equal size. The
 backward runs the ring again: it recomputes each block, gets its gradients from
 the merged output and LSE, keeps dQ, and sends the block's dK/dV accumulator on
-with it; one last hop brings each rank its own block's dK/dV.
+after it. That hop is posted once the block's gradients are added and waited for
+only after the next block's gradients are computed, so it too hides behind
+compute; one last hop brings each rank its own block's dK/dV.
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ def _rotate(cp: CPGroup, tensor: Tensor) -> tuple[Tensor, list]:
     return recv, handles
 
 
+def _wait(cp: CPGroup, posted: tuple[Tensor, list], what: str, step: int) -> Tensor:
+    """Wait for a ``_rotate`` and return the tensor it received."""
+    recv, handles = posted
+    for handle in handles:
+        handle.wait()
+    _note(cp, what, step)
+    return recv
+
+
 def _note(cp: CPGroup, what: str, step: int) -> None:
     if cp.trace is not None:
         cp.trace.append((what, step))
@@ -93,10 +104,7 @@ class RingAttention(torch.autograd.Function):
                 out[:, :, rows], lse[:, :, rows], o, o_lse
             )
             if pending is not None:
-                kv, handles = pending
-                for handle in handles:
-                    handle.wait()
-                _note(cp, "wait", step + 1)
+                kv = _wait(cp, pending, "wait", step + 1)
         ctx.save_for_backward(q, k, v, out, lse, key_mask)
         ctx.causal, ctx.cp, ctx.kernels = causal, cp, kernels
         return out.to(q.dtype)
@@ -112,10 +120,15 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv, dtype=acc)
         # exp(-inf - 0) = 0: a row with no key anywhere takes no gradient.
         lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+        dkv_pending = None  # the previous block's dK/dV hop, in flight during this compute
         for step in range(cp.size):
-            pending = _rotate(cp, kv) if step + 1 < cp.size else None
+            pending = None
+            if step + 1 < cp.size:
+                pending = _rotate(cp, kv)
+                _note(cp, "post", step + 1)
             rows, keys, block_causal = _plan(step, cp, causal, length)
             src = (cp.rank - step) % cp.size
+            _note(cp, "grad", step)
             with torch.enable_grad():
                 qb = q[:, :, rows].detach().requires_grad_()
                 kb = kv[0][:, :, keys].detach().requires_grad_()
@@ -131,14 +144,18 @@ class RingAttention(torch.autograd.Function):
                 g_lse = (w * (g_out * (o.to(acc) - merged)).sum(-1)).to(o_lse.dtype)
                 dqb, dkb, dvb = torch.autograd.grad((o, o_lse), (qb, kb, vb), (g_o, g_lse))
             dq[:, :, rows] += dqb
+            if dkv_pending is not None:
+                dkv = _wait(cp, dkv_pending, "wait dkv", step - 1)
             dkv[0][:, :, keys] += dkb
             dkv[1][:, :, keys] += dvb
-            # The block and its gradient accumulator travel on together.
-            dkv, dkv_handles = _rotate(cp, dkv)
-            for handle in dkv_handles + (pending[1] if pending else []):
-                handle.wait()
+            # The block's gradient accumulator follows the block; it arrives while the
+            # next block's gradients are computed, and is waited for only to add them.
+            dkv_pending = _rotate(cp, dkv)
+            _note(cp, "post dkv", step)
             if pending is not None:
-                kv = pending[0]
+                kv = _wait(cp, pending, "wait", step + 1)
+        # One last hop brings this rank its own block's dK/dV.
+        dkv = _wait(cp, dkv_pending, "wait dkv", cp.size - 1)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
