@@ -109,11 +109,11 @@ def test_convert_refuses_what_does_not_map(tmp_path, capsys):
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "max_position_embeddings": 16,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+        "rope_scaling": {"rope_type": "yarn", "factor": 8.0},
     }
     (scaled / "config.json").write_text(json.dumps(hf_config))
     assert main(["convert", "from-hf", str(scaled), str(tmp_path / "no-ckpt")]) == 2
-    assert "rope_type='llama3'" in capsys.readouterr().err
+    assert "rope_type='yarn'" in capsys.readouterr().err
     assert not (tmp_path / "no-ckpt").exists()
     # Into a root that holds checkpoints: the import would become its latest.
     assert main(["convert", "from-hf", str(scaled), str(tmp_path / "gpt2")]) == 2

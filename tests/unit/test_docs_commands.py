@@ -13,6 +13,12 @@ is ``mtcore`` (or ``.../bin/mtcore``) or ``make`` is checked without running it:
   layout and batch sizes fit N processes (``TrainConfig.check``). Nothing is trained
   and no data is prepared.
 
+Every ```python block is run, each in a fresh interpreter from the repository root
+(``test_documented_python_runs``). A block that cannot run here says why with a
+marker line right above its fence, ``<!-- docs-test: not run (needs a GPU) -->``, or,
+in a doc whose owner has not marked it yet, has an entry in ``PYTHON_NOT_RUN`` with
+the error it must give; like ``ALLOWED``, an entry that passes or is gone fails.
+
 A command that cannot pass for a reason of its own (a placeholder the reader fills
 in) is listed in ``ALLOWED`` with that reason and the error it must give; an entry
 whose command is gone from the docs, or that passes, fails the suite, so the list
@@ -254,11 +260,11 @@ def example_families():
 def check_train(cmd: Command, ns) -> None:
     from mtcore.training.overrides import load_config
 
-    path = None
-    if ns.config is not None:
-        path = (cmd.cwd / ns.config).resolve()
-        if not path.is_file():
-            raise DocCommandError(f"config file {ns.config} does not exist ({path})")
+    if ns.config is None:
+        raise DocCommandError("no CONFIG: mtcore train refuses to start without one")
+    path = (cmd.cwd / ns.config).resolve()
+    if not path.is_file():
+        raise DocCommandError(f"config file {ns.config} does not exist ({path})")
     try:
         with example_families():
             config = load_config(path, ns.overrides)
@@ -384,3 +390,196 @@ def test_the_checker_catches_broken_commands():
     assert judge(placeholder, {placeholder.text: ("unrecognized arguments", "sample")}) is None
     assert "but:" in judge(placeholder, {placeholder.text: ("config file", "sample")})
     assert "remove it from ALLOWED" in judge(fine, {fine.text: ("anything", "sample")})
+
+
+# -- Python blocks: run them -----------------------------------------------------------
+MARKER = re.compile(r"<!--\s*docs-test:\s*not run\s*\((?P<reason>[^)]+)\)\s*-->")
+
+# doc -> first code line of a block -> (the error it must end with, why it cannot run).
+PYTHON_NOT_RUN: dict[str, dict[str, tuple[str, str]]] = {
+    "docs/hf-interop.md": {
+        "from mtcore.models.gpt import GPT, build_gpt, load_full_weights": (
+            "no HuggingFace model at path/to/llama",
+            "needs a downloaded HuggingFace checkpoint at the reader's path",
+        ),
+        "from mtcore.models import get_family": (
+            "no HuggingFace model at path/to/llama",
+            "needs a downloaded HuggingFace checkpoint at the reader's path",
+        ),
+    },
+    "docs/moe.md": {
+        "from mtcore.parallel.moe import MoELayer, MoESpec": (
+            "NameError: name 'layout' is not defined",
+            "docs bug (issue 20): the snippet uses layout and backend without making them",
+        ),
+    },
+    "docs/plugin-author-guide.md": {
+        "@hookimpl": ("NameError: name 'hookimpl'", "continues the plugin module shown above it"),
+        "def sigmoid_swiglu(x: Tensor) -> Tensor:": (
+            "NameError: name 'Tensor'",
+            "a fragment of the kernel module shown above it",
+        ),
+        "from mtcore.backend import PluginRegistry, select_backend": (
+            "No module named 'mtcore_myaccel'",
+            "imports the guide's example accelerator plugin, which is not installed",
+        ),
+    },
+}
+
+
+@dataclass(frozen=True)
+class PythonBlock:
+    doc: str
+    line: int  # 1-based line of the first code line
+    code: str
+    marker: str | None  # the reason of a `docs-test: not run` marker above the fence
+
+    @property
+    def first_line(self) -> str:
+        return next((line.strip() for line in self.code.splitlines() if line.strip()), "")
+
+
+def python_blocks(doc: Path, text: str | None = None) -> list[PythonBlock]:
+    text = doc.read_text() if text is None else text
+    rel = doc.relative_to(ROOT).as_posix() if doc.is_relative_to(ROOT) else str(doc)
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, indent = m["fence"], len(m["indent"])
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            j += 1
+        if m["lang"].lower() in ("python", "py"):
+            above = lines[i - 1] if i > 0 else ""
+            marker = MARKER.search(above)
+            code = "\n".join(line[indent:] for line in lines[i + 1 : j])
+            blocks.append(PythonBlock(rel, i + 2, code, marker["reason"] if marker else None))
+        i = j + 1
+    return blocks
+
+
+@cache
+def all_python_blocks() -> tuple[PythonBlock, ...]:
+    return tuple(b for doc in doc_files() for b in python_blocks(doc))
+
+
+def run_block(block: PythonBlock) -> tuple[int, str]:
+    """(exit status, last line of stderr) of the block in a fresh interpreter."""
+    import os
+    import subprocess
+
+    examples = os.pathsep.join(str(src) for src in EXAMPLE_FAMILIES.values())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MTCORE_BACKEND": "cpu"}
+    env["PYTHONPATH"] = examples + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run(
+        [sys.executable, "-c", block.code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    lines = run.stderr.strip().splitlines()
+    return run.returncode, (lines[-1] if lines else "")
+
+
+BLOCKS = all_python_blocks()
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.doc}:{b.line}" for b in BLOCKS])
+def test_documented_python_runs(block: PythonBlock):
+    if block.marker is not None:
+        pytest.skip(f"marked not run here: {block.marker}")
+    expected = PYTHON_NOT_RUN.get(block.doc, {}).get(block.first_line)
+    status, last = run_block(block)
+    where = f"{block.doc}:{block.line}"
+    if expected is None:
+        assert status == 0, f"{where}: the block fails: {last}"
+        return
+    error, reason = expected
+    assert status != 0, f"{where}: in PYTHON_NOT_RUN ({reason}) but it runs: remove the entry"
+    assert error in last, f"{where}: expected to fail with {error!r} ({reason}), but: {last}"
+
+
+def test_python_not_run_entries_are_still_documented():
+    shown = {(b.doc, b.first_line) for b in BLOCKS}
+    stale = [(doc, line) for doc, entries in PYTHON_NOT_RUN.items() for line in entries]
+    assert not [e for e in stale if e not in shown], "PYTHON_NOT_RUN names blocks no doc shows"
+
+
+def test_the_block_reader_sees_markers_and_indented_blocks():
+    sample = (
+        "<!-- docs-test: not run (needs a GPU) -->\n```python\nimport torch\n```\n\n"
+        "* item:\n\n  ```python\n  x = 1\n  assert x == 1\n  ```\n"
+    )
+    marked, indented = python_blocks(ROOT / "SAMPLE.md", sample)
+    assert marked.marker == "needs a GPU" and marked.line == 3
+    assert indented.code == "x = 1\nassert x == 1" and indented.marker is None
+    assert run_block(indented) == (0, "")
+
+
+# -- docs/training.md "Your own data": its commands run, shortened ---------------------
+SHORTEN = [
+    "--nproc", "1", "--parallel.tp", "1", "--parallel.pp", "1", "--model.hidden_size", "32",
+    "--model.num_layers", "2", "--model.seq_len", "16", "--data.vocab_size", "300",
+    "--training.steps", "2", "--training.global_batch_size", "4", "--training.micro_batch_size",
+    "4", "--training.eval_interval", "0", "--training.sample_tokens", "0",
+    "--checkpoint.dir", "null", "--logging.tensorboard_dir", "null",
+]  # fmt: skip
+
+
+def _own_data_inputs(cwd: Path) -> None:
+    """The files the section's examples name, small: a few dozen documents each."""
+    import json
+
+    docs = [
+        f"def f{i}(x):\n    return x + {i}  # document {i} " + "word " * (i % 7) for i in range(40)
+    ]
+    (cwd / "books.txt").write_text("\n\n".join(docs))
+    (cwd / "web.jsonl").write_text(
+        "".join(json.dumps({"text": d, "content": d}) + "\n" for d in docs)
+    )
+    from mtcore.data.tokenizer import train_tokenizer
+
+    (cwd / "tokenizer.json").write_text(train_tokenizer(docs * 3, 300).to_str())
+    pa = pytest.importorskip("pyarrow")
+    pytest.importorskip("pyarrow.parquet").write_table(
+        pa.table({"text": docs}), cwd / "shard-000.parquet"
+    )
+    pytest.importorskip("datasets").Dataset.from_dict({"text": docs}).save_to_disk(
+        str(cwd / "my_dataset")
+    )
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import numpy as np
+    import torch
+
+    (cwd / "data").mkdir()
+    prefix = str(cwd / "data" / "my-corpus_text_document")
+    builder = indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for i in range(60):
+        builder.add_item(torch.arange(1, 20 + i % 9) % 299 + 1)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.mark.slow
+def test_your_own_data_examples_run(tmp_path, monkeypatch, capsys):
+    """Every command of docs/training.md's "Your own data" section, in a directory holding
+    the files it names, trains (shortened by SHORTEN) or prepares data: exit 0."""
+    from mtcore.cli.main import main
+
+    doc = ROOT / "docs" / "training.md"
+    text = doc.read_text()
+    start, end = text.index("## Your own data"), text.index("## What is checked before")
+    first, last = text[:start].count("\n") + 1, text[:end].count("\n") + 1
+    commands = [c for c in commands_in(doc) if first <= c.line <= last]
+    assert len(commands) >= 8, [str(c) for c in commands]
+    _own_data_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MTCORE_DATA_CACHE", str(tmp_path / "cache"))
+    for cmd in commands:
+        argv = [str(ROOT / a) if a.startswith("configs/") else a for a in cmd.argv[1:]]
+        if argv[0] == "train":
+            argv += SHORTEN
+        status = main(argv)
+        out = capsys.readouterr()
+        assert status == 0, f"{cmd}: exit {status}\n{out.err[-2000:]}"

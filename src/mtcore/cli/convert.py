@@ -1,19 +1,24 @@
-"""Convert between mtcore checkpoints and HuggingFace directories (Llama, BERT).
+"""Convert between mtcore checkpoints and HuggingFace directories (Llama, Mistral,
+Qwen2, Mixtral, BERT, T5).
 
   mtcore convert to-hf CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--force]
+                       [--max-shard-size SIZE]
       CHECKPOINT (a step directory, or a checkpoint root: its latest step) written
       by `mtcore train`, under any layout, becomes a directory that transformers
       loads (LlamaForCausalLM for a gpt checkpoint, BertForPreTraining for a bert
       one): config.json, model.safetensors and, when the checkpoint has one,
       tokenizer.json (+ tokenizer_config.json). An OUT_DIR that already holds a
       model (config.json or safetensors) is refused unless --force, which replaces
-      its model files (other files stay) once the new ones are written.
+      its model files (other files stay) once the new ones are written. Weights
+      larger than --max-shard-size (default 5GB; gpt checkpoints) are written as
+      shards with a model.safetensors.index.json.
 
   mtcore convert from-hf HF_DIR OUT_CHECKPOINT_ROOT [--seq-len N]
       A HuggingFace directory (config.json + model.safetensors or its shards)
       becomes a weights-only mtcore checkpoint under OUT_CHECKPOINT_ROOT that
       training starts from under any layout (see docs/hf-interop.md). config.json's
-      model_type picks the family whose adapter imports it (llama: gpt, bert: bert).
+      model_type picks the family whose adapter imports it (llama, mistral, qwen2,
+      mixtral: gpt; bert: bert).
       A NaN or inf weight is refused, naming the tensor.
 
 What a family's adapter cannot map is refused with an error that names the
@@ -26,7 +31,8 @@ import argparse
 import sys
 from pathlib import Path
 
-HELP = "convert checkpoints to and from HuggingFace format: Llama, BERT (to-hf, from-hf)"
+DEFAULT_SHARD_SIZE = "5GB"  # the hub's Llama, Mistral and Qwen releases use 5 GB shards
+HELP = "convert checkpoints to and from HuggingFace format: Llama, BERT, ... (to-hf, from-hf)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     to_hf.add_argument(
         "--force", action="store_true", help="replace the model files of an existing OUT_DIR"
+    )
+    to_hf.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_SHARD_SIZE,
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB); more weights "
+        "are written as shards with an index",
     )
     from_hf = directions.add_parser(
         "from-hf", help="HuggingFace directory (Llama, BERT) -> mtcore checkpoint"
@@ -91,11 +104,13 @@ def _to_hf(args: argparse.Namespace):
     from mtcore.models import family_of
     from mtcore.training.checkpoint import read_model_weights, resolve_checkpoint
 
+    max_shard = parse_size(args.max_shard_size)
     out = Path(args.out_dir)
     _check_out_dir(out, args.force)
     config, weights, _step = read_model_weights(args.checkpoint)
     tokenizer = resolve_checkpoint(args.checkpoint) / TOKENIZER
     adapter = _adapter(family_of(config))
+    shard_option = _shard_option(adapter, family_of(config).name, max_shard, args.max_shard_size)
     # Written beside OUT_DIR first: a refused or failed export leaves OUT_DIR as it was.
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
@@ -105,6 +120,7 @@ def _to_hf(args: argparse.Namespace):
             staging,
             getattr(torch, DTYPES[args.dtype]),
             tokenizer_json=tokenizer if tokenizer.is_file() else None,
+            **shard_option,
         )
         out.mkdir(exist_ok=True)
         for old in _model_files(out):
@@ -112,6 +128,36 @@ def _to_hf(args: argparse.Namespace):
         for new in Path(staging).iterdir():
             new.replace(out / new.name)
     return out
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``5GB``, ``500MB``, ``2GiB`` or ``1000000``."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(
+            f"--max-shard-size {text!r} is not a number of bytes or a size like 5GB, 500MB, 2GiB"
+        )
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0])
+    size = int(number * (1024 if "I" in unit else 1000) ** power)
+    if size < 1:
+        raise ValueError(f"--max-shard-size {text!r} must be at least one byte")
+    return size
+
+
+def _shard_option(adapter, family: str, max_shard: int, text: str) -> dict:
+    """``{"max_shard_bytes": max_shard}`` for an adapter whose export takes a shard size
+    (the GPT family's); any other exports at its default (5GB, or one file), so an
+    explicit other size is refused rather than ignored."""
+    import inspect
+
+    if "max_shard_bytes" in inspect.signature(adapter.export_dir).parameters:
+        return {"max_shard_bytes": max_shard}
+    if text != DEFAULT_SHARD_SIZE:
+        raise ValueError(f"the {family} family's export does not take --max-shard-size {text}")
+    return {}
 
 
 def _model_files(directory: Path) -> list[Path]:

@@ -20,7 +20,17 @@ import sys
 
 from mtcore import __version__
 
-COMMANDS = ("plugins", "doctor", "train", "generate", "convert", "new-plugin")
+COMMANDS = (
+    "plugins",
+    "doctor",
+    "train",
+    "data",
+    "plan",
+    "sweep",
+    "generate",
+    "convert",
+    "new-plugin",
+)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

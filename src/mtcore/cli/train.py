@@ -1,6 +1,6 @@
 """Train a model: `mtcore train [CONFIG] [--nproc N] [--max-restarts N] [--section.key VALUE ...]`.
 
-CONFIG is a YAML or TOML file (none: the built-in defaults); each
+CONFIG is a YAML or TOML file (an empty one trains the built-in defaults); each
 `--section.key VALUE` (or `--section.key=VALUE`) overrides one setting, for
 example `--parallel.tp 2 --training.steps 50`. Everything that can be checked
 is checked here, before any rank starts: unknown keys, the layout against N
@@ -36,7 +36,9 @@ checkpoints (docs/checkpoints.md):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="YAML or TOML config file (default: built-in)")
+    parser.add_argument(
+        "config", nargs="?", help="YAML or TOML config file, e.g. configs/default.yaml"
+    )
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="local ranks (default 1)")
     parser.add_argument(
         "--max-restarts",
@@ -64,7 +66,9 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
             parser.exit()
         name = arg.partition("=")[0]
         if name in ("--nproc", "--max-restarts"):
-            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            value = (
+                arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            )
             i += 0 if "=" in arg else 1
             least = 1 if name == "--nproc" else 0
             if not value.isdigit() or int(value) < least:
@@ -79,17 +83,29 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
         elif ns.config is None:
             ns.config = arg
         else:
-            parser.error(f"unexpected argument {arg!r} (one CONFIG; overrides are --section.key VALUE)")
+            parser.error(
+                f"unexpected argument {arg!r} (one CONFIG; overrides are --section.key VALUE)"
+            )
         i += 1
     return ns
 
 
 def run(args: argparse.Namespace) -> int:
     from mtcore.backend import BackendError, PluginWarning, select_backend
+    from mtcore.data.progress import report_to
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config, read_file
     from mtcore.training.trainer import prepare
 
+    if args.config is None:
+        # The built-in defaults are a long job (1000 steps, bf16); the README's is a file.
+        print(
+            "mtcore train: error: no CONFIG given: pass one, e.g. `mtcore train "
+            "configs/default.yaml --nproc 4` (the README's job; an empty .yaml file trains "
+            "the built-in defaults)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = load_config(args.config, args.overrides)
         if args.max_restarts and config.checkpoint.dir is None:
@@ -100,7 +116,12 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():  # the trainer's first lines say it, once
             warnings.simplefilter("ignore", PluginWarning)
             select_backend(config.training.backend)
-        prepare(config, args.nproc)
+        report_to(sys.stderr)  # a first run tokenizes the corpus: show how far it is
+        try:
+            prep = prepare(config, args.nproc)
+        finally:
+            report_to(None)
+        check_checkpoint_model(config, prep.model)
     except (ConfigError, BackendError) as e:
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 2
@@ -109,6 +130,31 @@ def run(args: argparse.Namespace) -> int:
 
         return run_rank(lambda: config)  # the same exit statuses and messages as a rank's
     return launch(args.nproc, args.config, args.overrides, args.max_restarts)
+
+
+def check_checkpoint_model(config, model) -> None:
+    """ConfigError when the checkpoint the job will load holds another architecture:
+    said here, in one line, instead of by every rank once they have started."""
+    from mtcore.training.checkpoint import CheckpointError
+    from mtcore.training.checkpoint.compat import check_model_matches
+    from mtcore.training.checkpoint.manifest import (
+        has_checkpoint,
+        read_manifest,
+        resolve_checkpoint,
+    )
+    from mtcore.training.config import ConfigError
+
+    ck = config.checkpoint
+    path = ck.load
+    if ck.resume and ck.dir is not None and has_checkpoint(ck.dir):
+        path = ck.dir  # resume wins over load (TrainerCheckpoints.restore)
+    if path is None:
+        return
+    try:
+        directory = resolve_checkpoint(path)
+        check_model_matches(read_manifest(directory).get("model_config"), model, directory)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
 
 
 def launch(nproc: int, config: str | None, overrides: list[str], max_restarts: int = 0) -> int:

@@ -21,14 +21,24 @@ class DataConfig(BaseModel, extra="forbid"):
     """What to train on and how to cut it into samples.
 
     ``paths=None`` trains on the embedded default corpus (the Python standard
-    library's source). Each entry of ``paths`` (a file or a directory of
-    ``.py``/``.txt``/``.md``/``.jsonl`` files) is one dataset; several are blended by
-    ``weights`` (default: in proportion to their sizes).
+    library's source). Each entry of ``paths`` is one dataset: a file or a directory
+    of ``.py``/``.txt``/``.md``/``.jsonl``/``.parquet`` files, a HF ``datasets``
+    ``save_to_disk`` directory, or the prefix of a ``.bin``/``.idx`` pair (written by
+    ``mtcore data prepare`` or by Megatron-LM). Several are blended by ``weights``
+    (default: in proportion to their sizes); Megatron's ``--data-path w1 p1 w2 p2``
+    form, weights and paths alternating in ``paths``, means the same.
     """
 
     paths: list[str] | None = None
     weights: list[float] | None = None
-    text_key: str = Field("text", min_length=1, description="JSONL field that holds a document")
+    text_key: str = Field(
+        "text", min_length=1, description="JSONL/parquet/datasets field that holds a document"
+    )
+    txt_separator: str | None = Field(
+        "",
+        description='.txt documents: "" split at blank lines, a string split at it, '
+        "None one document per file",
+    )
     tokenizer: str | None = Field(
         None, description="a tokenizer.json; None trains a BPE on the data"
     )
@@ -41,6 +51,25 @@ class DataConfig(BaseModel, extra="forbid"):
     seed: int = Field(1234, ge=0, description="sample order; the split does not depend on it")
     default_corpus_bytes: int | None = Field(DEFAULT_CORPUS_BYTES, ge=1)
     default_corpus_files: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _megatron_blend(cls, values):
+        """``paths: [0.3, a, 0.7, b]`` (Megatron's ``--data-path``) -> paths + weights."""
+        if not isinstance(values, dict):
+            return values
+        paths = values.get("paths")
+        if not isinstance(paths, list) or len(paths) < 2 or not _is_weight(paths[0]):
+            return values
+        if len(paths) % 2 or not all(_is_weight(w) for w in paths[::2]):
+            raise ValueError(
+                "paths mixes weights and paths: give [w1, path1, w2, path2, ...] "
+                f"(Megatron's --data-path form) or paths alone, got {paths}"
+            )
+        if values.get("weights") is not None:
+            raise ValueError("paths already holds weights (w1, path1, ...): drop data.weights")
+        return {**values, "paths": [str(p) for p in paths[1::2]],
+                "weights": [float(w) for w in paths[::2]]}  # fmt: skip
 
     @model_validator(mode="after")
     def _check_paths_and_weights(self) -> DataConfig:
@@ -60,3 +89,15 @@ class DataConfig(BaseModel, extra="forbid"):
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+
+def _is_weight(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return True
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return not Path(str(value)).exists()  # a file called "1" stays a path

@@ -1,8 +1,9 @@
 """Where documents come from: user files and directories, or the embedded default corpus.
 
 A *document* is the unit the index records and the train/validation split works
-on: one whole ``.py``/``.txt``/``.md`` file, or one line of a ``.jsonl`` file (its
-text field). Files are visited in sorted order so that the same inputs always give
+on: one whole ``.py``/``.md`` file, one blank-line-separated piece of a ``.txt``
+file (``data.txt_separator``), one line of a ``.jsonl`` file or one row of a
+``.parquet`` file or a HF ``datasets`` ``save_to_disk`` directory (its text field). Files are visited in sorted order so that the same inputs always give
 the same token stream, on every rank and every machine.
 
 The default corpus is the Python standard library's own source, found from the
@@ -16,15 +17,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from mtcore.data.cache import DataError
 
 TEXT_SUFFIXES = (".py", ".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
-SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
+TABLE_SUFFIXES = (".parquet",)  # and HF datasets save_to_disk directories (mtcore[datasets])
+SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES
 
 # 8 MB of stdlib source is ~2.1M tokens with an 8k vocab: plenty for the toy-sized
 # default job, and the tokenizer + index build takes ~15 s on two cores.
@@ -37,6 +41,8 @@ def find_files(path: str | Path) -> list[Path]:
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(f"data path does not exist: {root}")
+    if root.is_dir() and is_hf_dataset_dir(root):
+        return [root]
     if root.is_file():
         if root.suffix not in SUFFIXES:
             raise DataError(f"unsupported data file {root}: expected one of {', '.join(SUFFIXES)}")
@@ -51,6 +57,11 @@ def find_files(path: str | Path) -> list[Path]:
     if all(p.stat().st_size == 0 for p in files):
         raise DataError(f"data path {root} is empty: its {len(files)} file(s) hold no text")
     return files
+
+
+def is_hf_dataset_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory ``datasets.Dataset.save_to_disk`` wrote."""
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
 
 def stdlib_files(
@@ -85,28 +96,88 @@ def stdlib_files(
     return files
 
 
+class Source(NamedTuple):
+    """One dataset of a job: text files to tokenize, or a token index read as it is."""
+
+    name: str
+    files: list[Path]  # the text files ([] for a pre-tokenized source)
+    prefix: Path | None = None  # a .bin/.idx pair (mtcore's or Megatron's MMIDIDX)
+
+
+def pretokenized_prefix(path: str | Path) -> Path | None:
+    """The ``.bin``/``.idx`` prefix ``path`` names (``data/x``, ``data/x.idx`` or
+    ``data/x.bin`` for the pair ``data/x.bin`` + ``data/x.idx``), else None."""
+    path = Path(path).expanduser()
+    if path.suffix in (".bin", ".idx") and not path.is_dir():
+        prefix = path.with_suffix("")
+    elif path.with_name(path.name + ".idx").is_file():
+        prefix = path
+    else:
+        return None
+    idx, bin_ = (prefix.with_name(prefix.name + s) for s in (".idx", ".bin"))
+    if not idx.is_file() or not bin_.is_file():
+        missing = bin_ if idx.is_file() else idx
+        raise DataError(f"data path {path} names a token index, but {missing} does not exist")
+    return prefix
+
+
 def data_sources(
     paths: Sequence[str] | None,
     default_corpus_bytes: int | None = DEFAULT_CORPUS_BYTES,
     default_corpus_files: int | None = None,
-) -> list[tuple[str, list[Path]]]:
-    """(name, files) per dataset: one per data path, or the default corpus for ``None``.
+) -> list[Source]:
+    """One source per data path, or the default corpus for ``None``.
 
     Shared by the GPT and the BERT pipelines, so both read the same documents.
     """
     if paths is None:
-        return [("stdlib", stdlib_files(default_corpus_bytes, default_corpus_files))]
-    return [(Path(p).expanduser().stem or "data", find_files(p)) for p in paths]
+        return [Source("stdlib", stdlib_files(default_corpus_bytes, default_corpus_files))]
+    sources = []
+    for p in paths:
+        prefix = pretokenized_prefix(p)
+        if prefix is not None:
+            sources.append(Source(prefix.name, [], prefix))
+        else:
+            sources.append(Source(Path(p).expanduser().stem or "data", find_files(p)))
+    return sources
 
 
-def iter_documents(files: Iterable[Path], text_key: str = "text") -> Iterator[str]:
-    """Yield the non-empty documents of ``files`` in order."""
+_BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
+
+
+def split_text(text: str, separator: str | None = "") -> list[str]:
+    """The documents of one ``.txt`` file: split at blank lines (``separator=""``), at
+    ``separator`` itself, or the whole file (``None``); empty pieces dropped.
+
+    One corpus file of many documents is the common shape of a plain-text corpus, and
+    treating it as one document would put all of it on one side of the split."""
+    if separator is None:
+        pieces = [text]
+    elif separator == "":
+        pieces = _BLANK_LINES.split(text)
+    else:
+        pieces = text.split(separator)
+    return [p for p in pieces if p.strip()]
+
+
+def iter_documents(
+    files: Iterable[Path], text_key: str = "text", txt_separator: str | None = ""
+) -> Iterator[str]:
+    """Yield the non-empty documents of ``files`` in order: a ``.py``/``.md`` file whole,
+    a ``.txt`` file cut by ``split_text(text, txt_separator)``, a ``.jsonl`` line's
+    ``text_key``, a parquet row's or a ``datasets`` directory's record's ``text_key``."""
     for path in files:
         if path.suffix in JSONL_SUFFIXES:
             yield from _jsonl_documents(path, text_key)
+        elif path.suffix in TABLE_SUFFIXES or path.is_dir():
+            from mtcore.data.tables import table_documents  # pyarrow/datasets: optional
+
+            yield from table_documents(path, text_key)
         else:
             text = path.read_text(encoding="utf-8", errors="replace")
-            if text:
+            if path.suffix == ".txt":
+                yield from split_text(text, txt_separator)
+            elif text:
                 yield text
 
 

@@ -37,6 +37,8 @@ import numpy as np
 
 from mtcore.data.cache import DataError, atomic_write, build_lock, fingerprint
 from mtcore.data.corpus import batched_documents, iter_documents
+from mtcore.data.megatron import MegatronIndexedDataset, is_megatron_index
+from mtcore.data.progress import Progress, reporting
 from mtcore.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -166,36 +168,54 @@ class IndexedDataset:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
 
+def encode_documents(batch: Sequence[str], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids of ``batch``, each document followed by the end-of-document id, as
+    int64; each document's length including that id)."""
+    encoded = tokenizer.encode_batch(batch)
+    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+    flat = np.empty(int(lengths.sum()), dtype=np.int64)
+    ends = np.cumsum(lengths)
+    for ids, end, n in zip(encoded, ends, lengths, strict=True):
+        flat[end - n : end - 1] = ids
+    flat[ends - 1] = tokenizer.eod_id
+    return flat, lengths
+
+
+def check_ids(written: np.ndarray, vocab_size: int, where: Path) -> None:
+    if len(written) and (written.min() < 0 or written.max() >= vocab_size):
+        bad = written[(written < 0) | (written >= vocab_size)][0]
+        raise DataError(
+            f"the tokenizer produced id {bad} for {where}, outside its vocabulary "
+            f"of {vocab_size} ids"
+        )
+
+
 def build_indexed_dataset(
-    prefix: str | Path, docs: Iterable[str], tokenizer: Tokenizer
+    prefix: str | Path,
+    docs: Iterable[str],
+    tokenizer: Tokenizer,
+    progress: Progress | None = None,
 ) -> IndexedDataset:
     """Tokenize ``docs`` into ``<prefix>.bin``/``.idx`` (batch-encoded on all cores)."""
     prefix = Path(prefix)
     vocab_size = tokenizer.vocab_size
     dtype = token_dtype(vocab_size)
-    lengths: list[int] = []
+    lengths: list[np.ndarray] = []
     max_id = 0
     with atomic_write(_with(prefix, ".bin")) as f:
         for batch in batched_documents(docs):
-            flat: list[int] = []
-            for ids in tokenizer.encode_batch(batch):
-                flat.extend(ids)
-                flat.append(tokenizer.eod_id)
-                lengths.append(len(ids) + 1)
-            written = np.asarray(flat, dtype=np.int64)
-            if len(ids) and (written.min() < 0 or written.max() >= vocab_size):
-                bad = written[(written < 0) | (written >= vocab_size)][0]
-                raise DataError(
-                    f"the tokenizer produced id {bad} for {prefix}, outside its vocabulary "
-                    f"of {vocab_size} ids"
-                )
+            written, batch_lengths = encode_documents(batch, tokenizer)
+            check_ids(written, vocab_size, prefix)
+            lengths.append(batch_lengths)
             max_id = max(max_id, int(written.max(initial=0)))
             f.write(written.astype(dtype).tobytes())
+            if progress is not None:
+                progress.update(len(batch), len(written), sum(len(d) for d in batch))
     if not lengths:
         _with(prefix, ".bin").unlink(missing_ok=True)
         raise DataError(f"no documents to index for {prefix}: the corpus is empty")
     # The index goes last: its presence is what marks the pair complete.
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
     write_index(_with(prefix, ".idx"), offsets, dtype, vocab_size=vocab_size, max_id=max_id)
     return IndexedDataset(prefix, vocab_size)
 
@@ -206,14 +226,25 @@ def get_indexed_dataset(
     cache_dir: str | Path,
     name: str,
     text_key: str = "text",
+    txt_separator: str | None = "",
 ) -> IndexedDataset:
     """The cached index of ``files`` under ``tokenizer``, built on first use only."""
-    key = fingerprint(files, tokenizer=tokenizer.fingerprint, text_key=text_key, version=VERSION)
+    # The separator enters the key only where it matters, so caches of corpora without
+    # .txt files (the default one) stay valid.
+    extra = {"txt_separator": txt_separator} if any(f.suffix == ".txt" for f in files) else {}
+    key = fingerprint(
+        files, tokenizer=tokenizer.fingerprint, text_key=text_key, version=VERSION, **extra
+    )
     prefix = Path(cache_dir).expanduser() / f"{_safe(name)}-{key}"
     with build_lock(_with(prefix, ".idx")):
         if not _with(prefix, ".idx").exists():
             start = time.perf_counter()
-            ds = build_indexed_dataset(prefix, iter_documents(files, text_key), tokenizer)
+            total = sum(f.stat().st_size for f in files if f.is_file())
+            progress = Progress(f"tokenizing {name}", total) if reporting() else None
+            docs = iter_documents(files, text_key, txt_separator)
+            ds = build_indexed_dataset(prefix, docs, tokenizer, progress)
+            if progress is not None:
+                progress.close()
             log.info(
                 "indexed %d documents, %d tokens from %d file(s) into %s in %.1f s",
                 len(ds),
@@ -224,6 +255,17 @@ def get_indexed_dataset(
             )
             return ds
     return IndexedDataset(prefix, tokenizer.vocab_size)
+
+
+def open_token_index(
+    prefix: str | Path, vocab_size: int | None = None
+) -> IndexedDataset | MegatronIndexedDataset:
+    """The ``.bin``/``.idx`` pair at ``prefix``, mtcore's format or Megatron's ``MMIDIDX``
+    (told apart by the index's magic)."""
+    prefix = Path(prefix).expanduser()
+    if is_megatron_index(_with(prefix, ".idx")):
+        return MegatronIndexedDataset(prefix, vocab_size)
+    return IndexedDataset(prefix, vocab_size)
 
 
 def _with(prefix: Path, suffix: str) -> Path:

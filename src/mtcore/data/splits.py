@@ -15,19 +15,30 @@ from typing import Any
 
 import numpy as np
 
+from mtcore.data.cache import DataError
 from mtcore.data.config import DataConfig
-from mtcore.data.corpus import data_sources
-from mtcore.data.indexed import IndexedDataset, get_indexed_dataset
+from mtcore.data.corpus import Source, data_sources
+from mtcore.data.indexed import IndexedDataset, get_indexed_dataset, open_token_index
 from mtcore.data.samples import split_documents
 
-Sources = list[tuple[str, list[Path]]]  # (dataset name, its files) per data path
+Sources = list[Source]  # one per data path
 
 
 def config_sources(config: DataConfig) -> tuple[Sources, list[Path]]:
-    """(name, files) per dataset of ``config``, and every file once, in order: what a
-    trained tokenizer learns from."""
+    """The sources of ``config``, and every text file once, in order: what a trained
+    tokenizer learns from.
+
+    A pre-tokenized source (a ``.bin``/``.idx`` pair) needs ``data.tokenizer``: its ids
+    mean something only under the tokenizer that wrote them.
+    """
     sources = data_sources(config.paths, config.default_corpus_bytes, config.default_corpus_files)
-    return sources, list(dict.fromkeys(f for _, files in sources for f in files))
+    tokenized = [s for s in sources if s.prefix is not None]
+    if tokenized and config.tokenizer is None:
+        raise DataError(
+            f"data path {tokenized[0].prefix} is already tokenized (.bin/.idx): set "
+            "data.tokenizer to the tokenizer.json it was tokenized with"
+        )
+    return sources, list(dict.fromkeys(f for s in sources for f in s.files))
 
 
 def train_and_valid(
@@ -43,8 +54,13 @@ def train_and_valid(
     ``blend(datasets, weights, name=...)`` of each side. ``valid`` is None when no
     document is held out."""
     trains, valids = [], []
-    for name, files in sources:
-        index = get_indexed_dataset(files, tokenizer, cache_dir, name, config.text_key)
+    for name, files, prefix in sources:
+        if prefix is not None:
+            index = open_token_index(prefix, tokenizer.vocab_size)
+        else:
+            index = get_indexed_dataset(
+                files, tokenizer, cache_dir, name, config.text_key, config.txt_separator
+            )
         train_ids, valid_ids = split_documents(len(index), config.valid_fraction, name)
         trains.append(samples(index, train_ids, f"{name}/train"))
         if len(valid_ids):

@@ -15,6 +15,9 @@ They are passed as ``special_tokens``: a trained BPE gets them as single ids rig
 after ``<|endoftext|>``, they are part of its cache key (so a GPT tokenizer is never
 reused for BERT or the reverse), and a given ``tokenizer.json`` that lacks one is
 rejected naming it. Like ``<|endoftext|>``, they never come out of ordinary text.
+A GPT exported to HuggingFace keeps this rule (``split_special_tokens: true`` in its
+tokenizer_config.json), so both give the same ids for any text (docs/hf-interop.md,
+"Special tokens").
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from mtcore.data.cache import DataError, atomic_write, build_lock, fingerprint, text_hash
 from mtcore.data.corpus import iter_documents
+from mtcore.data.progress import say
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +165,9 @@ def get_tokenizer(
     with build_lock(path):
         if not path.exists():
             start = time.perf_counter()
+            say(
+                f"training a {vocab_size}-token byte-level BPE on {len(files)} file(s) (once; cached)"
+            )
             hf = train_tokenizer(iter_documents(files, text_key), vocab_size, special_tokens)
             log.info(
                 "trained a %d-token byte-level BPE on %d file(s) in %.1f s",

@@ -2,7 +2,16 @@
 
 A transformers model directory is ``config.json``, the weights in ``model.safetensors``
 (or the shards ``model.safetensors.index.json`` lists) and, optionally, a
-``tokenizer.json`` with its ``tokenizer_config.json``. What the config and the tensor
+``tokenizer.json`` with its ``tokenizer_config.json``. An export larger than its
+shard limit (``DEFAULT_MAX_SHARD_BYTES``, 5 GB, unless the caller gives one) is written
+as shards ``model-0000i-of-0000n.safetensors`` with that index, as ``save_pretrained``
+writes them.
+
+Special tokens: mtcore's tokenizer never makes a special token out of text (a literal
+``<|endoftext|>`` in a document is text; the data pipeline puts the end-of-document id
+between documents itself). A family whose exported tokenizer must follow the same rule
+passes ``split_special_tokens=True`` to ``copy_tokenizer`` (the GPT family does; T5
+keeps transformers' rule, under which a sentinel's text is the sentinel). What the config and the tensor
 names mean is each family's own mapping (``gpt/hf.py``: Llama, ``bert/hf.py``: BERT);
 reading and writing the files, and refusing what cannot be read, is the same for
 every family, so it is here, once: a malformed file then reads the same error
@@ -30,6 +39,10 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # The dtypes an export writes, by the name config.json's ``torch_dtype`` gives them.
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The shard size the hub's Llama, Mistral and Qwen releases use.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+# Tokens that end a document in common tokenizer.json files (as mtcore's data pipeline).
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 class HFInteropError(ValueError):
@@ -101,14 +114,47 @@ def read_safetensors(directory: Path) -> dict[str, Tensor]:
 
 
 def write_weights_and_config(
-    out: Path, config: dict, tensors: dict[str, Tensor], dtype: torch.dtype
+    out: Path,
+    config: dict,
+    tensors: dict[str, Tensor],
+    dtype: torch.dtype,
+    max_bytes: int | None = None,
 ) -> None:
-    """``model.safetensors`` (``tensors`` in ``dtype``, on the host) and ``config.json``."""
+    """``tensors`` in ``dtype`` (on the host) and ``config.json``: one ``model.safetensors``,
+    or, above ``max_bytes`` (None: ``DEFAULT_MAX_SHARD_BYTES``), shards of at most that
+    many bytes in the order of ``tensors`` (a larger tensor gets a file of its own),
+    with a ``model.safetensors.index.json``."""
+    if max_bytes is not None and max_bytes < 1:
+        raise HFInteropError(f"the shard size limit must be at least one byte, got {max_bytes}")
     # clone(): safetensors refuses tensors that share storage (the split views do).
-    tensors = {k: v.detach().to("cpu", dtype).clone() for k, v in tensors.items()}
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
-    _readable_like_other_files(out / WEIGHTS)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in tensors.items()}
+    shards = _shards(tensors, max_bytes or DEFAULT_MAX_SHARD_BYTES)
+    if len(shards) == 1:
+        names = [WEIGHTS]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards, strict=True):
+        save_file({k: tensors[k] for k in shard}, str(out / name), metadata={"format": "pt"})
+        _readable_like_other_files(out / name)
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
+        write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json(out / CONFIG, config)
+
+
+def _shards(tensors: dict[str, Tensor], limit: int) -> list[list[str]]:
+    """Consecutive groups of tensor names of at most ``limit`` bytes each."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
 
 
 def _readable_like_other_files(path: Path) -> None:
@@ -174,11 +220,19 @@ def added_token_ids(tokenizer: dict) -> dict[str, int]:
     return {t.get("content"): t.get("id") for t in added if isinstance(t, dict)}
 
 
+def end_of_document_token(path: Path) -> tuple[str, int] | None:
+    """The end-of-document token of a tokenizer.json and its id (the first of
+    ``EOD_CANDIDATES`` it has, as mtcore's data pipeline picks it), or None."""
+    ids = added_token_ids(read_tokenizer(path))
+    return next(((t, ids[t]) for t in EOD_CANDIDATES if ids.get(t) is not None), None)
+
+
 def copy_tokenizer(
     out: Path, tokenizer_json: str | Path, model_max_length: int, **settings
 ) -> None:
     """``tokenizer_json`` into ``out`` with a ``tokenizer_config.json`` that loads it as a
-    fast tokenizer; ``settings``: the family's entries (special tokens...), in order."""
+    fast tokenizer; ``settings``: the family's entries (special tokens,
+    ``split_special_tokens``...), in order."""
     shutil.copyfile(tokenizer_json, out / TOKENIZER)
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     tok_config["model_max_length"] = model_max_length

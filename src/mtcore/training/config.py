@@ -10,7 +10,6 @@ YAML/TOML files and ``--section.key value`` overrides is ``mtcore.training.overr
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import (
@@ -30,6 +29,7 @@ from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
 from mtcore.parallel.pipeline import validate_pipeline
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe, check_backend_fp8
+from mtcore.training.schedules import Schedule, lr_at
 
 
 class ConfigError(ValueError):
@@ -140,15 +140,35 @@ class PrecisionConfig(Section):
 
 
 class OptimizerConfig(Section):
-    """AdamW with linear warmup to ``lr``, then cosine decay to ``min_lr``."""
+    """AdamW (or 1-bit Adam) with linear warmup to ``lr``, then ``schedule`` (cosine by
+    default) down to ``min_lr``.
 
+    ``name: onebit_adam`` runs ``freeze_step`` steps of AdamW, then freezes the
+    variance and reduces a 1-bit compressed momentum over dp (docs/training.md).
+    """
+
+    name: Literal["adamw", "onebit_adam"] = Field(
+        "adamw", description="onebit_adam: 1-bit compressed dp reduction after freeze_step"
+    )
+    freeze_step: int = Field(
+        100, ge=1, description="onebit_adam: steps of plain AdamW before compression starts"
+    )
+    block_size: int = Field(
+        128, ge=8, multiple_of=8, description="onebit_adam: elements that share one scale"
+    )
     lr: float = Field(3e-4, gt=0)
     min_lr: float = Field(3e-5, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(100, ge=0)
-    decay_steps: int | None = Field(None, ge=1, description="None: training.steps")
+    schedule: Schedule = Field("cosine", description="after warmup (training/schedules.py)")
+    decay_steps: int | None = Field(
+        None, ge=1, description="schedule length; None: the first run's training.steps"
+    )
+    wsd_decay_steps: int | None = Field(
+        None, ge=1, description="wsd: cooldown steps at the end; None: a fifth of the schedule"
+    )
     max_grad_norm: float | None = Field(1.0, gt=0, description="None: no clipping")
 
     @field_validator("betas")
@@ -161,12 +181,17 @@ class OptimizerConfig(Section):
         return betas
 
     def lr_at(self, step: int, total_steps: int) -> float:
-        """Learning rate for optimizer step ``step`` (1-based)."""
-        if self.warmup_steps and step <= self.warmup_steps:
-            return self.lr * step / self.warmup_steps
-        decay = (self.decay_steps or total_steps) - self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / decay) if decay > 0 else 1.0
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+        """Learning rate for optimizer step ``step`` (1-based); ``total_steps`` is the
+        schedule's length when ``decay_steps`` is unset."""
+        return lr_at(
+            step,
+            schedule=self.schedule,
+            lr=self.lr,
+            min_lr=self.min_lr,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps or total_steps,
+            wsd_decay_steps=self.wsd_decay_steps,
+        )
 
 
 class TrainingConfig(Section):
@@ -211,10 +236,21 @@ class CheckpointConfig(Section):
 
 
 class LoggingConfig(Section):
+    run_name: str = Field(
+        "gpt",
+        pattern=r"^[A-Za-z0-9._-]*[A-Za-z0-9_-][A-Za-z0-9._-]*$",  # one path component
+        description="the run's name: checkpoint.dir and tensorboard_dir default to "
+        "runs/<run_name>/; mtcore train sets it to the config file's name",
+    )
     interval: int = Field(10, ge=1, description="steps between log lines")
     tensorboard_dir: str | None = Field("runs/gpt/tensorboard", description="None: off")
     progress: Literal["auto", "bar", "lines"] = Field(
         "auto", description="auto: a progress bar on a terminal, plain lines otherwise"
+    )
+    wandb: bool = Field(False, description="also log to Weights & Biases (mtcore[wandb])")
+    wandb_project: str = Field("mtcore", min_length=1, description="the W&B project")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="offline: write the run under runs/<run_name>/wandb only"
     )
 
 
@@ -246,6 +282,17 @@ class TrainConfig(BaseModel, extra="forbid"):
             raise ValueError(str(e)) from None
 
     @model_validator(mode="after")
+    def _run_directories(self) -> TrainConfig:
+        # Directories not set are the run's own, so two runs of different names never
+        # write into one another's (trainer.check_run_directory refuses the rest).
+        name = self.logging.run_name
+        if "dir" not in self.checkpoint.model_fields_set:
+            self.checkpoint.dir = f"runs/{name}/checkpoints"
+        if "tensorboard_dir" not in self.logging.model_fields_set:
+            self.logging.tensorboard_dir = f"runs/{name}/tensorboard"
+        return self
+
+    @model_validator(mode="after")
     def _one_seq_len(self) -> TrainConfig:
         # model.seq_len is the one source of truth; data.seq_len may only repeat it.
         if "seq_len" in self.data.model_fields_set and self.data.seq_len != self.model.seq_len:
@@ -254,6 +301,20 @@ class TrainConfig(BaseModel, extra="forbid"):
                 f"{self.model.seq_len}; set model.seq_len only"
             )
         self.data = self.data.model_copy(update={"seq_len": self.model.seq_len})
+        return self
+
+    @model_validator(mode="after")
+    def _onebit_layouts(self) -> TrainConfig:
+        if self.optimizer.name == "onebit_adam" and self.parallel.zero1:
+            raise ValueError(
+                "optimizer.name onebit_adam cannot run with parallel.zero1: every rank "
+                "compresses its whole local momentum, so the momentum cannot be sharded"
+            )
+        if self.optimizer.name == "onebit_adam" and getattr(self.model, "moe", None) is not None:
+            raise ValueError(
+                "optimizer.name onebit_adam compresses the dense data-parallel reduction only; "
+                "a mixture-of-experts model (model.moe) is not supported"
+            )
         return self
 
     def check(self, world_size: int) -> tuple[LayoutSpec, int]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 import torch
+import yaml
 
 
 def format_moe(stats: dict[str, float]) -> str:
@@ -103,22 +105,42 @@ def _clock(seconds: float) -> str:
 
 
 class Scalars:
-    """TensorBoard event files (``torch.utils.tensorboard``) or nothing when ``log_dir`` is None."""
+    """Where the scalars go: TensorBoard event files (``torch.utils.tensorboard``) when
+    ``log_dir`` is set, and a Weights & Biases run when ``wandb`` is; nothing otherwise.
 
-    def __init__(self, log_dir: str | None):
+    ``config`` (the run's whole config, as plain data) goes to both when the writer
+    opens: TensorBoard's text tab as YAML, W&B's run config, so every curve carries
+    the settings that made it.
+    """
+
+    def __init__(self, log_dir: str | None, config: dict | None = None, wandb: dict | None = None):
         self.writer = None
+        self.wandb_run = None
         if log_dir:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
             self.writer = SummaryWriter(log_dir)
+            if config is not None:
+                text = yaml.safe_dump(config, sort_keys=False)
+                # Indented: TensorBoard renders text as markdown, and this keeps it verbatim.
+                self.writer.add_text("config", "    " + text.replace("\n", "\n    "), 0)
+        if wandb is not None:
+            import wandb as wandb_lib  # mtcore[wandb]; checked before the job starts
+
+            Path(wandb["dir"]).mkdir(parents=True, exist_ok=True)
+            self.wandb_run = wandb_lib.init(config=config, **wandb)
 
     def add(self, step: int, values: dict[str, float | None]) -> None:
-        if self.writer is None:
-            return
-        for tag, value in values.items():
-            if value is not None and math.isfinite(value):
+        finite = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
+        if self.writer is not None:
+            for tag, value in finite.items():
                 self.writer.add_scalar(tag, value, step)
+        if self.wandb_run is not None and finite:
+            self.wandb_run.log(finite, step=step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

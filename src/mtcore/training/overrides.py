@@ -29,7 +29,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     # The family decides which model keys exist: set it before the keys it allows.
     for key, value in sorted(parse_overrides(overrides), key=lambda kv: kv[0] != "model.family"):
         set_key(data, key, value)
+    logging_section = data.get("logging")
+    if path is not None and (logging_section is None or isinstance(logging_section, dict)):
+        # A run is named after its config file unless it says otherwise: runs/<name>/.
+        data["logging"] = {"run_name": _run_name(Path(path)), **(logging_section or {})}
     return validate(data, source=str(path) if path else "the defaults")
+
+
+def _run_name(path: Path) -> str:
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.stem)
+    return name if name.strip(".") else "run"
 
 
 def read_file(path: str | Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ Rank 0 prints and writes TensorBoard events; every rank holds the agreed loss.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple, TextIO
 
 import torch
+import yaml
 
 from mtcore.data import DataError
 from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
@@ -26,6 +28,8 @@ from mtcore.models import FamilyConfig, FamilyData, family_of
 from mtcore.parallel.context import check_backend_serves, shard_batch
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
+from mtcore.training.checkpoint import CheckpointError
+from mtcore.training.checkpoint.manifest import has_checkpoint, resolve_checkpoint, step_dir_name
 from mtcore.training.checkpoint.owner import claim as claim_checkpoint_dir
 from mtcore.training.checkpoint.trainer_io import TrainerCheckpoints
 from mtcore.training.config import ConfigError, TrainConfig
@@ -63,6 +67,8 @@ def prepare(config: TrainConfig, world_size: int, rank: int = 0) -> Prepared:
     """
     try:
         spec, microbatches = config.check(world_size)
+        check_run_directory(config)
+        check_wandb(config)
         check_output_dirs(config, rank)  # before the data layer writes its cache
         data = family_of(config.model).data(config.data, config.model)
         model = config.model.with_vocab(data.tokenizer.vocab_size)
@@ -70,6 +76,50 @@ def prepare(config: TrainConfig, world_size: int, rank: int = 0) -> Prepared:
     except (LayoutError, SplitError, DataError, ValueError) as e:
         raise ConfigError(str(e)) from e
     return Prepared(spec, microbatches, data, model)
+
+
+def wandb_settings(config: TrainConfig) -> dict:
+    """``wandb.init`` keywords of the run: its name, project, mode, and a directory beside
+    its TensorBoard events (``runs/<run_name>/wandb``)."""
+    log = config.logging
+    base = log.tensorboard_dir or config.checkpoint.dir or f"runs/{log.run_name}/tensorboard"
+    directory = Path(base).expanduser().parent / "wandb"
+    return dict(project=log.wandb_project, name=log.run_name, mode=log.wandb_mode, dir=str(directory))
+
+
+def check_wandb(config: TrainConfig) -> None:
+    if config.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "logging.wandb needs the wandb package: pip install 'mtcore[wandb]' "
+            "(or set logging.wandb false)"
+        )
+
+
+def check_run_directory(config: TrainConfig) -> None:
+    """ConfigError when ``checkpoint.dir`` holds another run's checkpoints and this run
+    does not resume them: its saves would replace theirs, step for step.
+
+    Another run is one whose saved ``config.yaml`` names another ``logging.run_name``
+    (checkpoints from before run names were saved count as no one's)."""
+    ck = config.checkpoint
+    if ck.dir is None or ck.resume:
+        return
+    root = Path(ck.dir).expanduser()
+    try:
+        if not has_checkpoint(root):
+            return
+        latest = resolve_checkpoint(root)
+        saved = yaml.safe_load((latest / "config.yaml").read_text())
+    except (CheckpointError, OSError, yaml.YAMLError):
+        return  # unreadable: the save or the resume path reports it
+    other = ((saved or {}).get("logging") or {}).get("run_name") if isinstance(saved, dict) else None
+    if isinstance(other, str) and other != config.logging.run_name:
+        raise ConfigError(
+            f"checkpoint.dir {root} holds the checkpoints of run {other!r} (latest "
+            f"{latest.name}); this run is {config.logging.run_name!r}. Resume that run "
+            "(--checkpoint.resume true), or give this one its own directory "
+            "(--checkpoint.dir, or no checkpoint.dir in the config: runs/<run_name>/)"
+        )
 
 
 @dataclass
@@ -114,6 +164,7 @@ class BadStepGuard:
 def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
     """Run the whole job on this rank; returns what rank 0 observed (all ranks agree on losses)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    config = config.model_copy(deep=True)  # the run fills in values (decay_steps): not the caller's
     from mtcore.backend import PluginWarning, select_backend
 
     with warnings.catch_warnings():
@@ -121,6 +172,10 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
         # the job instead of once per rank.
         warnings.simplefilter("ignore", PluginWarning)
         backend = select_backend(config.training.backend)
+    if backend.device.type == "cpu" and "dtype" not in config.precision.model_fields_set:
+        # bf16 matmuls are several times slower than fp32 on CPUs without AVX-512 BF16:
+        # a CPU job is fp32 unless precision.dtype asks for another.
+        config.precision = config.precision.model_copy(update={"dtype": "fp32"})
     prep = prepare(config, world, rank)
     config.precision.check_backend(backend)  # before any process group starts
     try:  # the collectives the context-parallel method moves K/V with
@@ -171,7 +226,12 @@ class _Loop:
         )
         self.guard = BadStepGuard(self.t.max_bad_steps, self.engine.optimizer.loss_scaler)
         self.progress = Progress(self.t.steps, config.logging.progress, stream)
-        self.scalars = Scalars(config.logging.tensorboard_dir if is_main else None)
+        run_config = config.model_dump(mode="json")
+        self.scalars = Scalars(
+            config.logging.tensorboard_dir if is_main else None,
+            run_config,
+            wandb_settings(config) if is_main and config.logging.wandb else None,
+        )
         self.flops = self.model.flops_per_step(self.t.global_batch_size)
         self.peak = peak_tflops(backend, mp.param_dtype)
         # Samples are split over dp (TrainConfig.check counts micro-batches per dp rank);
@@ -190,6 +250,43 @@ class _Loop:
         self.result = TrainResult()
         self.checkpoints = TrainerCheckpoints(config, self.engine, prep, self.say)
         self.result.start_step = self.checkpoints.restore(self.train_loader)  # collective
+        self.decay_steps = self._schedule_length()
+
+    def _schedule_length(self) -> int:
+        """The lr schedule's length: ``optimizer.decay_steps``, else the first run's
+        ``training.steps``, kept by every resumed run (so raising ``training.steps`` to
+        train on does not reshape the schedule). Written into the config that the
+        checkpoints save, so the next resume finds it."""
+        opt = self.config.optimizer
+        length = opt.decay_steps
+        if length is None and self.result.start_step > 0:
+            saved = self._saved_config(self.result.start_step)
+            # Checkpoints from before schedules were recorded: their run's steps.
+            length = (saved.get("optimizer") or {}).get("decay_steps") or (
+                saved.get("training") or {}
+            ).get("steps")
+            if isinstance(length, int) and length != self.t.steps:
+                self.say(
+                    f"lr schedule: {opt.schedule} over {length} steps as in the checkpoint's "
+                    f"run (set optimizer.decay_steps to change it)"
+                )
+        if not isinstance(length, int):
+            length = self.t.steps
+        self.config.optimizer = opt.model_copy(update={"decay_steps": length})
+        return length
+
+    def _saved_config(self, step: int) -> dict:
+        """The config.yaml of the checkpoint this run resumed from ({} if none is found)."""
+        ck = self.config.checkpoint
+        for base in (ck.dir if ck.resume else None, ck.load):
+            if base is None:
+                continue
+            root = Path(base).expanduser()
+            for path in (root / "config.yaml", root / step_dir_name(step) / "config.yaml"):
+                if path.is_file():
+                    loaded = yaml.safe_load(path.read_text())
+                    return loaded if isinstance(loaded, dict) else {}
+        return {}
 
     def say(self, text: str) -> None:
         if self.is_main:
@@ -230,7 +327,7 @@ class _Loop:
         window_t, window_steps = 0.0, 0
         for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0 = time.perf_counter()
-            self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.t.steps))
+            self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.decay_steps))
             out = self.engine.train_step(self._batch(self.train_loader))
             window_t += time.perf_counter() - t0
             window_steps += 1

@@ -206,13 +206,12 @@ BASE = {**HF_SIZES, "model_type": "llama", "hidden_act": "silu"}
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "mistral"}, "model_type='mistral'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+        ({"model_type": "gemma"}, "model_type='gemma'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_type='linear'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type='yarn'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"mlp_bias": True}, "mlp_bias=true"),
-        ({"head_dim": 32}, "head_dim=32"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
         ({"intermediate_size": None}, "lacks 'intermediate_size'"),

@@ -12,7 +12,7 @@ import io
 
 import pytest
 
-from mtcore.cli.convert import _to_hf
+from mtcore.cli.convert import DEFAULT_SHARD_SIZE, _to_hf
 from mtcore.training.checkpoint import load_model
 from mtcore.training.overrides import validate
 from mtcore.training.trainer import train
@@ -30,6 +30,7 @@ def test_fp8_checkpoint_exports_to_hf(tiny, tmp_path):
     class Args:
         checkpoint, out_dir, dtype = str(trained.checkpoint), str(tmp_path / "hf"), "fp32"
         force = False
+        max_shard_size = DEFAULT_SHARD_SIZE
 
     out = _to_hf(Args)
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

@@ -198,7 +198,7 @@ def test_an_empty_config_file_trains_with_the_defaults_and_says_so(tmp_path, cap
 
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing yet\n")
-    assert load_config(path) == TrainConfig()
+    assert load_config(path) == TrainConfig(logging={"run_name": "empty"})  # named after its file
     # Stopped before any data is read by a backend that does not exist.
     assert main(["train", str(path), "--training.backend", "nope"]) == 2
     err = capsys.readouterr().err

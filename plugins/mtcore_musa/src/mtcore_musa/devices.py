@@ -47,7 +47,8 @@ TORCH_MUSA_RELEASE = "2.7.1"
 NOT_INSTALLED = (
     "torch_musa is not installed. Moore Threads ships it outside PyPI, built for one "
     "exact PyTorch build: install the matching torch and torch_musa wheels from Moore "
-    "Threads, then `pip install mtcore-musa` (see the mtcore-musa README)"
+    "Threads, then install mtcore-musa without dependencies, so that pip keeps that torch "
+    "(docs/musa.md, section 1)"
 )
 _PINNED = (
     " (each torch_musa build is pinned to one PyTorch build; undefined symbols mean "

@@ -19,6 +19,13 @@ Mixture of experts (Mixtral-style): ``moe`` (a ``MoESpec``: experts, top-k, expe
 size, router and dispatch settings) puts a MoE layer in place of the MLP of every
 ``moe_layer_freq``-th layer (layers 0, k, 2k, ...; 1: every layer). Its
 ``activation`` defaults to the model's.
+
+Pretrained-checkpoint switches (each off by default, which is the model above):
+``head_size`` (a head size of its own, as Llama 3.2 / Mistral Nemo have; None:
+hidden / heads), ``qkv_bias`` (biases on q, k and v only: Qwen2), ``rope_scaling``
+(Llama 3.1's ``llama3`` frequency scaling) and ``sliding_window`` (Mistral's: kept for
+export, and refused while shorter than ``seq_len``, since the attention kernels have
+no window mask; at ``seq_len <= sliding_window`` the window hides nothing).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec
 from mtcore.models.family import FamilyConfig
@@ -59,8 +66,36 @@ _STRUCTURE = (
     "tie_embeddings",
     "bias",
     "moe_layer_freq",
+    "head_dim",
+    "qkv_bias",
 )
 _MOE_STRUCTURE = ("num_experts", "ffn_size", "shared_ffn_size", "activation")
+
+
+class RopeScaling(BaseModel):
+    """Llama 3.1's RoPE frequency scaling (transformers' ``rope_type: llama3``).
+
+    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor``
+    are stretched by ``factor``, those shorter than ``... / high_freq_factor`` kept,
+    and the band between interpolated smoothly (``mtcore.models.gpt.rope``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _bands(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling: high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor}"
+            )
+        return self
 
 
 class GPTConfig(FamilyConfig):
@@ -79,6 +114,10 @@ class GPTConfig(FamilyConfig):
     activation: Literal["swiglu", "gelu"] = "swiglu"
     position: Literal["rope", "learned"] = "rope"
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(None, description="None: plain RoPE")
+    head_size: int | None = Field(None, ge=1, description="None: hidden_size / num_heads")
+    qkv_bias: bool = Field(False, description="biases on q, k, v only (Qwen2)")
+    sliding_window: int | None = Field(None, ge=1, description="must be >= seq_len (no mask)")
     tie_embeddings: bool = False
     bias: bool = False
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -102,9 +141,10 @@ class GPTConfig(FamilyConfig):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> GPTConfig:
-        if self.hidden_size % self.num_heads:
+        if self.head_size is None and self.hidden_size % self.num_heads:
             raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads} "
+                "(set head_size to give heads a size of their own)"
             )
         if self.num_heads % self.kv_heads:
             raise ValueError(
@@ -112,6 +152,14 @@ class GPTConfig(FamilyConfig):
             )
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head size, got {self.head_dim}")
+        if self.rope_scaling is not None and self.position != "rope":
+            raise ValueError(f"rope_scaling needs position='rope', got {self.position!r}")
+        if self.sliding_window is not None and self.sliding_window < self.seq_len:
+            raise ValueError(
+                f"sliding_window={self.sliding_window} is shorter than seq_len={self.seq_len}: "
+                "mtcore's attention has no sliding-window mask yet; use seq_len <= "
+                f"{self.sliding_window}, where the window hides nothing"
+            )
         return self
 
     # -- derived sizes -------------------------------------------------------------
@@ -121,7 +169,7 @@ class GPTConfig(FamilyConfig):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     @property
     def ffn_size(self) -> int:
@@ -162,11 +210,13 @@ class GPTConfig(FamilyConfig):
         each MoE layer instead of all of them (the same number for a dense model).
         """
         h, v = self.hidden_size, self.vocab_size or 0
-        qkv = h * (self.num_heads + 2 * self.kv_heads) * self.head_dim
+        qkv_rows = (self.num_heads + 2 * self.kv_heads) * self.head_dim
         norms = 2 if self.norm == "layernorm" else 1
-        attention = qkv + h * h + 2 * norms * h
+        attention = h * qkv_rows + self.num_heads * self.head_dim * h + 2 * norms * h
         if self.bias:
-            attention += (self.num_heads + 2 * self.kv_heads) * self.head_dim + h
+            attention += qkv_rows + h
+        elif self.qkv_bias:
+            attention += qkv_rows
         dense = self._mlp_params(self.ffn_size, self.activation, self.bias)
         total = self.num_layers * attention + v * h + norms * h
         if self.moe is not None:
@@ -214,7 +264,10 @@ class GPTConfig(FamilyConfig):
         return fields
 
     def numerics(self) -> dict[str, Any]:
-        fields = {name: getattr(self, name) for name in ("rope_theta", "norm_eps", "dropout")}
+        names = ("rope_theta", "norm_eps", "dropout", "rope_scaling", "sliding_window")
+        fields = {name: getattr(self, name) for name in names}
+        if self.rope_scaling is not None:
+            fields["rope_scaling"] = self.rope_scaling.model_dump()
         if self.moe is not None:  # routing options: reported, not refused
             fields["moe"] = self.moe.model_dump(exclude=set(_MOE_STRUCTURE))
         return fields

@@ -71,7 +71,7 @@ FAMILY = ModelFamily(
     loss_counts=_loss_counts,
     data=_data,
     checkpoint_aliases={"output.weight": "embed.tok.weight"},
-    hf=HFAdapter(("llama",), hf.import_llama, hf.export_llama),
+    hf=HFAdapter(hf.MODEL_TYPES, hf.import_hf, hf.export_hf),
     generate=_generate,
     description="decoder-only transformer: Llama and GPT-2 styles, GQA, mixture of experts",
 )

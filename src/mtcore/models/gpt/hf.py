@@ -1,40 +1,35 @@
-"""HuggingFace Llama format <-> mtcore GPT (llama style): config and full weights.
+"""HuggingFace Llama / Mistral / Qwen2 / Mixtral format <-> mtcore GPT (llama style).
 
-A HuggingFace Llama directory is ``config.json`` (``LlamaForCausalLM``, ``model_type``
-"llama") plus ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``).
-transformers is not needed to read or write it; only safetensors is.
-
-The two models compute the same function, so the mapping is renaming and (un)fusing:
+A HuggingFace directory is ``config.json`` plus ``model.safetensors`` (or shards listed
+in ``model.safetensors.index.json``). transformers is not needed to read or write it;
+only safetensors is. Which architecture a config is, and what each adds to Llama, is
+``hf_config``; the tensors are the same for all four but for the MLP of Mixtral and
+the q/k/v biases of Qwen2, so the mapping is renaming and (un)fusing:
 
 =======================================  =======================================
-mtcore (``GPT(config).state_dict()``)    HuggingFace Llama
+mtcore (``GPT(config).state_dict()``)    HuggingFace
 =======================================  =======================================
 ``embed.tok.weight``                     ``model.embed_tokens.weight``
 ``layers.i.attn_norm.weight``            ``model.layers.i.input_layernorm.weight``
-``layers.i.attn.qkv.weight``             ``q_proj | k_proj | v_proj`` (rows)
+``layers.i.attn.qkv.weight`` (``bias``)  ``q_proj | k_proj | v_proj`` (rows)
 ``layers.i.attn.proj.weight``            ``model.layers.i.self_attn.o_proj.weight``
 ``layers.i.mlp_norm.weight``             ``model.layers.i.post_attention_layernorm.weight``
 ``layers.i.mlp.fc1.weight``              ``gate_proj | up_proj`` (rows)
 ``layers.i.mlp.fc2.weight``              ``model.layers.i.mlp.down_proj.weight``
+``layers.i.mlp.router.weight``           ``block_sparse_moe.gate.weight`` (Mixtral)
+``layers.i.mlp.experts.fc1[e]``          ``experts.e.w1 | experts.e.w3``, transposed
+``layers.i.mlp.experts.fc2[e]``          ``experts.e.w2``, transposed
 ``norm.weight``                          ``model.norm.weight``
 ``output.weight`` (untied only)          ``lm_head.weight``
 =======================================  =======================================
 
-Both store linear weights ``[out, in]``; both apply RoPE as "rotate half" (the first
-half of each head's dims pairs with the second half, ``inv_freq = theta ** (-2i/d)``),
-so q and k rows need no permutation; both repeat each kv head for ``heads / kv_heads``
-consecutive query heads; both compute RMSNorm as ``x * rsqrt(mean(x^2) + eps) * w``.
+Both store linear weights ``[out, in]`` (mtcore's experts are ``[in, out]``, for the
+grouped matmul); both apply RoPE as "rotate half", so q and k rows need no
+permutation; both repeat each kv head for ``heads / kv_heads`` consecutive query heads.
 
-Vocabulary: mtcore pads its vocabulary to ``vocab_multiple`` (the padded rows are never
-the id of a token). Export keeps them: ``vocab_size`` in config.json is mtcore's padded
-size, so logits match exactly and a round trip is lossless; transformers accepts an
-embedding larger than the tokenizer (many released Llamas have one). Import keeps the
-HF size as it is (no padding: extra rows would change the softmax).
-
-Whatever does not map is refused with an ``HFInteropError`` naming the setting: GPT-2
-style pieces (LayerNorm, GELU, learned positions, biases) on export; RoPE scaling,
-partial rotary, attention or MLP biases, a head size other than hidden / heads, an
-activation other than SiLU, quantized or non-Llama models on import.
+Vocabulary: export keeps mtcore's padded vocabulary (logits match exactly, the round
+trip is lossless); import keeps the HF size as it is (extra rows would change the
+softmax). Whatever does not map is refused with an ``HFInteropError`` naming it.
 """
 
 from __future__ import annotations
@@ -42,148 +37,56 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from pydantic import ValidationError
 from torch import Tensor
 
 from mtcore.models.gpt.config import GPTConfig
+from mtcore.models.gpt.hf_config import (
+    MODEL_TYPES,
+    check_exportable,
+    default_architecture,
+    hf_config,
+    model_config_from_hf,
+)
 from mtcore.models.gpt.weights import check_full_weights
 from mtcore.models.hf_files import (
     DTYPE_NAMES,
     HFInteropError,
     TensorTaker,
-    added_token_ids,
     as_interop_error,
-    check_model_type,
     copy_tokenizer,
-    need,
+    end_of_document_token,
     read_config,
     read_safetensors,
-    read_tokenizer,
     write_weights_and_config,
 )
 
+__all__ = [
+    "DTYPES",
+    "MODEL_TYPES",
+    "HFInteropError",
+    "default_architecture",
+    "end_of_document_token",
+    "export_hf",
+    "export_llama",
+    "from_hf_tensors",
+    "from_llama_tensors",
+    "hf_config",
+    "import_hf",
+    "import_llama",
+    "llama_config",
+    "model_config_from_llama",
+    "to_hf_tensors",
+    "to_llama_tensors",
+]
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Tokens that end a document in common tokenizer.json files (as mtcore's data pipeline).
-_EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+model_config_from_llama = model_config_from_hf  # the name of the Llama-only days
 
 
-# -- config ----------------------------------------------------------------------------
 def llama_config(config: GPTConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """The config.json of ``config`` as a HuggingFace ``LlamaForCausalLM``."""
-    _check_exportable(config)
-    theta = config.rope_theta
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.seq_len,
-        "initializer_range": config.init_std,
-        "rms_norm_eps": config.norm_eps,
-        # transformers < 5 reads rope_theta; 5 reads rope_parameters.
-        "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "tie_word_embeddings": config.tie_embeddings,
-        "torch_dtype": DTYPE_NAMES[dtype],
-        "use_cache": True,
-        # Unknown without a tokenizer (export_llama fills them from one): transformers'
-        # defaults (1, 2) would name arbitrary tokens.
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
-
-
-def _check_exportable(config: GPTConfig) -> None:
-    if config.vocab_size is None:
-        raise HFInteropError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
-    if getattr(config, "moe", None) is not None:
-        raise HFInteropError("a mixture-of-experts model (model.moe) cannot be exported as Llama")
-    wrong = {
-        "norm": (config.norm, "rmsnorm"),
-        "activation": (config.activation, "swiglu"),
-        "position": (config.position, "rope"),
-        "bias": (config.bias, False),
-    }
-    bad = [f"{k}={v!r} (Llama needs {want!r})" for k, (v, want) in wrong.items() if v != want]
-    if bad:
-        raise HFInteropError(
-            f"a style={config.style!r} model cannot be exported as Llama: " + ", ".join(bad)
-        )
-
-
-def model_config_from_llama(hf: dict, seq_len: int | None = None) -> GPTConfig:
-    """The mtcore GPTConfig of a HuggingFace Llama config.json (a dict).
-
-    ``seq_len``: mtcore's sequence length (the RoPE table and the training length);
-    None takes ``max_position_embeddings``.
-    """
-    _check_importable(hf)
-    try:
-        return GPTConfig(
-            style="llama",
-            vocab_size=need(hf, "vocab_size"),
-            hidden_size=need(hf, "hidden_size"),
-            num_layers=need(hf, "num_hidden_layers"),
-            num_heads=need(hf, "num_attention_heads"),
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            ffn_hidden_size=need(hf, "intermediate_size"),
-            seq_len=seq_len or need(hf, "max_position_embeddings"),
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(hf),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=hf.get("initializer_range") or 0.02,
-        )
-    except ValidationError as e:
-        raise HFInteropError(f"the Llama config does not make an mtcore model: {e}") from e
-
-
-def _check_importable(hf: dict) -> None:
-    check_model_type(hf, "llama", "Llama", "GPT")
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise HFInteropError(
-            f"hidden_act={hf['hidden_act']!r}: mtcore's SwiGLU gates with silu only"
-        )
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise HFInteropError(f"{key}=true: mtcore's llama style has no biases")
-    heads, hidden = need(hf, "num_attention_heads"), need(hf, "hidden_size")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim * heads != hidden:
-        raise HFInteropError(
-            f"head_dim={head_dim} but hidden_size / num_attention_heads = {hidden} / {heads}; "
-            "mtcore's head size is hidden_size / num_heads"
-        )
-
-
-def _rope_theta(hf: dict) -> float:
-    """RoPE base of a config with plain RoPE; scaled or partial RoPE is refused."""
-    scaling, params = hf.get("rope_scaling"), hf.get("rope_parameters")
-    theta = hf.get("rope_theta")
-    for name, rope in (("rope_scaling", scaling), ("rope_parameters", params)):
-        if rope is None:
-            continue
-        if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-            raise HFInteropError(f"{name}={rope!r}: only one plain RoPE for all layers maps")
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise HFInteropError(
-                f"{name} has rope_type={kind!r}: mtcore has plain RoPE only (no RoPE scaling)"
-            )
-        theta = rope.get("rope_theta", theta)
-    partial = hf.get("partial_rotary_factor", (params or {}).get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise HFInteropError(f"partial_rotary_factor={partial}: mtcore rotates whole heads")
-    return float(theta if theta is not None else 10000.0)
+    """The config.json of ``config`` as its default architecture (Llama for a dense
+    model without q/k/v biases or a window)."""
+    return hf_config(config, None, dtype)
 
 
 # -- weights ---------------------------------------------------------------------------
@@ -191,45 +94,69 @@ _LAYER_NAMES = {  # mtcore name in layer i -> HF name in layer i (one-to-one ten
     "attn_norm.weight": "input_layernorm.weight",
     "attn.proj.weight": "self_attn.o_proj.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.fc2.weight": "mlp.down_proj.weight",
 }
-_FUSED = {  # mtcore fused weight -> its HF parts, in row order
-    "attn.qkv.weight": (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-    ),
-    "mlp.fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_DENSE = {"mlp.fc2.weight": "mlp.down_proj.weight"}
+_GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_MOE = "block_sparse_moe"
 
 
-def _fused_sections(config: GPTConfig, name: str) -> list[int]:
-    if name == "attn.qkv.weight":
-        q, kv = config.num_heads * config.head_dim, config.kv_heads * config.head_dim
-        return [q, kv, kv]
-    return [config.ffn_size, config.ffn_size]
+def _qkv_sections(config: GPTConfig) -> list[int]:
+    q, kv = config.num_heads * config.head_dim, config.kv_heads * config.head_dim
+    return [q, kv, kv]
 
 
-def to_llama_tensors(config: GPTConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-    """HuggingFace Llama tensors (names, unfused) from mtcore full weights."""
-    _check_exportable(config)
+def to_hf_tensors(
+    config: GPTConfig, weights: dict[str, Tensor], architecture: str | None = None
+) -> dict[str, Tensor]:
+    """HuggingFace tensors (names, unfused) of mtcore full weights as ``architecture``."""
+    architecture = architecture or default_architecture(config)
+    check_exportable(config, architecture)
     check_full_weights(config, weights, "the weights to export")
     out = {"model.embed_tokens.weight": weights["embed.tok.weight"]}
     for i in range(config.num_layers):
         mine, theirs = f"layers.{i}.", f"model.layers.{i}."
         for m, h in _LAYER_NAMES.items():
             out[theirs + h] = weights[mine + m]
-        for m, parts in _FUSED.items():
-            pieces = weights[mine + m].split(_fused_sections(config, m), dim=0)
-            out.update({theirs + h: p for h, p in zip(parts, pieces, strict=True)})
+        qkv = weights[mine + "attn.qkv.weight"].split(_qkv_sections(config))
+        out.update({f"{theirs}{h}.weight": t for h, t in zip(_QKV, qkv, strict=True)})
+        if architecture == "qwen2":  # Qwen2 always has them: zeros add nothing
+            bias = weights.get(mine + "attn.qkv.bias")
+            if bias is None:
+                bias = torch.zeros(sum(_qkv_sections(config)))
+            parts = bias.split(_qkv_sections(config))
+            out.update({f"{theirs}{h}.bias": t for h, t in zip(_QKV, parts, strict=True)})
+        if config.moe is not None:
+            out.update(_experts_to_hf(config, weights, mine + "mlp.", f"{theirs}{_MOE}."))
+            continue
+        out[theirs + _DENSE["mlp.fc2.weight"]] = weights[mine + "mlp.fc2.weight"]
+        gate, up = weights[mine + "mlp.fc1.weight"].split(config.ffn_size)
+        out.update({theirs + _GATE_UP[0]: gate, theirs + _GATE_UP[1]: up})
     out["model.norm.weight"] = weights["norm.weight"]
     if not config.tie_embeddings:
         out["lm_head.weight"] = weights["output.weight"]
     return out
 
 
-def from_llama_tensors(config: GPTConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """mtcore full weights (fp32) from HuggingFace Llama tensors; refuses missing,
+def _experts_to_hf(config: GPTConfig, weights, mine: str, theirs: str) -> dict[str, Tensor]:
+    bias = weights[mine + "router.expert_bias"]
+    if bias.abs().max() > 0:
+        raise HFInteropError(
+            f"{mine}router.expert_bias is nonzero (aux-loss-free balancing): Mixtral's router "
+            "has no expert bias"
+        )
+    f = config.moe.ffn_size
+    out = {theirs + "gate.weight": weights[mine + "router.weight"]}
+    fc1, fc2 = weights[mine + "experts.fc1"], weights[mine + "experts.fc2"]
+    for e in range(config.moe.num_experts):
+        out[f"{theirs}experts.{e}.w1.weight"] = fc1[e, :, :f].t()
+        out[f"{theirs}experts.{e}.w3.weight"] = fc1[e, :, f:].t()
+        out[f"{theirs}experts.{e}.w2.weight"] = fc2[e].t()
+    return out
+
+
+def from_hf_tensors(config: GPTConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """mtcore full weights (fp32) from HuggingFace tensors; refuses missing,
     unexpected or misshapen tensors, naming them."""
     source = TensorTaker(tensors)
     weights = {"embed.tok.weight": source.take("model.embed_tokens.weight")}
@@ -237,8 +164,18 @@ def from_llama_tensors(config: GPTConfig, tensors: dict[str, Tensor]) -> dict[st
         mine, theirs = f"layers.{i}.", f"model.layers.{i}."
         for m, h in _LAYER_NAMES.items():
             weights[mine + m] = source.take(theirs + h)
-        for m, parts in _FUSED.items():
-            weights[mine + m] = torch.cat([source.take(theirs + h) for h in parts], dim=0)
+        weights[mine + "attn.qkv.weight"] = torch.cat(
+            [source.take(f"{theirs}{h}.weight") for h in _QKV]
+        )
+        if config.qkv_bias:
+            weights[mine + "attn.qkv.bias"] = torch.cat(
+                [source.take(f"{theirs}{h}.bias") for h in _QKV]
+            )
+        if config.moe is not None:
+            weights.update(_experts_from_hf(config, source, mine + "mlp.", f"{theirs}{_MOE}."))
+            continue
+        weights[mine + "mlp.fc2.weight"] = source.take(theirs + _DENSE["mlp.fc2.weight"])
+        weights[mine + "mlp.fc1.weight"] = torch.cat([source.take(theirs + h) for h in _GATE_UP])
     weights["norm.weight"] = source.take("model.norm.weight")
     if not config.tie_embeddings:
         weights["output.weight"] = source.take("lm_head.weight")
@@ -249,51 +186,79 @@ def from_llama_tensors(config: GPTConfig, tensors: dict[str, Tensor]) -> dict[st
             "tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
         )
     # Old checkpoints carry the RoPE frequencies as a buffer; mtcore recomputes them.
-    source.refuse_untaken("a Llama GPT", ignored_suffix="rotary_emb.inv_freq")
+    source.refuse_untaken("a llama-style GPT", ignored_suffix="rotary_emb.inv_freq")
     with as_interop_error():
         check_full_weights(config, weights, "the imported tensors")
     return weights
 
 
+def _experts_from_hf(config: GPTConfig, source: TensorTaker, mine: str, theirs: str) -> dict:
+    m = config.moe
+    experts = range(m.num_experts)
+
+    def stack(w: str) -> Tensor:
+        return torch.stack([source.take(f"{theirs}experts.{e}.{w}.weight").t() for e in experts])
+
+    return {
+        mine + "router.weight": source.take(theirs + "gate.weight"),
+        mine + "router.expert_bias": torch.zeros(m.num_experts),
+        mine + "experts.fc1": torch.cat([stack("w1"), stack("w3")], dim=2),
+        mine + "experts.fc2": stack("w2"),
+    }
+
+
+to_llama_tensors, from_llama_tensors = to_hf_tensors, from_hf_tensors  # the older names
+
+
 # -- directories -----------------------------------------------------------------------
-def export_llama(
+def export_hf(
     model_config: GPTConfig,
     full_weights: dict[str, Tensor],
     out_dir: str | Path,
     dtype: torch.dtype = torch.float32,
     tokenizer_json: str | Path | None = None,
+    architecture: str | None = None,
+    max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write a HuggingFace Llama directory (config.json, model.safetensors and, when
-    given, tokenizer.json with a tokenizer_config.json) that
-    ``LlamaForCausalLM.from_pretrained`` loads. Returns ``out_dir``."""
+    """Write a HuggingFace directory that ``<Architecture>ForCausalLM.from_pretrained``
+    loads: config.json, the weights (one ``model.safetensors``, or shards of at most
+    ``max_shard_bytes`` with an index; None: 5 GB) and, when
+    given, tokenizer.json with a tokenizer_config.json. ``architecture``: a model_type
+    of ``MODEL_TYPES`` (None: the one that holds the model). Returns ``out_dir``."""
     if dtype not in DTYPE_NAMES:
         raise HFInteropError(f"dtype {dtype} is not one of {sorted(DTYPES)}")
-    config = llama_config(model_config, dtype)
-    tensors = to_llama_tensors(model_config, full_weights)
+    config = hf_config(model_config, architecture, dtype)
+    tensors = to_hf_tensors(model_config, full_weights, architecture)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer_json is not None:
-        eos = _eos_token(Path(tokenizer_json))
-        settings = {} if eos is None else {"eos_token": eos[0]}
+        # mtcore's data pipeline ends (and so starts) each document with one token, and
+        # pads with nothing of its own: that token is bos, eos and pad alike.
+        eod = end_of_document_token(Path(tokenizer_json))
+        roles = ("bos", "eos", "pad")
+        settings = {} if eod is None else {f"{role}_token": eod[0] for role in roles}
+        # A special token's text in the input is text, as in mtcore's tokenizer: both
+        # give the same ids for any string (docs/hf-interop.md, "Special tokens").
+        settings["split_special_tokens"] = True
         copy_tokenizer(out, tokenizer_json, model_config.seq_len, **settings)
-        if eos is not None:
-            config["eos_token_id"] = config["bos_token_id"] = eos[1]
-    write_weights_and_config(out, config, tensors, dtype)
+        if eod is not None:
+            config.update({f"{role}_token_id": eod[1] for role in roles})
+    write_weights_and_config(out, config, tensors, dtype, max_shard_bytes)
     return out
 
 
-def _eos_token(path: Path) -> tuple[str, int] | None:
-    """The end-of-document token of a tokenizer.json and its id, if it has one."""
-    ids = added_token_ids(read_tokenizer(path))
-    return next(((t, ids[t]) for t in _EOS_CANDIDATES if ids.get(t) is not None), None)
+export_llama = export_hf  # the name of the Llama-only days
 
 
-def import_llama(
+def import_hf(
     hf_dir: str | Path, seq_len: int | None = None
 ) -> tuple[GPTConfig, dict[str, Tensor]]:
     """The GPTConfig and fp32 full weights (``GPT(config).state_dict()`` names) of a
-    HuggingFace Llama directory. ``seq_len`` as in :func:`model_config_from_llama`."""
+    HuggingFace Llama, Mistral, Qwen2 or Mixtral directory (one file or shards).
+    ``seq_len`` as in ``hf_config.model_config_from_hf``."""
     directory = Path(hf_dir)
-    config = model_config_from_llama(read_config(directory), seq_len)
-    return config, from_llama_tensors(config, read_safetensors(directory))
+    config = model_config_from_hf(read_config(directory), seq_len)
+    return config, from_hf_tensors(config, read_safetensors(directory))
 
+
+import_llama = import_hf  # the name of the Llama-only days

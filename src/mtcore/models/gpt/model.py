@@ -15,6 +15,8 @@ whole, then sliced for tp: any layout starts from the same numbers as one proces
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,8 +24,8 @@ from torch import Tensor, nn
 from mtcore.models.chunks import PipelineChunk, build_chunks
 from mtcore.models.family import BuiltModel
 from mtcore.models.gpt.config import GPTConfig
+from mtcore.models.gpt.rope import gpt_rope_tables
 from mtcore.models.layers import MLP, Attention, Context, Norm, out_std
-from mtcore.ops import rope_tables
 from mtcore.parallel.moe import MoELayer
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
@@ -83,13 +85,30 @@ class Block(nn.Module):
         super().__init__()
         self.c = c = c.for_block(index)
         g = c.generator(f"layers.{index}")
-        self.attn_norm, self.attn = Norm(c), Attention(c, g)
+        self.attn_norm, self.attn = Norm(c), _attention(c, g)
         self.mlp_norm = Norm(c)
         self.mlp = _moe(c, g) if c.config.is_moe_layer(index) else MLP(c, g)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         x = x + self.c.dropout(self.attn(self.attn_norm(x), rope), self.training)
         return x + self.c.dropout(self.mlp(self.mlp_norm(x)), self.training)
+
+
+def _attention(c: Context, generator: torch.Generator) -> Attention:
+    """The block's attention; with ``qkv_bias`` (Qwen2) its q, k and v have biases.
+
+    ``Attention`` gives all its linears the config's ``bias``. Biases start at zero and
+    draw nothing from the generator, so the attention is built as a biased one and its
+    output projection's bias removed: the weights are those of the unbiased model.
+    """
+    cfg = c.config
+    if not getattr(cfg, "qkv_bias", False) or cfg.bias:
+        return Attention(c, generator)
+    biased = dataclasses.replace(c, config=cfg.model_copy(update={"bias": True}))
+    attn = Attention(biased, generator)
+    attn.c = c
+    attn.proj.bias = None
+    return attn
 
 
 def _moe(c: Context, generator: torch.Generator) -> MoELayer:
@@ -146,7 +165,7 @@ class GPT(PipelineChunk):
             self.output.weight.pipeline_copy = self.output_is_copy
         self.rope = None
         if config.position == "rope":  # plain tensors, not buffers: .to(bf16) must not round them
-            self.rope = rope_tables(config.seq_len, config.head_dim, config.rope_theta, device=c.device)
+            self.rope = gpt_rope_tables(config, device=c.device)
             if c.cp is not None:  # the rows of this rank's tokens (their global positions)
                 rows = c.positions(0, config.seq_len // c.cp.size)
                 self.rope = tuple(table[rows] for table in self.rope)

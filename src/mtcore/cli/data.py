@@ -1,0 +1,93 @@
+"""Work on training data: `mtcore data prepare INPUT... --tokenizer FILE --output PREFIX`.
+
+`prepare` tokenizes text, .jsonl, .parquet files and HuggingFace `datasets`
+directories (written by `save_to_disk`), or directories of them, into one mtcore
+`PREFIX.bin`/`PREFIX.idx` pair, with several worker processes, a progress line on
+stderr and a summary (documents, tokens, seconds). A `.txt` file holds documents
+separated by blank lines (`--txt-separator`); a `.jsonl` line, parquet row or dataset
+record is one document (`--text-key`). Run it again after an interruption and the
+input files already done are skipped; run it again on the same inputs and it does
+nothing. Train on the result with
+`mtcore train CONFIG --data.paths PREFIX --data.tokenizer FILE` (docs/training.md).
+Parquet and `datasets` directories need the optional extra `mtcore[datasets]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HELP = "tokenize a corpus into .bin/.idx for training (mtcore data prepare)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    prep = actions.add_parser(
+        "prepare",
+        help="text/jsonl/parquet/datasets + a tokenizer -> PREFIX.bin/.idx",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="files or directories")
+    prep.add_argument("--tokenizer", required=True, metavar="FILE", help="a tokenizer.json")
+    prep.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx")
+    prep.add_argument(
+        "--text-key", default="text", metavar="KEY", help="jsonl/parquet/datasets field (text)"
+    )
+    prep.add_argument(
+        "--txt-separator",
+        default="",
+        metavar="SEP",
+        help="split .txt files at SEP (default: at blank lines; 'none': one document per file)",
+    )
+    prep.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        metavar="N",
+        help="tokenizer processes (default: cores, at most 8)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtcore.data import DataError
+    from mtcore.data.prepare import prepare_data
+    from mtcore.data.progress import report_to
+
+    separator = None if args.txt_separator.lower() == "none" else _unescape(args.txt_separator)
+    if args.workers < 1:
+        print(
+            f"mtcore data prepare: error: --workers must be at least 1, got {args.workers}",
+            file=sys.stderr,
+        )
+        return 2
+    report_to(sys.stderr)
+    try:
+        done = prepare_data(
+            args.inputs,
+            args.tokenizer,
+            args.output,
+            text_key=args.text_key,
+            txt_separator=separator,
+            workers=args.workers,
+        )
+    except DataError as e:
+        print(f"mtcore data prepare: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        report_to(None)
+    state = "up to date" if done.up_to_date else f"written in {done.seconds:.1f} s"
+    print(
+        f"{done.prefix}.bin/.idx: {done.documents:,} documents, {done.tokens:,} tokens from "
+        f"{done.files} file(s), {state}"
+    )
+    print(
+        f"train on it: mtcore train CONFIG --data.paths {done.prefix} --data.tokenizer {args.tokenizer}"
+    )
+    return 0
+
+
+def _unescape(text: str) -> str:
+    """``\\n`` and ``\\t`` as typed on a command line, so ``--txt-separator '\\n---\\n'`` works."""
+    return text.replace("\\n", "\n").replace("\\t", "\t")

@@ -1,0 +1,79 @@
+"""Documents from columnar files: parquet, and HuggingFace ``datasets`` directories.
+
+Both are Arrow tables underneath: a ``.parquet`` file, or the ``.arrow`` stream files
+that ``datasets.Dataset.save_to_disk`` writes next to its ``state.json`` (which lists
+them in order). Each row's ``text_key`` column is one document. They are read with
+``pyarrow`` in record batches, so a file larger than memory streams through; pyarrow
+comes with the optional extra ``mtcore[datasets]`` and is imported only when such a
+file is read, so a job on text files never needs it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from mtcore.data.cache import DataError
+
+EXTRA_HINT = "install the optional extra: pip install 'mtcore[datasets]'"
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(
+            f"reading parquet or datasets directories needs pyarrow: {EXTRA_HINT}"
+        ) from None
+    return pyarrow
+
+
+def table_documents(path: Path, text_key: str = "text") -> Iterator[str]:
+    """The non-empty ``text_key`` values of a parquet file or a ``save_to_disk`` directory."""
+    pa = _pyarrow()
+    if path.is_dir():
+        batches = _arrow_dir_batches(pa, path)
+    else:
+        try:
+            table = pa.parquet.ParquetFile(path)
+        except pa.ArrowException as e:
+            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        names = table.schema_arrow.names
+        # Only the text column is read: the others (ids, metadata) can be most of the file.
+        columns = [text_key] if text_key in names else None
+        batches = table.iter_batches(batch_size=1024, columns=columns)
+    for batch in batches:
+        if text_key not in batch.schema.names:
+            raise DataError(
+                f"{path}: no column {text_key!r} (columns: {', '.join(batch.schema.names)}); "
+                "set data.text_key"
+            )
+        column = batch.column(text_key)
+        if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+            raise DataError(f"{path}: column {text_key!r} holds {column.type}, not strings")
+        for text in column.to_pylist():
+            if text:
+                yield text
+
+
+def _arrow_dir_batches(pa, path: Path) -> Iterator:
+    state_path = path / "state.json"
+    try:
+        files = [entry["filename"] for entry in json.loads(state_path.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{state_path}: not a datasets save_to_disk state file ({e})") from None
+    for name in files:
+        arrow = path / name
+        if not arrow.is_file():
+            raise DataError(f"{path}: its state.json lists {name}, which does not exist")
+        with pa.memory_map(str(arrow)) as source:
+            try:
+                reader = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(source)
+                yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+                continue
+            yield from reader

@@ -1,0 +1,168 @@
+"""`mtcore data prepare`: every input kind gives the trainer's own tokens, with workers,
+re-runs that do nothing, resumption after a failure, and the command's output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mtcore.cli.main import main
+from mtcore.data import DataConfig, DataError, build_datasets
+from mtcore.data.corpus import find_files
+from mtcore.data.indexed import IndexedDataset, get_indexed_dataset
+from mtcore.data.prepare import prepare_data
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[str]:
+    """24 documents of a few lines each (one line break inside, no blank lines)."""
+    rng = np.random.default_rng(7)
+    words = ["alpha", "beta", "gamma", "tensor", "shard", "rank", "token", "def", "return"]
+    return [
+        "\n".join(" ".join(rng.choice(words, 6)) for _ in range(4)) + f" {i}" for i in range(24)
+    ]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(trained) -> Path:
+    return trained[0].path
+
+
+def trainer_tokens(path: Path, tokenizer, cache: Path, **kw) -> np.ndarray:
+    """The tokens the trainer's own path (its cached index) gives ``path``."""
+    return np.asarray(get_indexed_dataset(find_files(path), tokenizer, cache, "t", **kw).tokens)
+
+
+def prepared_tokens(path: Path, tokenizer_json: Path, out: Path, **kw) -> np.ndarray:
+    done = prepare_data([path], tokenizer_json, out, **kw)
+    assert not done.up_to_date and done.documents > 0
+    return np.asarray(IndexedDataset(out).tokens)
+
+
+def test_text_file_documents_split_at_blank_lines(tmp_path, trained, tokenizer_json, docs):
+    tok = trained[0]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n  \n".join(docs))  # a blank line may hold spaces
+    expected = np.concatenate([np.append(tok.encode(d), tok.eod_id) for d in docs])
+    got = prepared_tokens(path, tokenizer_json, tmp_path / "out" / "txt")
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got, trainer_tokens(path, tok, tmp_path / "cache"))
+    assert len(IndexedDataset(tmp_path / "out" / "txt")) == len(docs)
+    # A separator of one's own, and one document per file.
+    path.write_text("\n%%\n".join(docs))
+    sep = prepare_data([path], tokenizer_json, tmp_path / "sep", txt_separator="\n%%\n")
+    assert sep.documents == len(docs)
+    whole = prepare_data([path], tokenizer_json, tmp_path / "whole", txt_separator=None)
+    assert whole.documents == 1
+
+
+def test_jsonl_with_workers_matches_the_trainer(tmp_path, trained, tokenizer_json, docs):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    one = prepared_tokens(path, tokenizer_json, tmp_path / "one", text_key="body")
+    two = prepared_tokens(path, tokenizer_json, tmp_path / "two", text_key="body", workers=2)
+    np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(
+        one, trainer_tokens(path, trained[0], tmp_path / "cache", text_key="body")
+    )
+
+
+def test_parquet_matches_the_trainer(tmp_path, trained, tokenizer_json, docs):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path, row_group_size=5)
+    got = prepared_tokens(path, tokenizer_json, tmp_path / "pq")
+    np.testing.assert_array_equal(got, trainer_tokens(path, trained[0], tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"no column 'body' \(columns: text, id\)"):
+        prepare_data([path], tokenizer_json, tmp_path / "bad", text_key="body")
+
+
+def test_datasets_save_to_disk_directory_matches_the_trainer(
+    tmp_path, trained, tokenizer_json, docs
+):
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "hf"
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(path), max_shard_size="2KB")
+    assert len(list(path.glob("*.arrow"))) > 1  # several shards, read in order
+    got = prepared_tokens(path, tokenizer_json, tmp_path / "ds")
+    np.testing.assert_array_equal(got, trainer_tokens(path, trained[0], tmp_path / "cache"))
+    tok = trained[0]
+    expected = np.concatenate([np.append(tok.encode(d), tok.eod_id) for d in docs])
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_rerun_does_nothing_and_changed_inputs_replace_the_output(tmp_path, tokenizer_json, docs):
+    path = tmp_path / "c.txt"
+    path.write_text("\n\n".join(docs))
+    out = tmp_path / "out"
+    first = prepare_data([path], tokenizer_json, out)
+    mtime = (tmp_path / "out.bin").stat().st_mtime_ns
+    again = prepare_data([path], tokenizer_json, out)
+    assert again.up_to_date and again.documents == first.documents == len(docs)
+    assert (tmp_path / "out.bin").stat().st_mtime_ns == mtime
+    path.write_text("\n\n".join(docs[:5]))
+    changed = prepare_data([path], tokenizer_json, out)
+    assert not changed.up_to_date and changed.documents == 5  # replaced, not appended
+    assert len(IndexedDataset(out)) == 5
+
+
+def test_an_interrupted_run_resumes_with_the_files_done(tmp_path, tokenizer_json, docs, capsys):
+    from mtcore.data.progress import report_to
+
+    good, bad = tmp_path / "in" / "a.jsonl", tmp_path / "in" / "b.jsonl"
+    good.parent.mkdir()
+    good.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    bad.write_text('{"text": "fi"}\n{"text"  "ne"}\n')  # line 2 lacks its colon
+    with pytest.raises(DataError, match=r"b\.jsonl:2: invalid JSON"):
+        prepare_data([good.parent], tokenizer_json, tmp_path / "out")
+    parts = list(tmp_path.glob("out.parts-*"))
+    assert len(parts) == 1 and (parts[0] / "part-000000.idx").is_file()
+    assert not (tmp_path / "out.idx").exists()  # no output until every file is done
+    committed = (parts[0] / "part-000000.bin").stat().st_mtime_ns
+    # Repair the file in place (same size and mtime: the same inputs), then run again.
+    st = bad.stat()
+    bad.write_text('{"text": "fi"}\n{"text": "ne"}\n')
+    os.utime(bad, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (parts[0] / "part-000000.bin").stat().st_mtime_ns == committed
+    report_to(sys.stderr)
+    try:
+        resumed = prepare_data([good.parent], tokenizer_json, tmp_path / "out")
+    finally:
+        report_to(None)
+    assert "resumed; 1 of 2 input file(s) were already done" in capsys.readouterr().err
+    assert resumed.documents == len(docs) + 2
+    assert not list(tmp_path.glob("out.parts-*"))  # joined, then removed
+    fresh = prepare_data([good.parent], tokenizer_json, tmp_path / "fresh")
+    np.testing.assert_array_equal(
+        np.asarray(IndexedDataset(tmp_path / "out").tokens),
+        np.asarray(IndexedDataset(fresh.prefix).tokens),
+    )
+
+
+def test_command_prints_progress_and_summary_and_trains(tmp_path, tokenizer_json, docs, capsys):
+    path = tmp_path / "c.txt"
+    path.write_text("\n\n".join(docs))
+    mtcore = Path(sys.executable).with_name("mtcore")
+    cmd = [str(mtcore), "data", "prepare", str(path), "--tokenizer", str(tokenizer_json),
+           "--output", str(tmp_path / "p"), "--workers", "2"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert f"{len(docs)} documents" in run.stdout and "written in" in run.stdout
+    assert f"prepare p: {len(docs)} documents" in run.stderr  # the summary line
+    # Again, in-process: nothing to do; and a missing input is exit 1 naming it.
+    assert main(cmd[1:]) == 0
+    out, err = capsys.readouterr()
+    assert "up to date" in out and "nothing to do" in err
+    data = build_datasets(
+        DataConfig(paths=[str(tmp_path / "p")], tokenizer=str(tokenizer_json), seq_len=16)
+    )
+    assert data.train.num_docs + data.valid.num_docs == len(docs)
+    assert main([*cmd[1:3], str(tmp_path / "nope.txt"), *cmd[4:]]) == 1
+    assert "mtcore data prepare: error: data path does not exist" in capsys.readouterr().err
