@@ -19,6 +19,15 @@ marker line right above its fence, ``<!-- docs-test: not run (needs a GPU) -->``
 in a doc whose owner has not marked it yet, has an entry in ``PYTHON_NOT_RUN`` with
 the error it must give; like ``ALLOWED``, an entry that passes or is gone fails.
 
+Every shell block is also run, or says why not: a block with a ``SHELL_RUN`` entry is
+run by bash (``set -eo pipefail``) in a throwaway copy of the repository's layout, as
+shown or with the entry's replacements (``--backend cuda`` -> ``--backend cpu``) and
+training shortened (``SHORT_TRAIN``); the cheap ones side by side in the default suite,
+the long ones under ``-m slow``. A block that cannot run here (GPU, MUSA, Slurm, a
+download, an install into the shared environment, the whole suite) carries the same
+``docs-test: not run (reason)`` marker above its fence. A block with neither fails
+``test_every_shell_block_runs_or_says_why``, which lists it as file:line.
+
 A command that cannot pass for a reason of its own (a placeholder the reader fills
 in) is listed in ``ALLOWED`` with that reason and the error it must give; an entry
 whose command is gone from the docs, or that passes, fails the suite, so the list
@@ -407,12 +416,6 @@ PYTHON_NOT_RUN: dict[str, dict[str, tuple[str, str]]] = {
             "needs a downloaded HuggingFace checkpoint at the reader's path",
         ),
     },
-    "docs/moe.md": {
-        "from mtcore.parallel.moe import MoELayer, MoESpec": (
-            "NameError: name 'layout' is not defined",
-            "docs bug (issue 20): the snippet uses layout and backend without making them",
-        ),
-    },
     "docs/plugin-author-guide.md": {
         "@hookimpl": ("NameError: name 'hookimpl'", "continues the plugin module shown above it"),
         "def sigmoid_swiglu(x: Tensor) -> Tensor:": (
@@ -583,3 +586,348 @@ def test_your_own_data_examples_run(tmp_path, monkeypatch, capsys):
         status = main(argv)
         out = capsys.readouterr()
         assert status == 0, f"{cmd}: exit {status}\n{out.err[-2000:]}"
+
+
+# -- shell blocks: run them, or say why not --------------------------------------------
+@dataclass(frozen=True)
+class ShellBlock:
+    doc: str
+    line: int  # 1-based line of the first content line
+    lang: str
+    lines: tuple[str, ...]
+    marker: str | None  # the reason of a `docs-test: not run` marker above the fence
+
+    @property
+    def first_line(self) -> str:
+        return next((line.strip() for line in self.lines if line.strip()), "")
+
+    def script(self) -> str:
+        """The block as a shell reads it: for ```console, the ``$`` lines only."""
+        if self.lang != "console":
+            return "\n".join(self.lines)
+        kept, going_on = [], False  # a `$` line and the lines its backslashes continue
+        for line in self.lines:
+            if line.startswith("$ ") or going_on:
+                kept.append(line[2:] if line.startswith("$ ") and not going_on else line)
+                going_on = line.rstrip().endswith("\\")
+        return "\n".join(kept)
+
+
+def shell_block_list(doc: Path, text: str | None = None) -> list[ShellBlock]:
+    """Every shell block of ``doc`` (found by ``shell_blocks``) with its marker."""
+    text = doc.read_text() if text is None else text
+    rel = doc.relative_to(ROOT).as_posix() if doc.is_relative_to(ROOT) else str(doc)
+    lines = text.splitlines()
+    found = []
+    for lang, first, body in shell_blocks(text):
+        above = lines[first - 3] if first >= 3 else ""  # the line above the fence
+        marker = MARKER.search(above)
+        found.append(
+            ShellBlock(rel, first, lang, tuple(body), marker["reason"] if marker else None)
+        )
+    return found
+
+
+@cache
+def all_shell_blocks() -> tuple[ShellBlock, ...]:
+    return tuple(b for doc in doc_files() for b in shell_block_list(doc))
+
+
+@dataclass(frozen=True)
+class ShellRun:
+    """How a shell block runs here: as shown, or with ``replace`` pairs (shown -> run
+    instead; each must still be in the block) and, with ``shorten``, SHORT_TRAIN added to
+    each training command. ``after`` names blocks (doc, first line) run first in the same
+    shell, the steps the doc says come before. ``covered_by`` names the test of this file
+    that already runs the block's commands; ``needs``, a program outside the venv that the
+    block uses (the test skips without it)."""
+
+    slow: bool = False
+    shorten: bool = False
+    replace: tuple[tuple[str, str], ...] = ()
+    after: tuple[tuple[str, str], ...] = ()
+    covered_by: str | None = None
+    needs: str | None = None
+
+
+CHEAP = ShellRun()
+SLOW_SHORT = ShellRun(slow=True, shorten=True)
+SHORT_TRAIN = "--training.steps 2 --training.eval_interval 0 --training.sample_tokens 0"
+NO_CUDA = (("--backend cuda", "--backend cpu"),)  # the same check, on the backend here
+EXAMPLE_FAMILY_TARGET = (
+    ("/tmp/example-family", "$PWD/target/example-family"),
+)  # absolute: a later cd
+EXAMPLE_FAMILY_INSTALL = (
+    "docs/plugin-author-guide.md",
+    "pip install --no-deps --no-build-isolation --target /tmp/example-family docs/examples/"
+    "mtcore-example-family",
+)
+
+# doc -> first line of a block -> how it runs. A block without an entry needs a marker.
+SHELL_RUN: dict[str, dict[str, ShellRun]] = {
+    "docs/backends.md": {
+        "$ mtcore plugins": CHEAP,
+        "mtcore doctor                  # plugins, model families, every backend; details for "
+        "each available one": ShellRun(replace=NO_CUDA),
+    },
+    "docs/ci.md": {
+        '.venv/bin/python -c "import torch; print(torch.__version__)"   # 2.13.0+cpu': CHEAP,
+        ".venv/bin/python -m pytest --pyargs mtcore.testing.conformance --mtcore-backend cpu -q": (
+            ShellRun(slow=True)
+        ),
+        ".venv/bin/mtcore doctor --json > doctor.json          # keep it as a build artifact": (
+            ShellRun(replace=NO_CUDA)
+        ),
+        ".venv/bin/mtcore doctor --json | .venv/bin/python -c '": CHEAP,
+        "mtcore doctor --json | jq -e '[.plugins[] | select(.status == \"broken\")] | length == 0'": (
+            ShellRun(needs="jq")
+        ),
+    },
+    "docs/examples/mtcore-example-family/README.md": {
+        "pip install --no-deps --no-build-isolation --target /tmp/example-family docs/examples/"
+        "mtcore-example-family": ShellRun(slow=True, replace=EXAMPLE_FAMILY_TARGET),
+    },
+    "docs/examples/mtcore-example-plugin/README.md": {
+        "pip install --no-deps --no-build-isolation --target /tmp/example-plugin docs/examples/"
+        "mtcore-example-plugin": ShellRun(
+            slow=True, replace=(("/tmp/example-plugin", "$PWD/target/example-plugin"),)
+        ),
+    },
+    "docs/fp8.md": {
+        "mtcore train configs/default.yaml --nproc 4 --precision.fp8 hybrid --precision.fp8_recipe"
+        " delayed": SLOW_SHORT,
+    },
+    "docs/kernels.md": {'TRITON_INTERPRET=1 .venv/bin/python -c "': CHEAP},
+    "docs/models.md": {
+        "mtcore train configs/default.yaml --nproc 4     # model.family unset: gpt": SLOW_SHORT,
+    },
+    "docs/moe.md": {
+        "mtcore train configs/moe.yaml --nproc 4      # tp2 x dp2 (4 ranks), experts over ep2, "
+        "ZeRO-1, fp32, 200 steps": SLOW_SHORT,
+    },
+    "docs/multimodal.md": {
+        "mtcore train configs/llava.yaml --nproc 4 --model.freeze '[vision, language]' "
+        "--checkpoint.dir runs/llava-stage1": SLOW_SHORT,
+    },
+    "docs/plan.md": {
+        "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host": CHEAP,
+        "mtcore sweep configs/default.yaml --layouts tp=2,pp=2 tp=2,pp=1 tp=1,pp=2,vpp=2 "
+        "--nproc 4 --steps 4": ShellRun(slow=True, replace=(("--steps 4", "--steps 2"),)),
+    },
+    "docs/plugin-author-guide.md": {
+        "python docs/examples/c10d-backend/toyccl.py": CHEAP,
+        EXAMPLE_FAMILY_INSTALL[1]: ShellRun(slow=True, replace=EXAMPLE_FAMILY_TARGET),
+        "cd docs/examples/mtcore-example-family": ShellRun(
+            slow=True, shorten=True, after=(EXAMPLE_FAMILY_INSTALL,)
+        ),
+        "python - <<'PY'": ShellRun(
+            slow=True,
+            after=(  # which runs the install before it
+                ("docs/plugin-author-guide.md", "cd docs/examples/mtcore-example-family"),
+            ),
+        ),
+        "mtcore new-plugin myaccel                                  # device type myaccel, c10d "
+        "gloo": CHEAP,
+    },
+    "docs/training.md": {
+        "make train                                       # = mtcore train configs/default.yaml "
+        "--nproc 4": ShellRun(
+            slow=True,
+            shorten=True,
+            replace=(("make train", "mtcore train configs/default.yaml --nproc 4"),),
+        ),
+        "mtcore train configs/default.yaml --nproc 2 --parallel.pp 1 --precision.dtype fp32 "
+        "--training.steps 20": SLOW_SHORT,
+        "# one .txt file of many documents, blank lines between them (a BPE is trained on it)": (
+            ShellRun(slow=True, covered_by="test_your_own_data_examples_run")
+        ),
+        "mtcore data prepare books.txt web.jsonl my_dataset/ --tokenizer tokenizer.json --output "
+        "data/corpus": ShellRun(slow=True, covered_by="test_your_own_data_examples_run"),
+        "mtcore train configs/long_context.yaml --nproc 4        # 2048 tokens, cp 4, ring": (
+            SLOW_SHORT
+        ),
+        "mtcore train configs/default.yaml --nproc 4 --parallel.tp 1 --parallel.pp 1 \\": (
+            SLOW_SHORT
+        ),
+    },
+}
+
+
+def shell_run(block: ShellBlock) -> ShellRun | None:
+    return SHELL_RUN.get(block.doc, {}).get(block.first_line)
+
+
+def find_block(doc: str, first_line: str) -> ShellBlock:
+    found = [b for b in all_shell_blocks() if (b.doc, b.first_line) == (doc, first_line)]
+    assert found, f"no shell block of {doc} starts with {first_line!r}"
+    return found[0]
+
+
+TRAIN_COMMAND = re.compile(r"\bmtcore train\b|-m mtcore\.train\b")
+COMMENT = re.compile(r"^(?P<code>.*?)(?P<comment>\s+#\s.*)?$")
+
+
+def runnable_script(block: ShellBlock, run: ShellRun) -> str:
+    """The shell text the test runs for ``block``: its ``after`` blocks first, then the
+    block with ``run``'s replacements and, with ``shorten``, SHORT_TRAIN added to each
+    training command (before a trailing comment). ValueError when a replacement is gone."""
+    parts = []
+    for doc, first in run.after:
+        earlier = find_block(doc, first)
+        parts.append(runnable_script(earlier, shell_run(earlier) or CHEAP))
+    text = block.script()
+    for shown, instead in run.replace:
+        if shown not in text:
+            raise ValueError(f"{block.doc}:{block.line}: {shown!r} is no longer in the block")
+        text = text.replace(shown, instead)
+    if run.shorten:
+        lines = re.sub(r"\s*\\\n\s*", " ", text).splitlines()
+        for k, line in enumerate(lines):
+            if TRAIN_COMMAND.search(line):
+                m = COMMENT.match(line)
+                lines[k] = f"{m['code']} {SHORT_TRAIN}{m['comment'] or ''}"
+        text = "\n".join(lines)
+    parts.append(text)
+    return "\n".join(parts)
+
+
+def shell_workspace(where: Path) -> Path:
+    """A directory that looks like the repository to a block (configs, .venv, src,
+    plugins, benchmarks, Makefile linked; docs copied, since pip builds in the source
+    tree), so what a block writes (doctor.json, runs/, new plugins) lands outside it."""
+    import shutil
+
+    where.mkdir(parents=True, exist_ok=True)
+    for name in ("configs", ".venv", "src", "plugins", "benchmarks", "Makefile"):
+        (where / name).symlink_to(ROOT / name)
+    shutil.copytree(ROOT / "docs", where / "docs")
+    return where
+
+
+def run_shell_block(block: ShellBlock, run: ShellRun, where: Path) -> tuple[int, str]:
+    """(exit status, the output's tail) of ``block`` run by bash with ``set -eo
+    pipefail`` in a fresh workspace under ``where``, the venv's programs first on PATH."""
+    import os
+    import subprocess
+
+    cwd = shell_workspace(where)
+    home = where / "home"  # not the workspace: its src/ is the repository's
+    home.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(home)}
+    env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["MTCORE_DATA_CACHE"] = str(cwd / "cache")
+    env.pop("MTCORE_BACKEND", None)
+    script = "set -eo pipefail\n" + runnable_script(block, run)
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=1800
+    )
+    return done.returncode, (done.stdout + done.stderr)[-3000:]
+
+
+SHELL_BLOCKS = all_shell_blocks()
+RUN_HERE = [b for b in SHELL_BLOCKS if shell_run(b) is not None and not shell_run(b).covered_by]
+CHEAP_BLOCKS = [b for b in RUN_HERE if not shell_run(b).slow]
+
+
+def unaccounted(blocks) -> tuple[list[str], list[str]]:
+    """(blocks with neither a SHELL_RUN entry nor a marker, blocks with both), as
+    file:line: first command."""
+    neither = [f"{b.doc}:{b.line}: {b.first_line}" for b in blocks
+               if b.marker is None and shell_run(b) is None]  # fmt: skip
+    both = [f"{b.doc}:{b.line}: {b.first_line}" for b in blocks if b.marker and shell_run(b)]
+    return neither, both
+
+
+def test_every_shell_block_runs_or_says_why():
+    """A shell block has a SHELL_RUN entry (it runs in a test) or a `docs-test: not run`
+    marker above its fence (why it cannot run here); not both, not neither."""
+    neither, both = unaccounted(SHELL_BLOCKS)
+    assert not neither, (
+        "shell blocks that neither run in a test (SHELL_RUN) nor say why not "
+        "(<!-- docs-test: not run (reason) --> above the fence):\n  " + "\n  ".join(neither)
+    )
+    assert not both, f"blocks with a marker and a SHELL_RUN entry: {both}"
+
+
+def test_the_shell_block_check_lists_unaccounted_blocks():
+    sample = "```bash\nmtcore plugins\n```\n<!-- docs-test: not run (GPU) -->\n```sh\nx\n```\n"
+    blocks = shell_block_list(ROOT / "SAMPLE.md", sample)
+    assert unaccounted(blocks) == (["SAMPLE.md:2: mtcore plugins"], [])
+
+
+def test_shell_run_entries_are_still_documented():
+    shown = {(b.doc, b.first_line) for b in SHELL_BLOCKS}
+    stale = [(d, f) for d, entries in SHELL_RUN.items() for f in entries if (d, f) not in shown]
+    assert not stale, f"SHELL_RUN names blocks no doc shows: {stale}"
+    for block in SHELL_BLOCKS:
+        run = shell_run(block)
+        if run is not None and run.covered_by:
+            assert callable(globals().get(run.covered_by)), run.covered_by
+        if run is not None:
+            runnable_script(block, run)  # every replacement still applies
+
+
+def skip_without_needs(run: ShellRun) -> None:
+    import shutil
+
+    if run.needs and shutil.which(run.needs) is None:
+        pytest.skip(f"{run.needs} is not installed")
+
+
+@pytest.fixture(scope="module")
+def cheap_results(tmp_path_factory):
+    """The cheap blocks, run side by side (each is mostly one interpreter's start-up)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("shell-blocks")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {
+            (b.doc, b.line): pool.submit(run_shell_block, b, shell_run(b), root / str(k))
+            for k, b in enumerate(CHEAP_BLOCKS)
+        }
+        return {key: f.result() for key, f in futures.items()}
+
+
+@pytest.mark.parametrize(
+    "block", CHEAP_BLOCKS, ids=[f"{b.doc}:{b.line}" for b in CHEAP_BLOCKS]
+)  # fmt: skip
+def test_documented_shell_block_runs(block: ShellBlock, cheap_results):
+    skip_without_needs(shell_run(block))
+    status, tail = cheap_results[(block.doc, block.line)]
+    assert status == 0, f"{block.doc}:{block.line}: exit {status}\n{tail}"
+
+
+SLOW_BLOCKS = [b for b in RUN_HERE if shell_run(b).slow]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", SLOW_BLOCKS, ids=[f"{b.doc}:{b.line}" for b in SLOW_BLOCKS])
+def test_documented_long_shell_block_runs(block: ShellBlock, tmp_path):
+    skip_without_needs(shell_run(block))
+    status, tail = run_shell_block(block, shell_run(block), tmp_path)
+    assert status == 0, f"{block.doc}:{block.line}: exit {status}\n{tail}"
+
+
+SHELL_SAMPLE = """\
+<!-- docs-test: not run (needs a GPU) -->
+```bash
+mtcore doctor --backend cuda
+```
+
+```console
+$ mtcore train configs/default.yaml \\
+    --nproc 4   # four ranks
+output, not a command
+```
+"""
+
+
+def test_the_shell_block_reader_sees_markers_and_shortens():
+    marked, console = shell_block_list(ROOT / "SAMPLE.md", SHELL_SAMPLE)
+    assert (marked.marker, marked.line, console.marker) == ("needs a GPU", 3, None)
+    assert console.script() == "mtcore train configs/default.yaml \\\n    --nproc 4   # four ranks"
+    block = ShellBlock("SAMPLE.md", 1, "bash", ("mtcore train c.yaml \\", "  --nproc 4  # x"), None)
+    script = runnable_script(block, ShellRun(shorten=True, replace=(("c.yaml", "d.yaml"),)))
+    assert script == f"mtcore train d.yaml --nproc 4 {SHORT_TRAIN}  # x"
+    with pytest.raises(ValueError, match="no longer in the block"):
+        runnable_script(block, ShellRun(replace=(("e.yaml", "f.yaml"),)))
