@@ -3,7 +3,7 @@
     .venv/bin/pip install -c constraints.txt -r benchmarks/requirements-megatron.txt
     .venv/bin/python benchmarks/bench_megatron.py [--configs tp1 tp2 tp2-sp llama-tp2]
         [--rounds 4 --steps-per-round 3 --warmup 2] [--load K] [--ce-reps 20]
-        [--compare-overlap] [--json]
+        [--compare-overlap] [--profile-steps 2] [--json]
 
 Both sides train the same model shape from equivalent settings: 4 layers, hidden
 256, 8 heads, seq 256, batch 4, vocab 1024, fp32, AdamW (lr 1e-3, betas 0.9/0.95,
@@ -55,6 +55,12 @@ agreement, grad norm, AdamW), and tp-collective wait (time spent inside
 forward and backward, it is not added to them). The vocabulary-parallel cross
 entropy of both on the same ``[1024, 512]`` logit shards is timed the same way,
 forward and forward+backward (``--ce-reps``; tp2 configurations).
+
+``--profile-steps`` (default 2) profiles extra steps of each side with
+``torch.profiler``: the time in matrix products (``aten::mm``/``addmm``/``bmm``/
+``baddbmm``; Megatron's unfused attention's score products among them) and in fused
+attention kernels, and a **GEMM floor**: the step's weight-product FLOPs per rank
+over this core's measured single-thread matmul rate, beside 0.7 x Megatron's step.
 
 ``--compare-overlap`` runs two mtcore sides against the same Megatron steps: the
 column-parallel backward overlapped (``mtcore``, ``MTCORE_TP_OVERLAP=1``, the default)
@@ -336,6 +342,49 @@ def _phases(step, batch) -> dict[str, float]:
     }
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _op_times(step, batches) -> dict[str, float]:
+    """Seconds per step, from ``torch.profiler`` self CPU times (rank 0, separate steps:
+    the profiler slows what it watches): the matrix products (``MATMUL_OPS``, which
+    include an unfused attention's score products) and fused attention kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in batches:
+            step(*batch)
+    out = {"matmul": 0.0, "fused attention": 0.0}
+    for event in prof.key_averages():
+        if event.key in MATMUL_OPS:
+            out["matmul"] += event.self_cpu_time_total
+        elif "scaled_dot_product" in event.key:
+            out["fused attention"] += event.self_cpu_time_total
+    return {k: v / 1e6 / len(batches) for k, v in out.items()}
+
+
+def weight_flops_per_rank(style: str, tp: int) -> float:
+    """FLOPs of one step's weight products on one tp rank (forward + 2 backward):
+    ``6 x tokens x weights / tp``, the embedding's lookup excluded, the output layer in."""
+    kv = (LLAMA_KV_HEADS if style == "llama" else HEADS) * (HIDDEN // HEADS)
+    attention = HIDDEN * (HIDDEN + 2 * kv) + HIDDEN * HIDDEN
+    mlp = (3 if style == "llama" else 2) * HIDDEN * _ffn_size(style)
+    weights = LAYERS * (attention + mlp) + VOCAB * HIDDEN
+    return 6.0 * BATCH * SEQ * weights / tp
+
+
+def gemm_peak_flops(reps: int = 30) -> float:
+    """This core's fp32 matmul rate, one thread, on the MLP's first product at tp=2
+    ([batch x seq, hidden] @ [hidden, 2 hidden])."""
+    a, b = torch.randn(BATCH * SEQ, HIDDEN), torch.randn(HIDDEN, 4 * HIDDEN // 2)
+    for _ in range(3):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] * reps / (time.perf_counter() - t0)
+
+
 def _cross_entropy_times(ctx, reps: int) -> dict[str, dict[str, float]]:
     """Both vocab-parallel cross entropies on the same logit shard, alternating."""
     from megatron.core import tensor_parallel
@@ -388,7 +437,7 @@ def learnable_batches(n: int) -> torch.Tensor:
 
 def rank_main(
     ctx, name: str, rounds: int, per_round: int, warmup: int, phase_steps: int, ce_reps: int,
-    compare_overlap: bool,
+    compare_overlap: bool, profile_steps: int = 0,
 ):  # fmt: skip
     torch.set_num_threads(1)
     instrument()
@@ -401,7 +450,7 @@ def rank_main(
             "mtcore-blocking": MtcoreSide(ctx, **cfg, overlap="0").step,
         }
     sides["megatron"] = MegatronSide(**cfg).step
-    total = warmup + rounds * per_round + phase_steps
+    total = warmup + rounds * per_round + phase_steps + profile_steps
     data = learnable_batches(total)
     batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
     losses = {s: [] for s in sides}
@@ -430,6 +479,11 @@ def rank_main(
         s: {key: statistics.median(p[key] for p in ps) for key in ps[0]} for s, ps in phases.items()
     }
     result = {"round_times": times, "losses": losses, "phases": phase_median}
+    if profile_steps:
+        extra = batches[-profile_steps:]
+        result["ops"] = {s: _op_times(sides[s], extra) for s in sides}
+        result["gemm_peak"] = gemm_peak_flops()
+        result["weight_flops"] = weight_flops_per_rank(cfg["style"], cfg["tp"])
     if cfg["tp"] == 2 and ce_reps:
         result["cross_entropy"] = _cross_entropy_times(ctx, ce_reps)
     return result
@@ -459,6 +513,22 @@ def report(name: str, res: dict) -> dict:
     for key in res["phases"]["megatron"]:
         scale, fmt = (1, ".0f") if key == "collective calls" else (1e3, ".1f")
         print(f"{key:<20}" + "".join(f"{res['phases'][s][key] * scale:>16{fmt}}" for s in t))
+    if "ops" in res:
+        peak, flops = res["gemm_peak"], res["weight_flops"]
+        print(
+            f"{'matmul ms (profiled)':<20}"
+            + "".join(f"{res['ops'][s]['matmul'] * 1e3:>16.1f}" for s in t)
+        )
+        print(
+            f"{'fused attention ms':<20}"
+            + "".join(f"{res['ops'][s]['fused attention'] * 1e3:>16.1f}" for s in t)
+        )
+        floor = flops / peak
+        print(
+            f"GEMM floor: {flops / 1e9:.2f} GFLOP of weight products per rank per step at this "
+            f"core's {peak / 1e9:.0f} GFLOP/s = {floor * 1e3:.1f} ms; 0.7 x Megatron's step = "
+            f"{0.7 * med['megatron'] * 1e3:.1f} ms"
+        )
     ce = res.get("cross_entropy")
     if ce:
         print(f"vocab-parallel cross entropy [{BATCH * SEQ}, {VOCAB // 2}] per rank, ms (median):")
@@ -477,6 +547,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--phase-steps", type=int, default=4, help="instrumented steps per side")
     parser.add_argument("--ce-reps", type=int, default=20, help="cross-entropy timings (0: skip)")
+    parser.add_argument(
+        "--profile-steps", type=int, default=2,
+        help="profiled steps per side for the matmul/attention times and GEMM floor (0: skip)",
+    )  # fmt: skip
     parser.add_argument("--load", type=int, default=0, metavar="K", help="K spinning processes")
     parser.add_argument(
         "--compare-overlap",
@@ -496,7 +570,8 @@ def main() -> None:
             print(f"\nload at start of {name}: {load_average()}")
             res = run_ranks(
                 rank_main, CONFIGS[name]["tp"], name, args.rounds, args.steps_per_round,
-                args.warmup, args.phase_steps, args.ce_reps, args.compare_overlap, timeout_s=1800,
+                args.warmup, args.phase_steps, args.ce_reps, args.compare_overlap,
+                args.profile_steps, timeout_s=1800,
                 env={"OMP_NUM_THREADS": "1"},
             )[0]  # fmt: skip
             summary[name] = report(name, res)
