@@ -9,7 +9,11 @@ the predicted step time by cause (compute, recompute, exposed tp/cp/ep communica
 pipeline bubble, dp reduction as mtcore overlaps it), tokens/s, TFLOP/s per
 accelerator and MFU. `--search` lists the fastest layouts that fit and pass the
 checks; `--compare A B ...` prints layouts (`tp=2,pp=2,mb=2,sp,zero1`) or config
-files side by side. The model and its two fitted constants: docs/plan.md.
+files side by side. `--backend NAME|auto` builds that backend (as `mtcore doctor
+--backend` does) and takes what its capability table knows (the device name, its
+memory, the dtypes it computes in and any peak figures) over the `--hardware`
+description, which gives the rest. The model and its two fitted constants:
+docs/plan.md.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import json
 import sys
 
 HELP = "predict per-rank memory and step time of a layout; search or compare layouts"
-_VALUED = ("--gpus", "--hardware", "--top", "--dp-overlap")
+_VALUED = ("--gpus", "--hardware", "--backend", "--top", "--dp-overlap")
+DEFAULT_HARDWARE = "H100-SXM"
 _FLAGS = ("--json", "--search")
 
 
@@ -31,9 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hardware",
         metavar="NAME|FILE",
-        default="H100-SXM",
+        default=None,
         help="a shipped description (A100-80GB, H100-SXM, H200, B200, MTT-S4000, "
-        "cpu-host) or a .toml file (default H100-SXM)",
+        f"cpu-host) or a .toml file (default {DEFAULT_HARDWARE}; required with --backend)",
+    )
+    parser.add_argument(
+        "--backend",
+        metavar="NAME|auto",
+        default=None,
+        help="fill device name, memory and peaks from this backend's capability table "
+        "(auto: the one mtcore train selects); --hardware gives the rest",
     )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
@@ -108,7 +120,7 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtcore.plan import HardwareError, NotModelled, Options, load_hardware, plan
+    from mtcore.plan import HardwareError, NotModelled, Options, plan
     from mtcore.plan.layouts import LayoutStringError, layout_overrides
     from mtcore.plan.render import describe, side_by_side, size
     from mtcore.plan.search import search
@@ -117,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
 
     options = Options(dp_overlap=args.dp_overlap)
     try:
-        hardware = load_hardware(args.hardware)
+        hardware, fill = _hardware(args.hardware, args.backend)
+        if fill is not None:  # on stderr under --json: stdout stays one JSON document
+            print(fill.summary(), file=sys.stderr if args.json else sys.stdout)
         if args.compare:
             names, plans = [], []
             for item in args.compare:
@@ -168,8 +182,51 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # LayoutError / SplitError: the message `mtcore train` prints
         print(f"mtcore plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict(), indent=2) if args.json else describe(result))
+    if args.json:
+        out = result.to_dict()
+        if fill is not None:
+            out["hardware_from_backend"] = fill.to_dict()
+        print(json.dumps(out, indent=2))
+    else:
+        print(describe(result))
     return 0
+
+
+def _hardware(name: str | None, backend: str | None):
+    """(the hardware description, the ``BackendFill`` or None): ``name`` loaded, with
+    what ``backend`` knows filled in when one is named."""
+    from mtcore.plan import HardwareError, load_hardware
+    from mtcore.plan.hardware import NOT_FROM_BACKEND, builtin_names, fill_from_backend
+
+    if backend is None:
+        return load_hardware(name or DEFAULT_HARDWARE), None
+    if name is None:
+        raise HardwareError(
+            f"--backend {backend} gives the device name, memory and peaks, but no backend "
+            f"knows {', '.join(NOT_FROM_BACKEND)}: name a description for them with "
+            f"--hardware NAME|FILE (shipped: {', '.join(builtin_names())})"
+        )
+    hardware, built = load_hardware(name), _build_backend(backend)
+    try:
+        return fill_from_backend(hardware, built)
+    except Exception as e:  # the plugin's capability table raised
+        raise HardwareError(
+            f"--backend {backend}: its capabilities could not be read: {e!r}"
+        ) from e
+
+
+def _build_backend(name: str):
+    """The backend ``name`` (``auto``: the automatic choice), built as doctor builds it;
+    a failure is a ``HardwareError`` naming it."""
+    from mtcore.backend import BackendError, select_backend
+    from mtcore.plan import HardwareError
+
+    try:
+        return select_backend(None if name == "auto" else name)
+    except BackendError as e:
+        raise HardwareError(f"--backend {name}: {e}") from e
+    except Exception as e:  # a plugin raised while building: say which backend
+        raise HardwareError(f"--backend {name}: the backend failed to build: {e!r}") from e
 
 
 def _short(p) -> str:

@@ -4,9 +4,10 @@ Each layout (`tp=2,pp=2`, as in `mtcore plan --compare`) trains for `--steps` st
 with `mtcore train` on `--nproc` local ranks; the measured step time and peak memory
 (the maximum over ranks) print next to `mtcore plan`'s prediction for `--hardware`
 (default cpu-host), with their ratios, and the two efficiency constants the
-prediction used. On the host backend the measured memory is each process's peak
-resident set (the framework included), so it reads well above the planned state and
-activations of a small model (docs/plan.md).
+prediction used. The measured memory is the largest rank's peak of tensor bytes held
+by torch's allocator (recorded by torch's profiler in every rank, mtcore.plan.sweep),
+what the plan's per-rank peak predicts; not the process's resident set, which holds
+the framework's own ~350 MB (docs/plan.md, "Calibrating with `mtcore sweep`").
 """
 
 from __future__ import annotations
@@ -71,19 +72,21 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mtcore.backend import BackendError
     from mtcore.plan import HardwareError, NotModelled, constants, load_hardware, plan
     from mtcore.plan.layouts import LayoutStringError, layout_overrides
-    from mtcore.plan.sweep import measure
+    from mtcore.plan.sweep import measure, options_here
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config
 
+    bad_input = (ConfigError, BackendError, HardwareError, NotModelled, LayoutStringError)
     try:
         hardware = load_hardware(args.hardware)
         predictions = []
         for layout in args.layouts:  # every layout is checked before any is trained
             config = load_config(args.config, [*args.overrides, *layout_overrides(layout)])
-            predictions.append(plan(config, args.nproc, hardware))
-    except (ConfigError, HardwareError, NotModelled, LayoutStringError, ValueError) as e:
+            predictions.append(plan(config, args.nproc, hardware, options_here(config)))
+    except (*bad_input, ValueError) as e:
         print(f"mtcore sweep: error: {e}", file=sys.stderr)
         return 2
     print(

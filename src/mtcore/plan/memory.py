@@ -16,7 +16,14 @@ exactly the paper's per-layer counts:
 * selective recompute:       the 5 a s / (h t) term (attention scores) dropped
 * full recompute:            2 s b h per layer (its input; / t with sequence parallel)
 
-A fused (flash) attention keeps no score matrix, only a log-sum-exp per query.
+A fused (flash) attention keeps no score matrix, only a log-sum-exp per query. A
+gated MLP keeps four intermediates of its width (the two branches, the activation's
+output that the product's backward reads, and the product), a GELU one two.
+
+Beyond the layers' activations a stage's peak holds, for one micro-batch, what its
+backward allocates before the first weight gradient is added to the fp32 buffer
+(``backward_transient_bytes``): measured with ``mtcore sweep`` on the host, where a
+rank's tensor peak falls at the start of a backward (docs/plan.md).
 """
 
 from __future__ import annotations
@@ -73,13 +80,15 @@ def layer_activation_bytes(
 
 
 def _mlp_bytes(block: Block, tokens: float, e: int) -> float:
-    """The MLP's (or experts') kept intermediates: fc1/fc3 outputs and fc2's input."""
-    branches = 2 if block.gated else 1
-    dense = e * tokens * (block.ffn + block.shared_ffn) * (branches + 1)
+    """The MLP's (or experts') kept intermediates of its width: fc1's output (the
+    activation's input) and fc2's input; gated, also fc3's output and silu(fc1), which
+    the product's backward reads (mtcore's swiglu: ``silu(gate) * up``, unfused)."""
+    kept = 4 if block.gated else 2
+    dense = e * tokens * (block.ffn + block.shared_ffn) * kept
     if not block.experts:
         return dense
     rows = tokens * block.top_k  # routed rows this rank computes (balanced routing)
-    experts = e * rows * block.expert_ffn * (branches + 1)
+    experts = e * rows * block.expert_ffn * kept
     # the dispatched input and the expert output are outside the expert's tp split but
     # are counted here once per rank as the tp ranks each hold the same rows / tp share
     experts += e * rows * block.hidden * 2
@@ -111,3 +120,55 @@ def in_flight(schedule: str, pp: int, vpp: int, rank: int, microbatches: int) ->
         return float(min(pp - rank, microbatches))
     chunks = min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
     return chunks / vpp
+
+
+def backward_transient_bytes(
+    block: Block,
+    micro_batch: int,
+    tp: int,
+    ep: int,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    act_bytes: int = 2,
+    received: bool = False,
+) -> float:
+    """What a stage's backward holds beyond the activations as it starts through its last
+    layer ``block``, for one micro-batch on one rank: the gradient received from the
+    next stage (``received``), then its last product's weight gradient, before it is
+    added to the fp32 buffer, with the gradient of that product's input (fc2 of a dense
+    MLP); for routed experts, two zero-filled gradients of this rank's stacked gate/up
+    weights (each expert's slice of the stack gets a stack-sized gradient, summed into
+    the one before)."""
+    if not block.keeps_activations:  # run under no_grad: no backward at all
+        return 0.0
+    s, b, h, e = block.seq / cp, micro_batch, block.hidden, act_bytes
+    out = e * s * b * h / (tp if sequence_parallel else 1) if received else 0.0
+    weight_grads = 0.0 if block.frozen else 1.0  # a frozen block passes the gradient only
+    if block.experts:
+        branches = 2 if block.gated else 1
+        stack = e * block.experts / ep * branches * block.expert_ffn / tp * h
+        return out + 2 * stack * weight_grads
+    inner = (block.ffn + block.shared_ffn) / tp
+    return out + e * inner * h * weight_grads + e * s * b * inner
+
+
+def head_transient_bytes(
+    tokens: float,
+    hidden: int,
+    vocab: int,
+    tp: int,
+    sequence_parallel: bool,
+    act_bytes: int,
+    trains_head: bool = True,
+) -> float:
+    """The last stage's loss and output layer for one micro-batch of ``tokens`` (on this
+    rank): the final norm's input and output (kept for backward), with the larger of the
+    loss's forward (logits in the compute dtype and their fp32 softmax) and the head's
+    backward (the softmax turned logits' gradient, the output weight's gradient before it
+    is added to the fp32 buffer (none when ``trains_head`` is off: a frozen language model),
+    and the head input's gradient)."""
+    e, v = act_bytes, vocab / tp
+    norm = 2 * e * tokens * hidden / (tp if sequence_parallel else 1)
+    forward = tokens * v * (e + 4)
+    backward = 4 * tokens * v + e * v * hidden * trains_head + e * tokens * hidden
+    return norm + max(forward, backward)

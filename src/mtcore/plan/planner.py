@@ -11,10 +11,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from mtcore.plan import constants, timing
+from mtcore.plan import timing
 from mtcore.plan.hardware import Hardware
-from mtcore.plan.memory import dtype_bytes, in_flight, layer_activation_bytes, state_bytes_per_param
-from mtcore.plan.shapes import Block, ModelShape, model_shape
+from mtcore.plan.memory import (
+    backward_transient_bytes,
+    dtype_bytes,
+    head_transient_bytes,
+    in_flight,
+    layer_activation_bytes,
+    state_bytes_per_param,
+)
+from mtcore.plan.shapes import Block, ModelShape, model_shape, stage_params
 
 DP_OVERLAP = ("mtcore", "none", "full")
 """How the data-parallel gradient reduction meets backward: ``mtcore`` as the trainer
@@ -28,7 +35,9 @@ class Options:
 
     dp_overlap: see ``DP_OVERLAP``. fused_attention: None takes the hardware file's.
     grad_bytes: bytes per gradient element the data-parallel reduction moves (mtcore
-    reduces its fp32 gradient buffers: 4; Megatron in 2021 reduced fp16 ones: 2).
+    reduces its fp32 gradient buffers: 4; Megatron in 2021 reduced fp16 ones: 2;
+    Megatron-Core in bf16 reduces fp32 ones, since its arguments.py turns
+    ``accumulate_allreduce_grads_in_fp32`` on for bf16: 4).
     """
 
     dp_overlap: str = "mtcore"
@@ -222,16 +231,13 @@ def _plan(config, spec, m, shape: ModelShape, gpus, hardware, options) -> Plan:
     for rank in range(pp):
         blocks = _rank_blocks(shape, counts, pp, vpp, rank)
         first, last = rank == 0, rank == pp - 1
-        dense = sum(n * (bl.attention_weights() + bl.dense_mlp_weights()) for bl, n in blocks) / tp
-        experts = sum(n * bl.expert_weights() for bl, n in blocks) / (tp * ep)
-        if first:
-            dense += shape.embed_params / tp
-        if last:
-            dense += (shape.head_params + (shape.embed_params if shape.tied and pp > 1 else 0)) / tp
+        holds = stage_params(shape, blocks, tp, ep, pp, first, last)  # frozen: weights only
+        dense, experts, frozen = holds.trained, holds.experts, holds.frozen
         held = in_flight(p.schedule, pp, vpp, rank, m)
         acts_per_mb = sum(
             n * layer_activation_bytes(bl, b, tp, cp, spec.sequence_parallel, recompute, fused, e)
             for bl, n in blocks
+            if bl.keeps_activations  # a block run under no_grad keeps nothing
         )
         transient = _transient(shape, blocks, b, spec, recompute, fused, e, first, last)
         ranks.append(
@@ -239,7 +245,7 @@ def _plan(config, spec, m, shape: ModelShape, gpus, hardware, options) -> Plan:
                 stage=rank,
                 params=round(dense),
                 expert_params=round(experts),
-                weights=dense * per_byte["params"] + experts * per_byte_expert["params"],
+                weights=(dense + frozen) * per_byte["params"] + experts * per_byte_expert["params"],
                 grads=dense * per_byte["grads"] + experts * per_byte_expert["grads"],
                 master=dense * per_byte["master"] + experts * per_byte_expert["master"],
                 optimizer=dense * per_byte["optimizer"] + experts * per_byte_expert["optimizer"],
@@ -327,19 +333,28 @@ def _rank_blocks(shape: ModelShape, counts: list[int], pp: int, vpp: int, rank: 
 
 
 def _transient(shape, blocks, b, spec, recompute, fused, e, first, last) -> float:
-    """Memory alive for one micro-batch only: the logits and their fp32 loss on the last
-    stage; with full recompute, one layer's activations rebuilt for its backward."""
-    out = 0.0
-    tokens = b * shape.head_seq / spec.cp
+    """Memory a stage's peak holds beyond its layers' kept activations, for one micro-batch:
+    what the backward allocates as it starts (``memory.backward_transient_bytes``: the
+    gradient received, the first weight gradient; the last stage's loss and head,
+    ``memory.head_transient_bytes``, whichever is larger) and, with full recompute, one
+    layer's activations rebuilt for its backward. The first stage's embedding output
+    is its first layer's input, counted with that layer's activations."""
+    sp = spec.sequence_parallel
+    out = max(
+        (
+            backward_transient_bytes(bl, b, spec.tp, spec.ep, spec.cp, sp, e, True)
+            for bl, _ in blocks
+        ),
+        default=0.0,
+    )
     if last:
-        out += tokens * shape.vocab / spec.tp * (e + 4)
-    if first:
-        out += e * b * shape.seq_len / spec.cp * shape.hidden
+        tokens = b * shape.head_seq / spec.cp
+        trains = not shape.embed_frozen
+        head = head_transient_bytes(tokens, shape.hidden, shape.vocab, spec.tp, sp, e, trains)
+        out = max(out, head)
     if recompute == "full" and blocks:
         out += max(
-            layer_activation_bytes(
-                bl, b, spec.tp, spec.cp, spec.sequence_parallel, "none", fused, e
-            )
+            layer_activation_bytes(bl, b, spec.tp, spec.cp, sp, "none", fused, e)
             for bl, _ in blocks
         )
     return out
@@ -359,31 +374,36 @@ def _microbatch_time(
     shape, blocks, b, spec, hw, recompute, fused, e, first, last, peak, block_peak
 ):
     tp, cp, ep = spec.tp, spec.cp, spec.ep
-    gemm = constants.GEMM_EFFICIENCY
+    rate, block_rate = timing.gemm_flops(hw, peak), timing.gemm_flops(hw, block_peak)
     weights = sum(n * 2.0 * bl.seq * bl.active_weights() for bl, n in blocks) * b / (tp * cp)
     products = sum(n * bl.attention_product_flops() for bl, n in blocks) * b / (tp * cp)
-    fwd = weights / (block_peak * gemm) + products / (peak * gemm)
+    fwd = weights / block_rate + products / rate
+    # Backward: each block's passes after the forward (Block.passes - 1: 2 with weight
+    # gradients, 1 for frozen weights passing the gradient on, 0 under no_grad).
+    live = tuple((bl, n) for bl, n in blocks if bl.keeps_activations)
+    back_weights = sum(n * (bl.passes - 1) * 2.0 * bl.seq * bl.active_weights() for bl, n in blocks)
+    back_products = sum(n * (bl.passes - 1) * bl.attention_product_flops() for bl, n in blocks)
+    back = (back_weights / block_rate + back_products / rate) * b / (tp * cp)
+    live_weights = sum(n * 2.0 * bl.seq * bl.active_weights() for bl, n in live) * b / (tp * cp)
+    live_products = sum(n * bl.attention_product_flops() for bl, n in live) * b / (tp * cp)
     head = 0.0
     if last:
         head = 2.0 * b * shape.head_seq / cp * (shape.vocab + shape.head_dense) * shape.hidden / tp
-        head = 3 * head / (peak * gemm)
-    if fused:  # a fused attention's backward recomputes the scores (Q K^T) per block
-        fwd_products = products / (peak * gemm)
-        compute_extra = 0.5 * fwd_products
-    else:
-        compute_extra = 0.0
-    compute = 3 * fwd + head + compute_extra
-    redo = fwd if recompute == "full" else 0.0
+        head = 3 * head / rate
+    # a fused attention's backward recomputes the scores (Q K^T) per block
+    compute_extra = 0.5 * live_products / rate if fused else 0.0
+    compute = fwd + back + head + compute_extra
+    redo = live_weights / block_rate + live_products / rate if recompute == "full" else 0.0
     if recompute == "selective":
-        redo = products / (peak * gemm)
+        redo = live_products / rate
     kept = sum(
         n * layer_activation_bytes(bl, b, tp, cp, spec.sequence_parallel, "none", fused, e)
         for bl, n in blocks
     )
     passes = timing.ELEMENTWISE_PASSES + (2 if recompute == "full" else 0)
     loss_traffic = 0.0
-    if last:  # logits written and read, the fp32 softmax kept and read back, their gradient
-        loss_traffic = b * shape.head_seq / cp * shape.vocab / tp * (3 * e + 8)
+    if last:  # the loss over the vocabulary shard, in fp32 (timing.cross_entropy_bytes)
+        loss_traffic = b * shape.head_seq / cp * shape.vocab / tp * timing.cross_entropy_bytes(e)
     memory_bound = timing.memory_bound(hw, passes * kept + loss_traffic)
 
     tokens = b * shape.seq_len / cp  # per rank; T5's decoder uses its own length below
@@ -391,7 +411,7 @@ def _microbatch_time(
     calls = 4 + (2 if recompute == "full" else 0)
     for bl, count in blocks:
         activation = e * b * bl.seq / cp * bl.hidden
-        n = calls + (2 if bl.cross_seq else 0)
+        n = calls + (2 if bl.cross_seq else 0) if bl.keeps_activations else 2  # forward only
         tp_comm += count * n * timing.all_reduce(hw, activation, tp, 1)
         if cp > 1:
             kv = e * b * bl.seq / cp * 2 * bl.kv_width / tp

@@ -45,7 +45,7 @@ def describe(p: Plan) -> str:
         f"  master weights   {size(r.master)}",
         f"  optimizer state  {size(r.optimizer)}  (AdamW moments{', ZeRO-1' if p.layout['zero1'] else ''})",
         f"  activations      {size(r.activations)}  ({r.in_flight:g} micro-batches in flight)",
-        f"  transient        {size(r.transient)}  (logits, recompute, embedding)",
+        f"  transient        {size(r.transient)}  (backward start, loss and head, recompute)",
         f"  peak             {size(r.peak)}  of {size(p.memory_limit).strip()}: {fit}",
         "step time:",
     ]

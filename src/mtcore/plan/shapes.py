@@ -4,16 +4,24 @@ Families are read through the seam only (a ``FamilyConfig`` instance, its fields
 its ``num_params``/``flops_per_step``); the per-family shape is written here, keyed by
 ``config.family``. A family with no entry here is "not modelled": ``model_shape``
 raises ``NotModelled`` naming it, rather than guessing.
+
+Parameters that do not train (a frozen part of a vision-language model) are held as
+weights only: the trainer gives them no gradient buffer, master weight, optimizer
+state or data-parallel reduction (``requires_grad`` is off). ``stage_params`` says
+how many of each one tensor-parallel rank of a pipeline stage holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class NotModelled(ValueError):
     """The planner has no shape for this family (the message names it)."""
+
+
+BACKWARDS = ("full", "input", "none")
 
 
 @dataclass(frozen=True)
@@ -21,7 +29,12 @@ class Block:
     """One transformer layer, per sequence. ``seq``: its query tokens; ``kv_seq``: the
     keys each query attends to; ``cross_seq``: the encoder tokens a cross-attention
     reads (0: none). A mixture-of-experts layer has ``experts > 0`` and ``ffn == 0``
-    unless it also has a dense shared expert (``shared_ffn``)."""
+    unless it also has a dense shared expert (``shared_ffn``).
+
+    ``backward``: what the layer's backward computes. ``full``: its weights' and its
+    input's gradients; ``input``: its input's only (frozen weights that a trained part
+    before them needs the gradient through); ``none``: nothing (frozen, and run under
+    ``no_grad``: it keeps no activations)."""
 
     seq: int
     kv_seq: int
@@ -37,6 +50,26 @@ class Block:
     top_k: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
+    backward: str = "full"
+
+    def __post_init__(self):
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"Block.backward must be one of {BACKWARDS}, not {self.backward!r}")
+
+    @property
+    def frozen(self) -> bool:
+        """Its weights get no gradient, master copy or optimizer state."""
+        return self.backward != "full"
+
+    @property
+    def keeps_activations(self) -> bool:
+        return self.backward != "none"
+
+    @property
+    def passes(self) -> int:
+        """Matrix-product passes per step in units of the forward: the forward, then
+        the input's and the weights' gradients (each as costly as the forward)."""
+        return {"full": 3, "input": 2, "none": 1}[self.backward]
 
     @property
     def q_width(self) -> int:
@@ -92,7 +125,12 @@ class ModelShape:
     """A model as the planner sees it. ``blocks`` in pipeline order; ``embed_params``
     on the first stage, ``head_params`` (its weights beyond a tied embedding) on the
     last; ``head_seq`` tokens reach the head per sequence; ``recompute`` is the model's
-    setting (``none`` for families that have none)."""
+    setting (``none`` for families that have none).
+
+    ``first_stage_params``: more parameters on the first stage, held whole by every
+    tp rank and never tied (a vision tower's patch embedding and positions, a
+    projector), ``first_stage_frozen`` of them frozen; ``embed_frozen``: the embedding
+    and head do not train (a frozen language model)."""
 
     family: str
     blocks: tuple[Block, ...]
@@ -107,6 +145,9 @@ class ModelShape:
     recompute: str
     total_params: int
     stage_counts: Callable[[int, int], list[int]] = field(repr=False, default=None)
+    first_stage_params: int = 0
+    first_stage_frozen: int = 0
+    embed_frozen: bool = False
 
     def counts(self, pp: int, vpp: int) -> list[int]:
         """Layers per virtual stage, index ``chunk * pp + rank`` (the trainer's order)."""
@@ -235,7 +276,62 @@ def _t5(config) -> ModelShape:
     )
 
 
-SHAPES: dict[str, Callable] = {"gpt": _gpt, "bert": _bert, "t5": _t5}
+def _llava(config) -> ModelShape:
+    """LLaVA: the vision tower's ViT blocks, then the GPT's, the tower on the first stage.
+
+    Each sample carries ``images.max_images`` image slots (unused ones are computed
+    too), and each image is one sequence of patches (plus the class token) through
+    the tower: a tower block has ``seq = max_images x tower tokens`` queries, each
+    attending to one image's ``kv_seq`` tokens. The language model's ``seq_len``
+    already counts the image tokens. The patch embedding, positions and projector
+    are replicated over tp (``first_stage_params``).
+    """
+    v = config.vision
+    language = _gpt(config)
+    frozen_vision, frozen_language = config.frozen("vision"), config.frozen("language")
+    tower = Block(
+        seq=config.images.max_images * v.seq_len,
+        kv_seq=v.seq_len,
+        hidden=v.hidden_size,
+        heads=v.num_heads,
+        kv_heads=v.kv_heads,
+        head_dim=v.head_dim,
+        ffn=v.ffn_size,
+        gated=False,
+        dropout=False,
+        backward="none" if frozen_vision else "full",  # a frozen tower runs under no_grad
+    )
+    # A frozen language model still passes the gradient back to the projector (LLaVA's
+    # stage 1); a whole frozen front is refused by the config.
+    lm_backward = "input" if frozen_language else "full"
+    h = v.hidden_size
+    embedding = v.channels * v.patch_size**2 * h + (h if v.patch_bias else 0)
+    embedding += v.seq_len * h + (h if v.class_token else 0) + (2 * h if v.pre_norm else 0)
+    projector = config.projector_params()
+    vision_params = embedding  # the blocks' biases and norms are left out, as for the GPT's
+    frozen = (vision_params if frozen_vision else 0) + (
+        projector if config.frozen("projector") else 0
+    )
+    split = _even_counts(config.num_layers)
+
+    def counts(pp: int, vpp: int) -> list[int]:
+        out = list(split(pp, vpp))
+        out[0] += v.num_layers  # the tower sits on virtual stage 0, before the first layers
+        return out
+
+    return replace(
+        language,
+        family="llava",
+        blocks=(tower,) * v.num_layers
+        + tuple(replace(b, backward=lm_backward) for b in language.blocks),
+        stage_counts=counts,
+        first_stage_params=vision_params + projector,
+        first_stage_frozen=frozen,
+        embed_frozen=frozen_language,
+    )
+
+
+SHAPES: dict[str, Callable] = {"gpt": _gpt, "bert": _bert, "t5": _t5, "llava": _llava}
 """family name -> ``config -> ModelShape``; families not here are not modelled."""
 
 
@@ -248,3 +344,42 @@ def model_shape(config) -> ModelShape:
             f"{', '.join(sorted(SHAPES))}); its memory and step time are not predicted"
         )
     return make(config)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one tp rank of a pipeline stage holds. ``trained``: dense weights with
+    gradients, master weights and optimizer state, reduced over dp x cp; ``experts``:
+    trained routed experts (over tp x ep, reduced over their edp group); ``frozen``:
+    weights only."""
+
+    trained: float
+    experts: float
+    frozen: float
+
+
+def stage_params(shape: ModelShape, blocks, tp: int, ep: int, pp: int, first: bool, last: bool):
+    """``StageParams`` of a pipeline rank whose chunks hold ``blocks`` (``((block, how
+    many), ...)``, as the planner groups them): blocks sharded over tp (experts over
+    tp x ep), the embedding on the first stage and the head on the last sharded over tp
+    (a tied embedding on both when pp > 1), ``first_stage_params`` whole."""
+    trained = sum(
+        n * (b.attention_weights() + b.dense_mlp_weights()) for b, n in blocks if not b.frozen
+    )
+    frozen = sum(n * (b.attention_weights() + b.dense_mlp_weights()) for b, n in blocks if b.frozen)
+    experts = sum(n * b.expert_weights() for b, n in blocks if not b.frozen) / (tp * ep)
+    frozen_experts = sum(n * b.expert_weights() for b, n in blocks if b.frozen) / (tp * ep)
+    ends = 0.0
+    if first:
+        ends += shape.embed_params
+    if last:
+        ends += shape.head_params + (shape.embed_params if shape.tied and pp > 1 else 0)
+    trained, frozen = trained / tp, frozen / tp + frozen_experts
+    if shape.embed_frozen:
+        frozen += ends / tp
+    else:
+        trained += ends / tp
+    if first:
+        trained += shape.first_stage_params - shape.first_stage_frozen
+        frozen += shape.first_stage_frozen
+    return StageParams(trained=trained, experts=experts, frozen=frozen)

@@ -1,28 +1,40 @@
-"""Refit the planner's two efficiency constants on the two rows named in published.FITTED.
+"""Refit the planner's two efficiency constants on the two rows named in published.FITTED,
+and print every published row against the model (predicted, published, error).
 
     .venv/bin/python tests/unit/plan/fit.py
 
 A grid search over (GEMM_EFFICIENCY, LINK_EFFICIENCY) minimising the squared relative
-error of those two rows only; it prints the pair and every row's error (the other rows
-are predictions). Copy the pair into src/mtcore/plan/constants.py.
+error of those two rows only; it prints the pair and every row's error (the other rows,
+the Megatron-Core H100 ones included, are predictions). Copy the pair into
+src/mtcore/plan/constants.py.
 """
 
 from __future__ import annotations
 
-from published import FITTED, NARAYANAN_2021, narayanan_config
-from test_published_rows import MEGATRON_2021
+from published import (
+    FITTED,
+    MEGATRON_CORE_2024,
+    NARAYANAN_2021,
+    megatron_core_config,
+    narayanan_config,
+)
+from test_published_rows import MEGATRON_2021, MEGATRON_CORE, core_micro_batch
 
 from mtcore.plan import constants, load_hardware, plan
 
 
+def narayanan_tflops(name: str, rows: dict, configs: dict, hardware) -> float:
+    r = rows[name]
+    return plan(configs[name], r[6], hardware, MEGATRON_2021).tflops_per_gpu
+
+
 def main() -> None:
-    hardware = load_hardware("A100-80GB")
+    a100, h100 = load_hardware("A100-80GB"), load_hardware("H100-SXM")
     rows = {r[0]: r for r in NARAYANAN_2021}
     configs = {name: narayanan_config(*r[1:8]) for name, r in rows.items()}
 
     def error(name: str) -> float:
-        r = rows[name]
-        return plan(configs[name], r[6], hardware, MEGATRON_2021).tflops_per_gpu / r[8] - 1
+        return narayanan_tflops(name, rows, configs, a100) / rows[name][8] - 1
 
     best = None
     for gemm in (x / 100 for x in range(50, 100)):
@@ -33,9 +45,21 @@ def main() -> None:
                 best = (loss, gemm, link)
     _, constants.GEMM_EFFICIENCY, constants.LINK_EFFICIENCY = best
     print(f"GEMM_EFFICIENCY = {best[1]:.2f}\nLINK_EFFICIENCY = {best[2]:.2f}")
-    for name in rows:
+    print(f"{'row':32s} {'predicted':>9s} {'published':>9s} {'error':>7s}")
+    for name, r in rows.items():
         tag = "fitted" if name in FITTED else "predicted"
-        print(f"{name:8s} {error(name):+7.1%}  {tag}")
+        predicted = narayanan_tflops(name, rows, configs, a100)
+        _print_row("Narayanan 2021 " + name, predicted, r[8], tag)
+    for name, hidden, layers, heads, tp, pp, gpus, batch, published in MEGATRON_CORE_2024:
+        micro_batch = core_micro_batch(tp, pp, gpus, batch)
+        config = megatron_core_config(hidden, layers, heads, tp, pp, gpus, batch, micro_batch)
+        predicted = plan(config, gpus, h100, MEGATRON_CORE).model_tflops_per_gpu
+        _print_row("Megatron-Core 2024 " + name, predicted, published, "predicted")
+
+
+def _print_row(label: str, predicted: float, published: float, tag: str) -> None:
+    error = predicted / published - 1
+    print(f"{label:32s} {predicted:9.1f} {published:9.1f} {error:+7.1%}  {tag}")
 
 
 if __name__ == "__main__":

@@ -95,3 +95,15 @@ def test_search_prints_why(capsys):
     )
     out = capsys.readouterr().out
     assert out.count("why:") == 2 and "bubble" in out
+
+
+def test_the_vision_language_family_is_planned(capsys):
+    assert main(["plan", "configs/llava.yaml", "--gpus", "4", "--hardware", "cpu-host"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llava ") and "pipeline stage 0, the fullest of 2" in out
+
+
+def test_the_default_hardware_without_a_backend(capsys):
+    assert main(["plan", DEFAULT, "--gpus", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"] == "H100-SXM" and "hardware_from_backend" not in out

@@ -1,4 +1,5 @@
-"""Hardware files load and cite their sources; every built-in family is modelled."""
+"""Hardware files load and cite their sources; every built-in family is modelled, the
+vision-language one checked against the real model it builds (frozen parts included)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from mtcore.plan import HardwareError, NotModelled, builtin_names, load_hardware, model_shape, plan
+from mtcore.plan.planner import with_data_vocab
+from mtcore.plan.shapes import stage_params
 from mtcore.training.overrides import load_config
 
 SHIPPED = {"A100-80GB", "H100-SXM", "H200", "B200", "MTT-S4000", "cpu-host"}
@@ -41,16 +44,21 @@ def test_link_bandwidth_inside_and_across_nodes():
     assert hw.link(32, 8)[0] == 25e9  # one member per node: one port
 
 
-@pytest.mark.parametrize(
-    "path", ["configs/default.yaml", "configs/moe.yaml", "configs/bert.yaml", "configs/t5.yaml"]
-)
-def test_family_shapes_count_the_seams_parameters(path):
-    config = load_config(path)
-    from mtcore.plan.planner import with_data_vocab
+FAMILY_CONFIGS = [
+    "configs/default.yaml",
+    "configs/moe.yaml",
+    "configs/bert.yaml",
+    "configs/t5.yaml",
+    "configs/llava.yaml",
+]
 
-    config = with_data_vocab(config)
+
+@pytest.mark.parametrize("path", FAMILY_CONFIGS)
+def test_family_shapes_count_the_seams_parameters(path):
+    config = with_data_vocab(load_config(path))
     shape = model_shape(config.model)
     counted = sum(b.weights() for b in shape.blocks) + shape.embed_params + shape.head_params
+    counted += shape.first_stage_params
     assert counted == pytest.approx(config.model.num_params(), rel=0.03)
     result = plan(config, 4, load_hardware("H100-SXM"))
     assert result.time.total > 0 and result.peak_memory > 0
@@ -70,3 +78,159 @@ def test_an_unknown_family_is_not_modelled():
 
     with pytest.raises(NotModelled, match="does not model the 'mamba' family"):
         model_shape(Other())
+
+
+# -- the vision-language family (model.family: llava) -------------------------------------
+LLAVA = "configs/llava.yaml"
+
+
+def llava(*overrides: str):
+    """configs/llava.yaml's model (vocabulary from data.vocab_size, as the planner reads it)."""
+    return with_data_vocab(load_config(LLAVA, list(overrides))).model
+
+
+def stage_blocks(shape, pp: int, rank: int):
+    """``((block, how many), ...)`` of pipeline rank ``rank`` (vpp 1), as the planner groups them."""
+    counts = shape.counts(pp, 1)
+    start = sum(counts[:rank])
+    groups: dict = {}
+    for block in shape.blocks[start : start + counts[rank]]:
+        groups[block] = groups.get(block, 0) + 1
+    return tuple(groups.items())
+
+
+def real_counts(module) -> tuple[int, int]:
+    """(trained, frozen) parameters of a built module, as the trainer tells them apart."""
+    params = list(module.parameters())
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    return sum(p.numel() for p in params) - frozen, frozen
+
+
+@pytest.mark.parametrize("freeze", ["[]", "[vision]", "[vision, language]", "[projector]"])
+def test_llava_stages_hold_what_the_real_model_holds(freeze):
+    """Whole model and each chunk of a pp=2 split, built for real on the cpu backend:
+    the shape's trained and frozen parameters within the blocks' biases and norms (the
+    planner leaves those out for every family)."""
+    from mtcore.backend import select_backend
+    from mtcore.models import get_family
+    from mtcore.models.layers import single_context
+    from mtcore.models.vlm.model import Llava
+
+    config = llava("--model.freeze", freeze)
+    backend = select_backend("cpu")
+    shape = model_shape(config)
+    whole = real_counts(get_family("llava").one_process(config, backend))
+    held = stage_params(shape, stage_blocks(shape, 1, 0), 1, 1, 1, True, True)
+    assert sum(whole) == config.num_params()
+    assert held.trained == pytest.approx(whole[0], rel=0.01, abs=1)
+    assert held.frozen == pytest.approx(whole[1], rel=0.02, abs=1)
+
+    context = single_context(config, backend)
+    half = config.num_layers // 2
+    for rank, layers in enumerate((range(0, half), range(half, config.num_layers))):
+        first, last = rank == 0, rank == 1
+        chunk = real_counts(Llava(config, context, layers=layers, first=first, last=last))
+        held = stage_params(shape, stage_blocks(shape, 2, rank), 1, 1, 2, first, last)
+        assert held.trained == pytest.approx(chunk[0], rel=0.01, abs=1), rank
+        assert held.frozen == pytest.approx(chunk[1], rel=0.02, abs=1), rank
+
+
+def test_llava_puts_the_tower_on_the_first_stage():
+    config = llava()
+    shape = model_shape(config)
+    tower, lm = config.vision.num_layers, config.num_layers
+    assert shape.counts(2, 1) == [tower + lm // 2, lm // 2]
+    assert shape.counts(2, 2) == [tower + lm // 4] + [lm // 4] * 3
+    first = shape.blocks[0]
+    assert (first.hidden, first.heads, first.ffn) == (64, 4, 256)  # the ViT's own sizes
+    assert (first.seq, first.kv_seq) == (17, 17)  # 16 patches and the class token
+    assert shape.blocks[tower].seq == config.seq_len == 40  # the image's 16 tokens included
+    # patches (3 x 8 x 8 -> 64), positions, class token and pre-norm, then the projector
+    embedding = 3 * 8 * 8 * 64 + 17 * 64 + 64 + 2 * 64
+    assert shape.first_stage_params == embedding + config.projector_params()
+
+
+def test_llava_image_slots_are_sequences_of_the_tower():
+    """Two image slots per sample: twice the tower's tokens, each attending to its own
+    image's (attention grows linearly in the slots, not quadratically)."""
+    one = model_shape(llava()).blocks[0]
+    two = model_shape(llava("--model.images.max_images", "2")).blocks[0]
+    assert (two.seq, two.kv_seq) == (2 * one.seq, one.kv_seq)
+    assert two.attention_product_flops() == 2 * one.attention_product_flops()
+
+
+@pytest.mark.parametrize("overrides", [(), ("--model.images.max_images", "2")])
+def test_llava_flops_are_the_familys(overrides):
+    """Three passes of the blocks and the head give the family's ``flops_per_step``
+    exactly, but for the patch embedding's and projector's products (not blocks; about
+    1% here): the tower's blocks against ``flops_per_image``, the language model's and
+    head against the GPT's count."""
+    from mtcore.models.gpt.config import GPTConfig
+
+    config = llava(*overrides)
+    shape, v, images = model_shape(config), config.vision, config.images.max_images
+    tower, language = shape.blocks[: v.num_layers], shape.blocks[v.num_layers :]
+    patch = v.seq_len * 6.0 * v.channels * v.patch_size**2 * v.hidden_size
+    projector = 6.0 * v.num_features * config.projector_params()
+    head = 2.0 * shape.head_seq * shape.vocab * shape.hidden
+    assert 3 * sum(b.forward_flops() for b in tower) == images * (v.flops_per_image() - patch)
+    assert 3 * (sum(b.forward_flops() for b in language) + head) == pytest.approx(
+        GPTConfig.flops_per_step(config, 8) / 8
+    )
+    blocks = 3 * (sum(b.forward_flops() for b in shape.blocks) + head)
+    assert blocks + images * (patch + projector) == pytest.approx(config.flops_per_step(8) / 8)
+
+
+def test_llava_frozen_parts_run_as_the_trainer_runs_them():
+    """A frozen tower runs under no_grad (no backward, no activations); a frozen language
+    model in front of a trained projector still passes the gradient back (LLaVA stage 1)."""
+    stage2 = model_shape(llava("--model.freeze", "[vision]"))
+    stage1 = model_shape(llava("--model.freeze", "[vision, language]"))
+    tower = llava().vision.num_layers
+    assert {b.backward for b in stage2.blocks[:tower]} == {"none"}
+    assert {b.backward for b in stage2.blocks[tower:]} == {"full"}
+    assert {b.backward for b in stage1.blocks[tower:]} == {"input"}
+    assert stage1.embed_frozen and not stage2.embed_frozen
+    assert not stage2.blocks[0].keeps_activations and stage2.blocks[0].passes == 1
+    assert stage1.blocks[tower].keeps_activations and stage1.blocks[tower].passes == 2
+    # what the projector alone trains: its weights, on the first stage only
+    held = stage_params(stage1, stage_blocks(stage1, 2, 1), 1, 1, 2, False, True)
+    assert held.trained == 0 and held.frozen > 0
+
+
+def test_llava_plans_with_tp_and_pp():
+    config = load_config(LLAVA)
+    result = plan(config, 4, load_hardware("H100-SXM"))
+    assert result.family == "llava" and result.layout["tp"] == 2 and result.layout["pp"] == 2
+    assert result.params == with_data_vocab(config).model.num_params()
+    assert result.ranks[0].params > result.ranks[1].params  # the tower is on stage 0
+    with pytest.raises(ValueError, match="no context parallelism"):
+        plan(
+            load_config(LLAVA, ["--parallel.cp", "2", "--parallel.pp", "1"]),
+            4,
+            load_hardware("H100-SXM"),
+        )
+
+
+def test_a_frozen_tower_holds_weights_only_in_the_plan():
+    """LLaVA stage 2 (tower frozen) against the same model trained whole, tp2 x pp2:
+    stage 0 keeps the tower's weights but no gradients, master or optimizer state for
+    it, none of its activations, and spends no backward on it."""
+    from mtcore.plan.memory import layer_activation_bytes
+
+    hardware = load_hardware("H100-SXM")
+    whole = plan(load_config(LLAVA), 4, hardware)
+    stage2 = plan(load_config(LLAVA, ["--model.freeze", "[vision]"]), 4, hardware)
+    shape = model_shape(llava("--model.freeze", "[vision]"))
+    holds = stage_params(shape, stage_blocks(shape, 2, 0), 2, 1, 2, True, False)
+    rank = stage2.ranks[0]
+    assert rank.params == round(holds.trained) and holds.frozen > 0
+    assert rank.weights == pytest.approx(4 * (holds.trained + holds.frozen))  # fp32
+    assert rank.grads == pytest.approx(4 * holds.trained)
+    assert rank.optimizer == pytest.approx(8 * holds.trained)
+    tower = shape.blocks[0]
+    per_layer = layer_activation_bytes(tower, 8, 2, 1, False, "none", True, 4)
+    kept = whole.ranks[0].activations - rank.activations
+    assert kept == pytest.approx(rank.in_flight * llava().vision.num_layers * per_layer)
+    assert stage2.time.total < whole.time.total  # no backward through the tower
+    assert stage2.ranks[1] == whole.ranks[1]  # the last stage holds no part of the tower

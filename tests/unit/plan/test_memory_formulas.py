@@ -7,7 +7,12 @@ import pytest
 from published import MEGATRON_CORE_2024, NARAYANAN_2021, megatron_core_config, narayanan_config
 
 from mtcore.plan import Options, load_hardware, plan
-from mtcore.plan.memory import in_flight, layer_activation_bytes
+from mtcore.plan.memory import (
+    backward_transient_bytes,
+    head_transient_bytes,
+    in_flight,
+    layer_activation_bytes,
+)
 from mtcore.plan.shapes import Block
 
 ROWS = [("narayanan", r) for r in NARAYANAN_2021] + [
@@ -85,3 +90,35 @@ def test_first_stage_holds_p_microbatches_under_1f1b():
     result = plan(config, gpus, load_hardware("A100-80GB"), Options())
     per_layer = 2 * 2048 * 1 * hidden  # full recompute keeps each layer's input
     assert result.ranks[0].activations == pytest.approx(layers * per_layer, rel=0.10)
+
+
+def test_a_gated_mlp_keeps_four_intermediates_and_a_gelu_one_two():
+    """mtcore's swiglu is silu(gate) * up: fc1's and fc3's outputs, silu(fc1) and the
+    product stay for backward (what the sweep's tensor peaks showed on the host); a GELU
+    MLP keeps its input and output (Korthikanti's 16 s b h for a 4h MLP in 2 bytes)."""
+    s, b, h, f = 256, 1, 512, 1408
+    common = dict(seq=s, kv_seq=s, hidden=h, heads=8, kv_heads=8, head_dim=64, dropout=False)
+    gated, gelu = Block(ffn=f, gated=True, **common), Block(ffn=f, gated=False, **common)
+    difference = layer_activation_bytes(gated, b, 1, act_bytes=4) - layer_activation_bytes(
+        gelu, b, 1, act_bytes=4
+    )
+    assert difference == 4 * s * b * f * 2  # two more ffn-wide tensors of 4 bytes
+
+
+def test_the_backward_transient_is_the_first_weight_gradient_and_its_input_gradient():
+    s, b, h, f, v = 256, 2, 512, 1408, 4096
+    block = Block(seq=s, kv_seq=s, hidden=h, heads=8, kv_heads=2, head_dim=64, ffn=f,
+                  gated=True, dropout=False)  # fmt: skip
+    # fc2's weight gradient (h x f / tp) and its input's (s b f / tp), in fp32
+    assert backward_transient_bytes(block, b, 2, 1, act_bytes=4) == 4 * (h * f / 2 + s * b * f / 2)
+    received = backward_transient_bytes(block, b, 2, 1, act_bytes=4, received=True)
+    assert received - backward_transient_bytes(block, b, 2, 1, act_bytes=4) == 4 * s * b * h
+    # the head: the backward (softmax as the logits' gradient, the output weight's
+    # gradient, the head input's gradient) outweighs the forward (logits and softmax)
+    tokens = s * b
+    norm = 2 * 4 * tokens * h
+    backward = 4 * tokens * v / 2 + 4 * v / 2 * h + 4 * tokens * h
+    assert head_transient_bytes(tokens, h, v, 2, False, 4) == norm + backward
+    # long sequences of a small head: the forward's logits and softmax are the larger
+    long = 64 * tokens
+    assert head_transient_bytes(long, h, v, 2, False, 4) == 2 * 4 * long * h + long * v / 2 * 8
