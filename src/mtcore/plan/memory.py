@@ -110,7 +110,10 @@ def in_flight(schedule: str, pp: int, vpp: int, rank: int, microbatches: int) ->
     1F1B: stage r holds ``p - r`` micro-batches after warm-up (stage 0 the most).
     Interleaved (v chunks per rank): ``2 (p - r - 1) + (v - 1) p + 1`` chunks in
     flight, each 1/v of the rank's layers: on stage 0, ``p (1 + (p - 1) / (p v))``
-    micro-batches' worth (Korthikanti et al. 2022, sec. 4.2.3). GPipe: all of them.
+    micro-batches' worth (Korthikanti et al. 2022, sec. 4.2.3). With as many
+    micro-batches as stages the interleaved schedule runs every forward before the
+    first backward (mtcore's ``interleaved_1f1b``, as Megatron-Core's), so every rank
+    holds all of them. GPipe: all of them.
     """
     if pp == 1:
         return 1.0
@@ -118,8 +121,21 @@ def in_flight(schedule: str, pp: int, vpp: int, rank: int, microbatches: int) ->
         return float(microbatches)
     if vpp == 1:
         return float(min(pp - rank, microbatches))
+    if microbatches == pp:
+        return float(microbatches)
     chunks = min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
     return chunks / vpp
+
+
+def heads_in_flight(schedule: str, pp: int, vpp: int, microbatches: int) -> int:
+    """Micro-batches whose loss the last stage has run forward but not yet backward, at
+    most: one under 1F1B (each last-stage forward is followed by its backward) and under
+    interleaving, except when it runs every forward first (as many micro-batches as
+    stages, ``in_flight``); GPipe: all of them. Each one beyond the first keeps its
+    ``head_saved_bytes`` until its backward."""
+    if pp > 1 and (schedule == "gpipe" or (vpp > 1 and microbatches == pp)):
+        return microbatches
+    return 1
 
 
 def backward_transient_bytes(
@@ -152,6 +168,17 @@ def backward_transient_bytes(
     return out + e * inner * h * weight_grads + e * s * b * inner
 
 
+def head_saved_bytes(
+    tokens: float, hidden: int, vocab: int, tp: int, sequence_parallel: bool, act_bytes: int
+) -> float:
+    """What one micro-batch's head keeps from its forward to its backward, on this rank:
+    the final norm's input and output, and the loss's fp32 buffer of the vocabulary shard
+    (the exps of the vocab-parallel cross-entropy; at tp=1 the backend's log-softmax).
+    The logits themselves are freed once the loss has read them."""
+    norm = 2 * act_bytes * tokens * hidden / (tp if sequence_parallel else 1)
+    return norm + 4 * tokens * vocab / tp
+
+
 def head_transient_bytes(
     tokens: float,
     hidden: int,
@@ -166,9 +193,18 @@ def head_transient_bytes(
     loss's forward (logits in the compute dtype and their fp32 softmax) and the head's
     backward (the softmax turned logits' gradient, the output weight's gradient before it
     is added to the fp32 buffer (none when ``trains_head`` is off: a frozen language model),
-    and the head input's gradient)."""
+    and the head input's gradient).
+
+    At tp=1 the loss is the backend's cross-entropy, a log-softmax and NLL through autograd
+    (``mtcore.ops.cross_entropy``, torch's ``F.cross_entropy``): its backward holds three
+    fp32 buffers of the logits' size at once, the saved log-softmax, the NLL's gradient
+    of it and the logits' gradient (``_log_softmax_backward_data``; measured with
+    ``mtcore sweep``, docs/plan.md). The vocab-parallel loss (tp > 1) turns its saved
+    exps into the gradient in place: one buffer."""
     e, v = act_bytes, vocab / tp
     norm = 2 * e * tokens * hidden / (tp if sequence_parallel else 1)
     forward = tokens * v * (e + 4)
     backward = 4 * tokens * v + e * v * hidden * trains_head + e * tokens * hidden
+    if tp == 1:
+        backward = max(backward, 3 * 4 * tokens * v)
     return norm + max(forward, backward)

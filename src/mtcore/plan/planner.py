@@ -16,7 +16,9 @@ from mtcore.plan.hardware import Hardware
 from mtcore.plan.memory import (
     backward_transient_bytes,
     dtype_bytes,
+    head_saved_bytes,
     head_transient_bytes,
+    heads_in_flight,
     in_flight,
     layer_activation_bytes,
     state_bytes_per_param,
@@ -239,7 +241,8 @@ def _plan(config, spec, m, shape: ModelShape, gpus, hardware, options) -> Plan:
             for bl, n in blocks
             if bl.keeps_activations  # a block run under no_grad keeps nothing
         )
-        transient = _transient(shape, blocks, b, spec, recompute, fused, e, first, last)
+        heads = heads_in_flight(p.schedule, pp, vpp, m)
+        transient = _transient(shape, blocks, b, spec, recompute, fused, e, first, last, heads)
         ranks.append(
             RankMemory(
                 stage=rank,
@@ -332,13 +335,15 @@ def _rank_blocks(shape: ModelShape, counts: list[int], pp: int, vpp: int, rank: 
     return tuple(groups.items())
 
 
-def _transient(shape, blocks, b, spec, recompute, fused, e, first, last) -> float:
+def _transient(shape, blocks, b, spec, recompute, fused, e, first, last, heads=1) -> float:
     """Memory a stage's peak holds beyond its layers' kept activations, for one micro-batch:
     what the backward allocates as it starts (``memory.backward_transient_bytes``: the
     gradient received, the first weight gradient; the last stage's loss and head,
     ``memory.head_transient_bytes``, whichever is larger) and, with full recompute, one
     layer's activations rebuilt for its backward. The first stage's embedding output
-    is its first layer's input, counted with that layer's activations."""
+    is its first layer's input, counted with that layer's activations. A schedule that
+    runs ``heads`` last-stage forwards before their backwards (``memory.heads_in_flight``)
+    keeps each other one's ``memory.head_saved_bytes`` too."""
     sp = spec.sequence_parallel
     out = max(
         (
@@ -351,7 +356,8 @@ def _transient(shape, blocks, b, spec, recompute, fused, e, first, last) -> floa
         tokens = b * shape.head_seq / spec.cp
         trains = not shape.embed_frozen
         head = head_transient_bytes(tokens, shape.hidden, shape.vocab, spec.tp, sp, e, trains)
-        out = max(out, head)
+        saved = head_saved_bytes(tokens, shape.hidden, shape.vocab, spec.tp, sp, e)
+        out = max(out, head + (heads - 1) * saved)
     if recompute == "full" and blocks:
         out += max(
             layer_activation_bytes(bl, b, spec.tp, spec.cp, sp, "none", fused, e)

@@ -6,14 +6,19 @@ from __future__ import annotations
 import pytest
 from published import MEGATRON_CORE_2024, NARAYANAN_2021, megatron_core_config, narayanan_config
 
+from mtcore.parallel.pipeline.schedules import BACKWARD, FORWARD, build_schedule
 from mtcore.plan import Options, load_hardware, plan
+from mtcore.plan.layouts import layout_overrides
 from mtcore.plan.memory import (
     backward_transient_bytes,
+    head_saved_bytes,
     head_transient_bytes,
+    heads_in_flight,
     in_flight,
     layer_activation_bytes,
 )
 from mtcore.plan.shapes import Block
+from mtcore.training.overrides import load_config
 
 ROWS = [("narayanan", r) for r in NARAYANAN_2021] + [
     ("megatron-core", r) for r in MEGATRON_CORE_2024
@@ -122,3 +127,61 @@ def test_the_backward_transient_is_the_first_weight_gradient_and_its_input_gradi
     # long sequences of a small head: the forward's logits and softmax are the larger
     long = 64 * tokens
     assert head_transient_bytes(long, h, v, 2, False, 4) == 2 * 4 * long * h + long * v / 2 * 8
+
+
+def _heads_held(schedule) -> int:
+    """Most last-stage loss forwards whose backward has not run, walking the last rank's
+    compute order (the last chunk is the one that computes the loss)."""
+    held = most = 0
+    for a in schedule.compute_order(schedule.pp - 1):
+        if a.chunk == schedule.vpp - 1:
+            held += 1 if a.kind == FORWARD else -1 if a.kind == BACKWARD else 0
+            most = max(most, held)
+    return most
+
+
+@pytest.mark.parametrize("name,vpps", [("1f1b", (1,)), ("gpipe", (1,)), ("1f1b", (2, 3, 4))])
+def test_in_flight_counts_what_the_trainers_schedules_hold(name, vpps):
+    """The closed forms against the action lists the trainer runs, every rank, including
+    as many micro-batches as stages, where interleaving runs every forward first."""
+    for pp in (2, 3, 4, 8):
+        for vpp in vpps:
+            for m in range(1, 3 * pp + 1):
+                if vpp > 1 and m % pp:
+                    continue  # interleaving needs a multiple of pp
+                schedule = build_schedule(name, pp, m, vpp)
+                for rank in range(pp):
+                    held = schedule.max_in_flight(rank) / vpp
+                    assert in_flight(name, pp, vpp, rank, m) == held, (name, pp, vpp, m, rank)
+                assert heads_in_flight(name, pp, vpp, m) == _heads_held(schedule), (pp, vpp, m)
+    assert heads_in_flight("1f1b", 2, 2, 2) == 2  # the default config's tp1 x pp2 x vpp2
+    assert heads_in_flight("1f1b", 2, 2, 4) == 1
+    assert heads_in_flight("gpipe", 1, 1, 4) == 1  # one stage: no pipelining
+
+
+def test_the_unsharded_loss_backward_holds_three_logit_sized_fp32_buffers():
+    """At tp=1 the log-softmax's saved output, the NLL's gradient of it and the logits'
+    gradient are alive at once (what the sweep's live blocks showed at the peak)."""
+    tokens, h, v = 512, 128, 4096
+    norm = 2 * 4 * tokens * h
+    assert head_transient_bytes(tokens, h, v, 1, False, 4) == norm + 3 * 4 * tokens * v
+    # a wide head on few tokens: the output weight's gradient phase is the larger
+    few = 8
+    phase = 4 * few * v + 4 * v * h + 4 * few * h
+    assert head_transient_bytes(few, h, v, 1, False, 4) == 2 * 4 * few * h + phase
+    assert head_saved_bytes(tokens, h, v, 2, False, 4) == norm + 4 * tokens * v / 2
+
+
+def test_the_last_stage_keeps_every_head_when_interleaving_runs_all_forwards_first():
+    """configs/default.yaml as tp1 x pp2 x vpp2 on 4 ranks: dp 2 leaves 2 micro-batches per
+    rank, as many as stages, so the last stage holds both micro-batches' chunks and both
+    losses' saved buffers at its first backward (issue 21: 74 MB measured)."""
+    config = load_config("configs/default.yaml", layout_overrides("tp=1,pp=2,vpp=2"))
+    result = plan(config, 4, load_hardware("cpu-host"), Options(fused_attention=True))
+    assert result.microbatches == 2
+    last = result.ranks[1]
+    assert last.in_flight == 2 == result.ranks[0].in_flight
+    tokens, h, v = 4 * 128, 128, 4096
+    one = head_transient_bytes(tokens, h, v, 1, False, 4)
+    assert last.transient == one + head_saved_bytes(tokens, h, v, 1, False, 4)
+    assert 65e6 < last.peak < 75e6

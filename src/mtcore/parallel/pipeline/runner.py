@@ -163,6 +163,7 @@ class PipelineRunner:
             i = j
         for _, handles in self._sends:
             self._wait_all(handles)
+        self._sends = []  # delivered: keep no sent tensor through the optimizer step
         total = time.perf_counter() - self._t0
         if self._saved or self._outgoing or self._recv:
             raise ScheduleError(f"rank {self.rank}: step ended with unfinished work (action list is inconsistent)")
