@@ -1,6 +1,6 @@
 """The vocab-parallel cross-entropy's own maths, in one process.
 
-A stand-in collective whose reductions are the identity runs the custom
+A stand-in collective whose reductions and gathers are the identity runs the custom
 forward/backward at one rank, so comparisons with torch (float64 to 1e-12, float32,
 bfloat16) cover the code the distributed test runs over two ranks.
 """
@@ -21,6 +21,10 @@ from mtcore.parallel.tensor.cross_entropy import _VocabParallelCrossEntropy
 class _OneRankCollective:
     def all_reduce(self, tensor, op="sum", group=None, async_op=False):
         return None
+
+    def all_gather(self, output, input, group=None, async_op=False):
+        output.copy_(input.reshape(output.shape))
+        return SimpleNamespace(wait=lambda: None) if async_op else None
 
 
 ONE_RANK = TPGroup(SimpleNamespace(collective=_OneRankCollective()), None, 1, 0)

@@ -3,17 +3,21 @@
 Each tp rank holds ``logits [N, V/tp]`` for vocabulary rows
 ``[r V/tp, (r+1) V/tp)``. The loss needs three numbers per token that span the
 whole vocabulary: the max logit (for a stable exp), the sum of exps and the
-target's logit. Each is a local reduction followed by one small collective
-over tp: an all-reduce(max) of ``[N]`` and one all-reduce(sum) of ``[N, 2]``
-(sum-exp and target logit together). The full ``[N, V]`` never exists, which
-matters at V = 128k: it would be the largest activation of the model.
+target's logit. Each rank computes them over its shard, in its own max's frame
+(``m_r``, ``s_r = sum exp(x - m_r)``, its share of the target logit), and one
+all-gather of ``[N, 3]`` over tp gives every rank all of them, from which it
+combines ``M = max m_r`` and ``S = sum s_r exp(m_r - M)`` (the merge of a
+blockwise softmax). One collective per call: Megatron-Core makes three (max, then
+target logit, then sum), and the collectives of a small ``[N]`` are latency, not
+bytes. The full ``[N, V]`` never exists, which matters at V = 128k: it would be the
+largest activation of the model.
 
-Backward is the softmax minus the one-hot target, both local to the shard. It
-reuses the saved buffer of exps in place (Megatron keeps the softmax the same
-way: that buffer is the size of the logits), dividing by the sums as it scales
-by the loss gradient, so the graph supports one backward; a second one, with
-``retain_graph``, fails loudly on autograd's version check instead of
-returning wrong numbers.
+Backward is the softmax minus the one-hot target, both local to the shard:
+``exp(x - m_r) * exp(m_r - M) / S``. It reuses the saved buffer of local exps in
+place (Megatron keeps the softmax the same way: that buffer is the size of the
+logits), scaling each row once by the loss gradient, so the graph supports one
+backward; a second one, with ``retain_graph``, fails loudly on autograd's version
+check instead of returning wrong numbers.
 """
 
 from __future__ import annotations
@@ -33,32 +37,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         v_local = x.shape[1]
         start = tp.rank * v_local
 
-        logit_max = torch.amax(x, dim=1)  # no argmax indices, unlike ``max``
-        tp.collective.all_reduce(logit_max, op="max", group=tp.group)
-        x = x - logit_max[:, None]  # a new tensor: ``logits`` is untouched
-
         valid = target != ignore_index
         here = valid & (target >= start) & (target < start + v_local)
         local_target = torch.where(here, target - start, torch.zeros_like(target))
         target_logit = x.gather(1, local_target[:, None]).squeeze(1).masked_fill(~here, 0.0)
 
-        exp = x.exp_()
-        sums = torch.stack((exp.sum(dim=1), target_logit), dim=1)  # [N, 2]
-        tp.collective.all_reduce(sums, group=tp.group)
-        sum_exp, target_logit = sums.unbind(1)
-
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        # The exps are kept, not the softmax: backward divides by the sums in the one
-        # pass it makes anyway (a pass over [N, V/tp] less than dividing here).
-        ctx.save_for_backward(exp, sum_exp, local_target, here, valid)
+        local_max = torch.amax(x, dim=1)  # no argmax indices, unlike ``max``
+        exp = torch.sub(x, local_max[:, None]).exp_()  # a new tensor: ``logits`` is untouched
+        stats = torch.stack((local_max, exp.sum(dim=1), target_logit), dim=1)  # [N, 3]
+        every = tp.all_gather(stats, dim=0).view(tp.size, -1, 3)  # the one collective
+        maxes, sums, targets = every.unbind(2)
+        logit_max = maxes.amax(dim=0)
+        sum_exp = (sums * (maxes - logit_max).exp()).sum(dim=0)
+        loss = (sum_exp.log() + logit_max - targets.sum(dim=0)).masked_fill(~valid, 0.0)
+        # The local exps are kept, not the softmax: backward scales each row by
+        # exp(m_r - M) / S in the one pass it makes anyway.
+        row_scale = (local_max - logit_max).exp() / sum_exp
+        ctx.save_for_backward(exp, row_scale, local_target, here, valid)
         ctx.logits_dtype = logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        exp, sum_exp, local_target, here, valid = ctx.saved_tensors
+        exp, row_scale, local_target, here, valid = ctx.saved_tensors
         scale = (grad_loss * valid).to(exp.dtype)
-        grad = exp.mul_((scale / sum_exp)[:, None])  # softmax * dloss, in place: one backward
+        grad = exp.mul_((scale * row_scale)[:, None])  # softmax * dloss, in place: one backward
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_target] -= scale * here.to(grad.dtype)
         return grad.to(ctx.logits_dtype), None, None, None
