@@ -12,9 +12,11 @@ and the weights after the last step, relative error <= 1e-5.
 BERT with uneven padding (bidirectional, padding mask, [CLS] pair head) for each
 method; the ring op itself against one process (fully masked rows included) and the
 order of its transfers. 4 ranks (ring): cp2 x tp2 with sp (GPT-2 style and BERT), cp2 x
-pp2, cp2 x pp2 x vpp2 (tied output), cp2 x dp2 with ZeRO-1; and a MoE GPT at cp2 x ep2
-(2 ranks: the experts split over the cp ranks; router losses off). Slow: cp4 for each method,
-BERT cp4 and cp2 x tp2 x pp2 (8 ranks).
+pp2, cp2 x pp2 x vpp2 (tied output), cp2 x dp2 with ZeRO-1; and MoE GPTs (2 ranks) with
+router losses on, whose per-step load statistics must match too: cp2 x ep2 (the experts split
+over the cp ranks; "batch" balancing loss and z-loss) and cp2 a2a with sigmoid scores, the
+"seq" balancing loss, z-loss and aux-loss-free bias updates. Slow: cp4 for each method, BERT
+cp4, cp2 x tp2 x pp2 (8 ranks), MoE cp4 x ep2 and cp2 x tp2 with sp ("seq").
 """
 
 from __future__ import annotations
@@ -57,10 +59,26 @@ MODELS = {
     "gpt2": GPTConfig(style="gpt2", init_std=0.1, **GPT_SIZES),
     "llama_full": GPTConfig(style="llama", init_std=0.1, recompute="full", **GPT_SIZES),
     "gpt2_selective": GPTConfig(style="gpt2", init_std=0.1, recompute="selective", **GPT_SIZES),
-    # Router losses are per micro-batch statistics (a cp rank sees part of its tokens):
-    # off, so the rest of the MoE layer must match exactly.
+    # Large router-loss coefficients so that a cp rank using only its own tokens' expert
+    # counts (not the micro-batch's) would move the weights visibly.
     "moe": GPTConfig(
-        init_std=0.1, moe=dict(num_experts=4, top_k=2, ffn_size=32, aux_loss="none"), **GPT_SIZES
+        init_std=0.1,
+        moe=dict(num_experts=4, top_k=2, ffn_size=32, aux_loss_coeff=0.1, z_loss_coeff=0.01),
+        **GPT_SIZES,
+    ),
+    "moe_seq": GPTConfig(
+        init_std=0.1,
+        moe=dict(
+            num_experts=4,
+            top_k=2,
+            ffn_size=32,
+            score="sigmoid",
+            aux_loss="seq",
+            aux_loss_coeff=0.1,
+            z_loss_coeff=0.01,
+            bias_update_rate=0.01,
+        ),
+        **GPT_SIZES,
     ),
     "bert": BertConfig(dropout=0.0, init_std=0.1, pair_task="nsp", **BERT_SIZES),
 }
@@ -77,6 +95,7 @@ CASES = {
     "bert_cp2_allgather": (2, "bert", dict(cp=2, cp_method="allgather"), False),
     "bert_cp2_a2a": (2, "bert", dict(cp=2, cp_method="a2a"), False),
     "cp2_ep2_moe": (2, "moe", dict(cp=2, ep=2), False),
+    "cp2_moe_seq_a2a": (2, "moe_seq", dict(cp=2, cp_method="a2a"), False),
     "cp2_tp2_sp": (4, "gpt2", dict(cp=2, tp=2, sequence_parallel=True), False),
     "cp2_pp2": (4, "llama", dict(cp=2, pp=2), False),
     "cp2_pp2_vpp2": (4, "gpt2", dict(cp=2, pp=2, vpp=2), False),
@@ -89,6 +108,8 @@ SLOW_CASES = {
     "cp4_a2a": (4, "llama8", dict(cp=4, cp_method="a2a"), False),
     "bert_cp4_ring": (4, "bert", dict(cp=4), False),
     "bert_cp2_tp2_pp2": (8, "bert", dict(cp=2, tp=2, pp=2), False),
+    "cp4_ep2_moe": (4, "moe", dict(cp=4, ep=2), False),
+    "cp2_tp2_sp_moe_seq": (4, "moe_seq", dict(cp=2, tp=2, sequence_parallel=True), False),
 }
 ALL_CASES = {**CASES, **SLOW_CASES}
 
@@ -160,13 +181,14 @@ def _engine(model: str, layout, backend, local: int, zero1: bool) -> Engine:
 
 
 def _run(engine: Engine, batches, rows: slice, cp: int, cp_rank: int, grads: bool) -> dict:
-    out = {"loss": [], "terms": [], "norm": []}
+    out = {"loss": [], "terms": [], "norm": [], "moe": []}
     for step, batch in enumerate(batches):
         result = engine.train_step(_micro(batch, rows, cp, cp_rank))
         assert not result.skipped, result
         out["loss"].append(result.loss)
         out["terms"].append(result.terms)
         out["norm"].append(result.grad_norm)
+        out["moe"].append(result.moe)  # load statistics; None for dense models
         if step == 0 and grads:
             out["grads"] = _full_grads(engine)
     out["eval"] = engine.evaluate(_micro(batches[0], rows, cp, cp_rank))
@@ -243,6 +265,18 @@ def _ring_op_checks(ctx) -> dict:
     return {"errors": errors, "trace": trace}
 
 
+def _capacity_under_cp(ctx) -> str:
+    """The error building a dropping (capacity-limited) MoE model under cp2 raises."""
+    layout = ParallelLayout.build(LayoutSpec(cp=2), ctx.backend.collective, ctx.rank, 2)
+    moe = MODELS["moe"].moe.model_copy(update={"capacity_factor": 1.0})
+    config = MODELS["moe"].model_copy(update={"moe": moe})
+    try:
+        Engine(config, layout, ctx.backend, micro_batch_size=MB, num_microbatches=1, optimizer=OPT)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def _rank_main(ctx, names, batches):
     results = {}
     for name in names:
@@ -259,6 +293,7 @@ def _rank_main(ctx, names, batches):
         )
     if ctx.world_size == 2:
         results["ring_op"] = _ring_op_checks(ctx)
+        results["capacity_under_cp"] = _capacity_under_cp(ctx)
     buf = io.BytesIO()
     torch.save(results, buf)
     return buf.getvalue()
@@ -294,12 +329,26 @@ def _spawn(cases: dict) -> dict:
             out[name] = ([r[name] for r in ranks], references[key])
         if world == 2:
             out["ring_op"] = [r["ring_op"] for r in ranks]
+            out["capacity_under_cp"] = [r["capacity_under_cp"] for r in ranks]
     return out
 
 
 @pytest.fixture(scope="module")
 def runs():
     return _spawn(CASES)
+
+
+def _check_moe_stats(case, rank, step, got, want):
+    """The logged load statistics (tokens per expert, aux and z loss, load shares):
+    one process's values on every rank."""
+    assert (got is None) == (want is None), (case, rank, step)
+    if want is None:
+        return
+    assert set(got) == set(want), (case, sorted(got), sorted(want))
+    for key, value in want.items():
+        assert abs(got[key] - value) <= RTOL * max(abs(value), 1e-6), (
+            f"{case} rank {rank} step {step}: moe {key} {got[key]} vs {value}"
+        )
 
 
 def _check_case(case, ranks, ref):
@@ -315,6 +364,7 @@ def _check_case(case, ranks, ref):
             assert err <= RTOL, (
                 f"{case} rank {rank} step {step}: grad norm {got['norm'][step]} vs {ref['norm'][step]}"
             )
+            _check_moe_stats(case, rank, step, got["moe"][step], ref["moe"][step])
         for metric, want in ref["eval"].items():
             assert abs(got["eval"][metric] - want) <= RTOL * max(abs(want), 1e-6), (case, metric)
     for what in ("grads", "weights"):
@@ -380,6 +430,12 @@ def test_ring_backward_overlaps_both_hops_with_the_next_blocks_gradients(runs):
             ("post dkv", 1),
             ("wait dkv", 1),
         ], backward
+
+
+def test_moe_capacity_dropping_is_refused_under_cp(runs):
+    """A cp rank cannot rank the micro-batch's assignments as one process does."""
+    for message in runs["capacity_under_cp"]:
+        assert "capacity_factor=1.0" in message and "cp=2" in message, message
 
 
 def test_clipping_was_active(runs):

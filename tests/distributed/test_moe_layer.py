@@ -21,7 +21,8 @@ Then, on each rank:
   group (``edp``), unsharded over tp and gathered over ep = the reference's.
 
 With a capacity factor the kept (token, choice) pairs must be identical.
-Tolerance: fp32, relative error 1e-5.
+Tolerance: fp32, relative error 1e-5. Without a spawn: the router losses' cp
+rule (counts of the whole micro-batch, this share's scores) against one process.
 """
 
 from __future__ import annotations
@@ -241,3 +242,52 @@ def test_eight_ranks_match_one_process():
         _assert_matches(results, case)
         for res in results:
             assert res[case]["keep_same"], case
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("aux", ["batch", "seq"])
+def test_cp_contributions_of_the_router_losses_add_up_to_one_process(aux, cp):
+    """What the layer does per cp rank (counts summed over cp, its own scores): the
+    contributions' mean is the one-process loss and their gradients, summed, are cp
+    times one process's (the factor the main loss's gradient carries on a cp rank)."""
+    from mtcore.parallel.context.group import local_positions
+    from mtcore.parallel.moe.router import (
+        load_balancing_loss,
+        route,
+        sequence_load_balancing_loss,
+        sequence_tokens_per_expert,
+        tokens_per_expert,
+        z_loss,
+    )
+
+    b, s, e = 3, 16, 6
+    spec = MoESpec(num_experts=e, top_k=2, ffn_size=8, score="sigmoid", aux_loss=aux)
+    full = torch.randn(b, s, e, generator=torch.Generator().manual_seed(3))  # routing is fp32
+
+    def losses(logits, counts=None):
+        r = route(logits.reshape(-1, e), spec)
+        if aux == "seq":
+            lb = sequence_load_balancing_loss(r.scores, r.experts, e, b, counts)
+        else:
+            lb = load_balancing_loss(r.scores, r.experts, e, counts)
+        return lb, z_loss(logits.reshape(-1, e)), r.experts
+
+    ref = full.clone().requires_grad_()
+    want_lb, want_z, _ = losses(ref)
+    want_grad = torch.autograd.grad(want_lb + want_z, ref)[0]
+
+    shares = [full[:, local_positions(s, cp, r)].clone().requires_grad_() for r in range(cp)]
+    count = sequence_tokens_per_expert if aux == "seq" else tokens_per_expert
+    args = (b,) if aux == "seq" else ()
+    whole = sum(count(losses(x)[2], e, *args) for x in shares)  # the all-reduce over cp
+    got_lb, got_z, got_grad = 0.0, 0.0, torch.zeros_like(full)
+    for r, x in enumerate(shares):
+        lb, z, _ = losses(x, whole)
+        got_lb, got_z = got_lb + lb.item() / cp, got_z + z.item() / cp
+        got_grad[:, local_positions(s, cp, r)] = torch.autograd.grad(lb + z, x)[0]
+    assert got_lb == pytest.approx(want_lb.item(), rel=1e-6)
+    assert got_z == pytest.approx(want_z.item(), rel=1e-6)
+    torch.testing.assert_close(got_grad, cp * want_grad, rtol=1e-5, atol=1e-7)
+    # Without the whole micro-batch's counts a rank's loss is another function.
+    local = sum(losses(x)[0].item() for x in shares) / cp
+    assert local != pytest.approx(want_lb.item(), rel=1e-4)

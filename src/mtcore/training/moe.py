@@ -10,7 +10,11 @@
 * after each step: the load of every layer (tokens per expert, summed over
   the step's micro-batches and over ``dp_cp``, so equal on every rank) drives the
   auxiliary-loss-free expert bias (DeepSeek-V3), and becomes the logged load
-  statistics, gathered over pipeline stages;
+  statistics, gathered over pipeline stages. Under context parallel each cp
+  rank counts its share of every sequence, so the ``dp_cp`` sum is the load
+  one process counts; its aux/z values are its contributions (``MoELayer``),
+  whose mean over cp is the micro-batch's loss, so their ``dp_cp`` mean is the
+  one-process mean over the step's micro-batches;
 * ``gather_experts``: expert weights split over ``ep`` back into whole tensors
   under one-process names, for checkpoints and sampling.
 """
@@ -69,7 +73,8 @@ class MoEStep:
         dp = self.layout.size("dp_cp")
         if dp > 1 and self.layers:
             self.collective.all_reduce(table, group=self.layout.group("dp_cp"))
-            table[:, e + 1 :] /= dp  # losses: mean over the data-parallel ranks
+            # losses: mean over dp of (mean over cp of the contributions = the loss)
+            table[:, e + 1 :] /= dp
         tokens = table[:, :e]
         if stepped:
             for layer, load in zip(self.layers, tokens, strict=True):

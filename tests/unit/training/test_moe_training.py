@@ -83,6 +83,8 @@ def test_moe_gpt_trains_on_the_default_corpus(tmp_path):
          r"is dense"),
         (dict(moe=dict(MOE, ffn_size=65)), dict(tp=2), 2,
          r"expert ffn_size=65 is not divisible by tp=2"),
+        (dict(moe=dict(MOE, capacity_factor=1.25)), dict(cp=2), 2,
+         r"capacity_factor=1.25 with context parallel cp=2: .* use capacity_factor=None"),
     ],
 )  # fmt: skip
 def test_bad_moe_config_fails_before_training(tmp_path, model, parallel, world, message):

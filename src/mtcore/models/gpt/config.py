@@ -291,7 +291,7 @@ class GPTConfig(FamilyConfig):
         )
         if self.moe is not None:
             try:
-                self.moe.check(spec.ep, spec.tp)
+                self.moe.check(spec.ep, spec.tp, spec.cp)
             except ValueError as e:
                 raise LayoutError(f"model.moe: {e}") from e
         check_block_split(self.num_layers, self.ffn_size, spec)

@@ -18,6 +18,14 @@ tp rank's gradient for them is partial (it sees its shard of each expert), so
 their backward sums over tp. The aux and z losses join the backward through
 ``AttachAuxLoss`` with gradient ``aux_loss_scale``; the model's loss does not
 contain them and ``pop_stats`` reports them.
+
+Under context parallel (cp > 1) a rank routes only its share of each sequence.
+The balancing loss's expert counts (no gradient) are summed over the cp group
+and its scores kept local (Megatron-Core's rule), so each rank's loss is its
+contribution: the cp mean of the recorded values is the micro-batch's loss and
+the cp sum of the gradients is cp times one process's, as for the main loss
+(see ``router``). Capacity dropping ranks assignments over the whole
+micro-batch and is refused under cp.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from mtcore.parallel.moe.router import (
     load_balancing_loss,
     route,
     sequence_load_balancing_loss,
+    sequence_tokens_per_expert,
     tokens_per_expert,
     update_bias,
     z_loss,
@@ -56,6 +65,14 @@ def ep_group(layout, backend) -> TPGroup:
     if layout is None or layout.ep == 1:
         return TPGroup.single(backend)
     return TPGroup(backend, layout.group("ep"), layout.ep, layout.coordinate("ep"))
+
+
+def cp_group(layout, backend) -> TPGroup:
+    """The context-parallel group of ``layout`` as a group handle (single when cp == 1):
+    the ranks holding the other parts of this rank's sequences."""
+    if layout is None or layout.cp == 1:
+        return TPGroup.single(backend)
+    return TPGroup(backend, layout.group("cp"), layout.cp, layout.coordinate("cp"))
 
 
 DISPATCHERS = {
@@ -151,10 +168,11 @@ class MoELayer(nn.Module):
         device=None,
     ):
         super().__init__()
-        spec.check(1 if layout is None else layout.ep, tp.size)
+        spec.check(1 if layout is None else layout.ep, tp.size, 1 if layout is None else layout.cp)
         self.spec, self.tp, self.hidden = spec, tp, hidden_size
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.ep = ep_group(layout, backend)
+        self.cp = cp_group(layout, backend)
         self.router = Router(
             hidden_size, spec.num_experts, generator, init_std, self.sequence_parallel, device
         )
@@ -229,10 +247,13 @@ class MoELayer(nn.Module):
         """Coefficient-weighted sum of the balancing and z losses (None if both are off)."""
         spec, total = self.spec, None
         if spec.aux_loss != "none":
+            e = spec.num_experts
             if spec.aux_loss == "seq":
-                aux = sequence_load_balancing_loss(r.scores, r.experts, spec.num_experts, batch)
+                counts = self._whole_counts(sequence_tokens_per_expert(r.experts, e, batch))
+                aux = sequence_load_balancing_loss(r.scores, r.experts, e, batch, counts)
             else:
-                aux = load_balancing_loss(r.scores, r.experts, spec.num_experts)
+                counts = self._whole_counts(tokens_per_expert(r.experts, e))
+                aux = load_balancing_loss(r.scores, r.experts, e, counts)
             if record:
                 self._stats.aux_loss += aux.item()
             if spec.aux_loss_coeff > 0:
@@ -243,6 +264,10 @@ class MoELayer(nn.Module):
                 self._stats.z_loss += z.item()
             total = spec.z_loss_coeff * z if total is None else total + spec.z_loss_coeff * z
         return total
+
+    def _whole_counts(self, counts: Tensor) -> Tensor:
+        """Assignment counts of the whole micro-batch: summed over cp (no gradient)."""
+        return self.cp.all_reduce(counts) if self.cp.size > 1 else counts
 
     def _record(self, experts: Tensor, keep: Tensor | None) -> None:
         self._stats.tokens_per_expert += tokens_per_expert(experts, self.spec.num_experts).cpu()

@@ -14,6 +14,14 @@ Losses (both returned unscaled; the layer multiplies by the coefficients):
   DeepSeek-V3's sequence-wise loss). It is 1 for a perfectly balanced router.
   "seq" computes it per sequence and averages over the sequences.
 * z-loss (ST-MoE): ``mean_t logsumexp(logits_t)^2``, keeps logits small.
+
+Under context parallelism a rank holds ``1/cp`` of every sequence's tokens. The
+balancing losses then take the whole micro-batch's counts (``counts``, summed
+over cp by the layer) with this rank's mean scores; the z-loss, a mean of
+per-token terms over equal shares, needs nothing. Either way each rank's value
+is its contribution: their mean over cp is the one-process loss and their
+gradients, summed over cp, are ``cp`` times the one-process gradient, exactly
+the factor the main loss carries on a cp rank (``dp_cp`` averaging removes it).
 """
 
 from __future__ import annotations
@@ -72,24 +80,47 @@ def tokens_per_expert(experts: Tensor, num_experts: int) -> Tensor:
     return torch.bincount(experts.reshape(-1), minlength=num_experts)
 
 
-def load_balancing_loss(scores: Tensor, experts: Tensor, num_experts: int) -> Tensor:
-    """``E * sum_i f_i * P_i`` over the tokens of ``scores [T, E]`` / ``experts [T, k]``."""
-    tokens, k = experts.shape
-    f = tokens_per_expert(experts, num_experts).to(scores.dtype) / (tokens * k)
+def sequence_tokens_per_expert(experts: Tensor, num_experts: int, batch: int) -> Tensor:
+    """``[batch, E]`` int64: assignments of each sequence (rows are ``[b, s]`` flattened)."""
+    chosen = experts.reshape(batch, -1)
+    counts = torch.zeros(batch, num_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(1, chosen, torch.ones_like(chosen))
+
+
+def load_balancing_loss(
+    scores: Tensor, experts: Tensor, num_experts: int, counts: Tensor | None = None
+) -> Tensor:
+    """``E * sum_i f_i * P_i`` over the tokens of ``scores [T, E]`` / ``experts [T, k]``.
+
+    counts: ``[E]`` assignments per expert over the *whole* micro-batch when this
+      rank holds only part of its tokens (context parallel: ``tokens_per_expert``
+      summed over cp); None: those of ``experts``. ``f = counts / counts.sum()``
+      is then the micro-batch's, while ``P`` stays the mean over this rank's
+      tokens: the result is this rank's contribution, and the mean of the
+      contributions of ranks holding equal shares is the one-process loss (its
+      gradient, summed over them, is ``cp`` times the one-process one, the scale
+      the main loss's gradient has on each cp rank).
+    """
+    if counts is None:
+        counts = tokens_per_expert(experts, num_experts)
+    f = counts.to(scores.dtype) / counts.sum().clamp(min=1)
     p = scores.mean(0)
     return num_experts * (f * p).sum()
 
 
 def sequence_load_balancing_loss(
-    scores: Tensor, experts: Tensor, num_experts: int, batch: int
+    scores: Tensor, experts: Tensor, num_experts: int, batch: int, counts: Tensor | None = None
 ) -> Tensor:
-    """The balancing loss of each of ``batch`` sequences (rows are ``[b, s]`` flattened), averaged."""
-    tokens, k = experts.shape
-    seq = tokens // batch
-    chosen = experts.reshape(batch, seq * k)
-    f = torch.zeros(batch, num_experts, dtype=scores.dtype, device=scores.device)
-    f.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=scores.dtype)).div_(seq * k)  # [b, E]
-    p = scores.reshape(batch, seq, num_experts).mean(1)  # [b, E]
+    """The balancing loss of each of ``batch`` sequences (rows are ``[b, s]`` flattened), averaged.
+
+    counts: ``[batch, E]`` per-sequence assignments over the whole sequences
+      (``sequence_tokens_per_expert`` summed over cp) when this rank holds part of
+      each; the same contribution rule as ``load_balancing_loss``.
+    """
+    if counts is None:
+        counts = sequence_tokens_per_expert(experts, num_experts, batch)
+    f = counts.to(scores.dtype) / counts.sum(-1, keepdim=True).clamp(min=1)  # [b, E]
+    p = scores.reshape(batch, -1, num_experts).mean(1)  # [b, E]
     return num_experts * (f * p).sum(-1).mean()
 
 

@@ -68,8 +68,16 @@ class MoESpec(BaseModel):
             raise ValueError("topk_then_softmax needs score='softmax'")
         return self
 
-    def check(self, ep: int, tp: int) -> None:
-        """Raise ValueError if this layer cannot be split over ``ep`` x ``tp`` ranks."""
+    def check(self, ep: int, tp: int, cp: int = 1) -> None:
+        """Raise ValueError if this layer cannot be split over ``ep`` x ``tp`` ranks with
+        its sequences split over ``cp`` ranks."""
+        if cp > 1 and self.capacity_factor is not None:
+            raise ValueError(
+                f"capacity_factor={self.capacity_factor} with context parallel cp={cp}: "
+                "capacity dropping ranks the assignments of the whole micro-batch, but a cp "
+                "rank routes only its share of each sequence, so it would drop other "
+                "assignments than one process; use capacity_factor=None (dropless) with cp"
+            )
         if self.num_experts % ep:
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by the expert-parallel "
@@ -99,7 +107,8 @@ class MoEStats:
     tokens_per_expert: ``[num_experts]`` int64, assignments routed (before dropping)
       by this rank's forwards. Every tp rank of a group counts the same tokens.
     dropped: assignments dropped by the capacity limit.
-    aux_loss, z_loss: sums of the unscaled loss values (divide by ``forwards``).
+    aux_loss, z_loss: sums of the unscaled loss values (divide by ``forwards``); under
+    cp, this rank's contributions: their mean over cp is the micro-batch's loss.
     """
 
     tokens_per_expert: torch.Tensor
