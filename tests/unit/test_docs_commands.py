@@ -711,6 +711,8 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
     },
     "docs/plan.md": {
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host": CHEAP,
+        "mtcore plan configs/llava.yaml --gpus 4 --hardware cpu-host": CHEAP,
+        "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --backend cpu": CHEAP,
         "mtcore sweep configs/default.yaml --layouts tp=2,pp=2 tp=2,pp=1 tp=1,pp=2,vpp=2 "
         "--nproc 4 --steps 4": ShellRun(slow=True, replace=(("--steps 4", "--steps 2"),)),
     },
