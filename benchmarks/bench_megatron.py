@@ -1,9 +1,9 @@
-"""mtcore against Megatron-Core itself: the same GPT, side by side, on CPU ranks with gloo.
+"""mtcore against Megatron-Core itself: the same GPT, side by side, on CPU ranks.
 
     .venv/bin/pip install -c constraints.txt -r benchmarks/requirements-megatron.txt
     .venv/bin/python benchmarks/bench_megatron.py [--configs tp1 tp2 tp2-sp llama-tp2]
         [--rounds 4 --steps-per-round 3 --warmup 2] [--load K] [--ce-reps 20]
-        [--compare-overlap] [--profile-steps 2] [--json]
+        [--compare-overlap] [--compare-shm] [--profile-steps 2] [--json]
 
 Both sides train the same model shape from equivalent settings: 4 layers, hidden
 256, 8 heads, seq 256, batch 4, vocab 1024, fp32, AdamW (lr 1e-3, betas 0.9/0.95,
@@ -12,7 +12,11 @@ token batches (``learnable_batches``: rows that follow a fixed permutation of th
 vocabulary, so the loss can fall), one torch thread per rank:
 
 * **mtcore**: the trainer's ``mtcore.training.engine.Engine`` on the ``cpu`` backend
-  (``GPTConfig(style=...)``, the layout's tp group, mtcore AdamW);
+  (``GPTConfig(style=...)``, the layout's tp group, mtcore AdamW). Its tp group's
+  all-reduce, all-gather and reduce-scatter take the cpu backend's shared-memory
+  channel (``mtcore.backend.shared_memory``), as they do in ``mtcore train``; every
+  other call, and all of Megatron-Core's, go through gloo. ``--compare-shm`` adds a
+  side with the tp group on gloo too (``mtcore-gloo``, ``MTCORE_SHM_COLLECTIVES=0``);
 * **Megatron-Core 0.16.1** (``benchmarks/requirements-megatron.txt``, never a
   dependency of mtcore): ``GPTModel`` with ``get_gpt_layer_local_spec`` (its
   pure-PyTorch modules), ``parallel_state.initialize_model_parallel``, and
@@ -51,7 +55,8 @@ loss per step, and a per-phase breakdown from extra instrumented steps after the
 timed ones: forward (step start to the call of ``torch.autograd.backward``),
 backward (inside it), optimizer and the rest (after it: gradient sync, loss
 agreement, grad norm, AdamW), and tp-collective wait (time spent inside
-``torch.distributed`` collectives and in ``wait()`` on their handles; it overlaps
+``torch.distributed`` collectives, mtcore's shared-memory channel calls, and
+``wait()`` on their handles; it overlaps
 forward and backward, it is not added to them). The vocabulary-parallel cross
 entropy of both on the same ``[1024, 512]`` logit shards is timed the same way,
 forward and forward+backward (``--ce-reps``; tp2 configurations).
@@ -180,8 +185,9 @@ def _timed_backward(fn):
 
 
 def instrument() -> None:
-    """Wrap the collectives both sides call and ``torch.autograd.backward``; before
-    Megatron is imported (it binds ``all_gather_into_tensor`` at import)."""
+    """Wrap the collectives both sides call (torch.distributed's, and mtcore's
+    shared-memory channel) and ``torch.autograd.backward``; before Megatron is imported
+    (it binds ``all_gather_into_tensor`` at import)."""
     import torch.distributed as dist
 
     names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
@@ -190,6 +196,11 @@ def instrument() -> None:
         if hasattr(dist, name):
             setattr(dist, name, _timed_collective(getattr(dist, name)))
     torch.autograd.backward = _timed_backward(torch.autograd.backward)
+    # mtcore's tp groups run through its shared-memory channel, not torch.distributed
+    from mtcore.backend.shared_memory import SharedMemoryChannel
+
+    for name in ("all_reduce", "all_gather", "reduce_scatter"):
+        setattr(SharedMemoryChannel, name, _timed_collective(getattr(SharedMemoryChannel, name)))
 
 
 # -- Megatron-Core on CPU ----------------------------------------------------------------
@@ -286,18 +297,29 @@ class MegatronSide:
 
 
 class MtcoreSide:
-    def __init__(self, ctx, tp: int, sp: bool, style: str, overlap: str | None = None):
+    def __init__(
+        self, ctx, tp: int, sp: bool, style: str, overlap: str | None = None, shm: str = "1"
+    ):
+        from mtcore.backend.collective import SHARED_MEMORY_ENV
         from mtcore.distributed import LayoutSpec, ParallelLayout
         from mtcore.models.gpt import GPTConfig
         from mtcore.training.config import OptimizerConfig
         from mtcore.training.engine import Engine
 
-        layout = ParallelLayout.build(
-            LayoutSpec(tp=tp, sequence_parallel=sp),
-            ctx.backend.collective,
-            ctx.rank,
-            ctx.world_size,
-        )
+        before = os.environ.get(SHARED_MEMORY_ENV)
+        os.environ[SHARED_MEMORY_ENV] = shm  # read when the tp group is made
+        try:
+            layout = ParallelLayout.build(
+                LayoutSpec(tp=tp, sequence_parallel=sp),
+                ctx.backend.collective,
+                ctx.rank,
+                ctx.world_size,
+            )
+        finally:
+            if before is None:
+                os.environ.pop(SHARED_MEMORY_ENV)
+            else:
+                os.environ[SHARED_MEMORY_ENV] = before
         opt = OptimizerConfig(
             lr=LR, min_lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, warmup_steps=0,
             max_grad_norm=None,
@@ -437,7 +459,7 @@ def learnable_batches(n: int) -> torch.Tensor:
 
 def rank_main(
     ctx, name: str, rounds: int, per_round: int, warmup: int, phase_steps: int, ce_reps: int,
-    compare_overlap: bool, profile_steps: int = 0,
+    compare_overlap: bool, profile_steps: int = 0, compare_shm: bool = False,
 ):  # fmt: skip
     torch.set_num_threads(1)
     instrument()
@@ -449,6 +471,8 @@ def rank_main(
             "mtcore": MtcoreSide(ctx, **cfg, overlap="1").step,
             "mtcore-blocking": MtcoreSide(ctx, **cfg, overlap="0").step,
         }
+    if compare_shm and cfg["tp"] > 1:  # mtcore's tp group on gloo, as Megatron's is
+        sides["mtcore-gloo"] = MtcoreSide(ctx, **cfg, shm="0").step
     sides["megatron"] = MegatronSide(**cfg).step
     total = warmup + rounds * per_round + phase_steps + profile_steps
     data = learnable_batches(total)
@@ -557,6 +581,11 @@ def main() -> None:
         action="store_true",
         help="two mtcore sides: MTCORE_TP_OVERLAP=1 (overlapped, default) and =0 (blocking)",
     )
+    parser.add_argument(
+        "--compare-shm",
+        action="store_true",
+        help="a second mtcore side with its tp group on gloo (MTCORE_SHM_COLLECTIVES=0)",
+    )
     parser.add_argument("--json", action="store_true", help="also print the raw results")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps_per_round < 1 or args.phase_steps < 1:
@@ -571,7 +600,7 @@ def main() -> None:
             res = run_ranks(
                 rank_main, CONFIGS[name]["tp"], name, args.rounds, args.steps_per_round,
                 args.warmup, args.phase_steps, args.ce_reps, args.compare_overlap,
-                args.profile_steps, timeout_s=1800,
+                args.profile_steps, args.compare_shm, timeout_s=1800,
                 env={"OMP_NUM_THREADS": "1"},
             )[0]  # fmt: skip
             summary[name] = report(name, res)

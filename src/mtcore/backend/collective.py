@@ -8,12 +8,19 @@ dtype), and ``support()`` tells which path a call takes.
 
 All torch.distributed calls of the project live here, so that API moves
 between torch releases are handled in one place.
+
+A group made with ``new_group(ranks, latency_bound=True)`` (tensor parallelism's)
+may take a faster path for CPU tensors when every member runs on this host: a
+shared-memory channel (``mtcore.backend.shared_memory``) on the calling thread,
+for backends that declare ``same_host_channels`` (the cpu backend).
+``MTCORE_SHM_COLLECTIVES=0`` keeps every group on its c10d backend.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +28,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mtcore.backend import shared_memory
+from mtcore.backend.shared_memory import PeerGone, SharedMemoryChannel
+
+SHARED_MEMORY_ENV = "MTCORE_SHM_COLLECTIVES"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEFAULT_TIMEOUT_S = 600.0
 # How long ranks may take to arrive at process-group creation (see _gather_ranks).
@@ -112,6 +123,8 @@ def _named(what: Callable[[], str], timeout_s: float):
     """Turn a c10d timeout into a CollectiveTimeout saying which call and ranks hung."""
     try:
         yield
+    except PeerGone as e:
+        raise CollectiveTimeout(f"{what()}: {e}") from e
     except RuntimeError as e:
         if isinstance(e, CollectiveTimeout) or not _looks_like_timeout(e):
             raise
@@ -163,12 +176,25 @@ class P2P:
 
 
 class Collective:
-    """Collectives over one c10d backend. Groups are torch ProcessGroup objects."""
+    """Collectives over one c10d backend. Groups are torch ProcessGroup objects.
 
-    def __init__(self, c10d_backend: str, capabilities: CollectiveCapabilities | None = None):
+    ``same_host_channels``: the backend's tensors live in host memory, so latency-bound
+    groups whose members share this host may use shared-memory channels (see the
+    module docstring); the channel serves all-reduce, all-gather and reduce-scatter of
+    contiguous CPU tensors, and every other call stays on the c10d backend.
+    """
+
+    def __init__(
+        self,
+        c10d_backend: str,
+        capabilities: CollectiveCapabilities | None = None,
+        same_host_channels: bool = False,
+    ):
         self.c10d_backend = c10d_backend
         self.capabilities = capabilities or CollectiveCapabilities()
+        self.same_host_channels = same_host_channels
         self.timeout_s = DEFAULT_TIMEOUT_S  # of every group: set by init_process_group
+        self._channels: dict[int, tuple[object, SharedMemoryChannel]] = {}
 
     # -- groups --------------------------------------------------------------------
     def init_process_group(
@@ -217,10 +243,60 @@ class Collective:
     def is_initialized(self) -> bool:
         return dist.is_initialized()
 
-    def new_group(self, ranks: Sequence[int]):
-        """A group over ``ranks``; every rank of the world must call this, in the same order."""
+    def new_group(self, ranks: Sequence[int], latency_bound: bool = False):
+        """A group over ``ranks``; every rank of the world must call this, in the same order.
+
+        ``latency_bound``: the group carries small blocking calls on the step's critical
+        path (tensor parallelism), so it gets a shared-memory channel where
+        ``uses_shared_memory`` allows (its members set it up together, right here).
+        """
         timeout = timedelta(seconds=self.timeout_s)
-        return dist.new_group(ranks=list(ranks), backend=self.c10d_backend, timeout=timeout)
+        group = dist.new_group(ranks=list(ranks), backend=self.c10d_backend, timeout=timeout)
+        member = len(ranks) > 1 and dist.get_rank() in ranks
+        if latency_bound and member and self.uses_shared_memory():
+            self._open_channel(group)
+        return group
+
+    def uses_shared_memory(self) -> bool:
+        """Whether latency-bound groups get shared-memory channels on this machine."""
+        return (
+            self.same_host_channels
+            and os.environ.get(SHARED_MEMORY_ENV, "1") != "0"
+            and shared_memory.supported_here()
+        )
+
+    def shared_memory_channel(self, group) -> SharedMemoryChannel | None:
+        """The channel serving ``group``, if it has one."""
+        entry = self._channels.get(id(group))
+        return entry[1] if entry is not None and entry[0] is group else None
+
+    def _open_channel(self, group) -> None:
+        """Map one segment for ``group`` if every member can: the first member creates
+        it, the others open it by name (only a rank on the same host finds it) and see
+        each other's pids (to notice one exiting). Otherwise the group stays on c10d."""
+        rank, members = dist.get_rank(group), dist.get_world_size(group)
+        box = [shared_memory.create_segment(members) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        path, channel = box[0], None
+        if path is not None:
+            try:
+                channel = SharedMemoryChannel(path, rank, [0] * members, self.timeout_s)
+            except OSError:
+                channel = None
+        pids: list[object] = [None] * members
+        dist.all_gather_object(pids, (os.getpid(), channel is not None), group=group)
+        every = all(opened for _, opened in pids)
+        if every and channel is not None:
+            channel.pids = tuple(pid for pid, _ in pids)
+            every = all(shared_memory.pid_alive(pid) for pid in channel.pids)
+        agreed = torch.tensor([1 if every else 0])
+        dist.all_reduce(agreed, dist.ReduceOp.MIN, group=group)  # every member has mapped
+        if rank == 0 and path is not None:
+            shared_memory.unlink_segment(path)
+        if agreed.item() == 1 and channel is not None:
+            self._channels[id(group)] = (group, channel)
+        elif channel is not None:
+            channel.close()
 
     def rank(self, group=None) -> int:
         return dist.get_rank(group)
@@ -232,6 +308,9 @@ class Collective:
         return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
     def destroy(self) -> None:
+        for _, channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -250,6 +329,10 @@ class Collective:
             return self._finish(work, None, async_op, "all_reduce", group)
 
     def _all_reduce_native(self, tensor, op, group, async_op):
+        channel = self._channel_for(group, tensor, op=op)
+        if channel is not None:
+            channel.all_reduce(tensor, op)
+            return None
         if op == "avg" and not self.capabilities.avg_supported:
             size = self.world_size(group)
             work = dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -275,8 +358,12 @@ class Collective:
             inner, out = epilogue, output
             epilogue = lambda: (out.div_(size), inner and inner())  # noqa: E731
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        channel = self._channel_for(group, output, input, op=reduce_op)
         with self._sync("reduce_scatter", group):
-            work = fn(output, input, op=_reduce_op(reduce_op), group=group, async_op=async_op)
+            if channel is not None:
+                work = channel.reduce_scatter(output, input, reduce_op)
+            else:
+                work = fn(output, input, op=_reduce_op(reduce_op), group=group, async_op=async_op)
         return self._finish(work, epilogue, async_op, "reduce_scatter", group)
 
     # -- data movement -------------------------------------------------------------
@@ -285,8 +372,12 @@ class Collective:
         _check_shard(input, output, self.world_size(group), "all_gather")
         output_v, input_v = self._as_bytes_if_needed("all_gather", output, input)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        channel = self._channel_for(group, output_v, input_v)
         with self._sync("all_gather", group):
-            work = fn(output_v, input_v, group=group, async_op=async_op)
+            if channel is not None:
+                work = channel.all_gather(output_v, input_v)
+            else:
+                work = fn(output_v, input_v, group=group, async_op=async_op)
         return self._finish(work, None, async_op, "all_gather", group)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op=False):
@@ -340,6 +431,15 @@ class Collective:
             dist.barrier(group=group)
 
     # -- helpers -------------------------------------------------------------------
+    def _channel_for(self, group, *tensors: torch.Tensor, op: str | None = None):
+        """The shared-memory channel that serves this call, or None (the c10d path)."""
+        if not self._channels:
+            return None
+        channel = self.shared_memory_channel(group)
+        if channel is None or not channel.takes(*tensors, op=op):
+            return None
+        return channel
+
     def _describe(self, op: str, group) -> Callable[[], str]:
         """A lazy description of a call for timeout messages: the op and its ranks."""
 

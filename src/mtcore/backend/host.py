@@ -53,11 +53,14 @@ def mtcore_backends() -> list[BackendSpec]:
         name=HOST_BACKEND,
         device=CpuDevice(),
         collective=Collective(
-            "gloo", CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=avg)
+            "gloo",
+            CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=avg),
+            same_host_channels=True,
         ),
         fp8=FP8(native_granularities=NATIVE_FP8),
         accelerator=False,
-        description="host CPU: gloo collectives, torch fused SDPA/flash-LSE/RMSNorm/LayerNorm/"
+        description="host CPU: gloo collectives (tensor-parallel groups of one host through "
+        "shared memory), torch fused SDPA/flash-LSE/RMSNorm/LayerNorm/"
         "cross-entropy/AdamW kernels, FP8 through torch._scaled_mm",
     )
     return [host]

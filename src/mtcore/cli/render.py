@@ -168,6 +168,10 @@ def _capabilities(c: dict) -> list[str]:
 def _collective(c: dict) -> list[str]:
     avg = "native" if c["avg_native"] else "emulated (sum, then divide)"
     lines = [f"collective: c10d backend {c['c10d_backend']!r}; ReduceOp.AVG {avg}"]
+    if "shared_memory" in c:
+        lines.append(
+            f"  tensor-parallel groups of one host through shared memory: {c['shared_memory']}"
+        )
     ops = c["ops"]
     labels = list(next(iter(ops.values()))) if ops else []
     width = max(len(op) for op in ops) if ops else 0

@@ -157,7 +157,8 @@ def skipped_plugin_facts(registry: PluginRegistry) -> list[dict]:
     """Installed entry points that were not loaded, and allowlist names that match nothing."""
     found = registry.discovery
     skipped = [
-        {"name": p.name, "dist": p.dist, "version": p.version, "reason": p.reason} for p in found.skipped
+        {"name": p.name, "dist": p.dist, "version": p.version, "reason": p.reason}
+        for p in found.skipped
     ]
     raw = os.environ.get(PLUGINS_ENV, "")
     allow = {n.strip() for n in raw.split(",") if n.strip()}
@@ -191,7 +192,11 @@ def installation_error(data: dict) -> dict | None:
         problems.append(f"no default backend: {selection['message'].splitlines()[0]}")
     if not problems:
         return None
-    return {"type": "InstallationError", "message": "; ".join(problems), "traceback": "\n".join(tracebacks)}
+    return {
+        "type": "InstallationError",
+        "message": "; ".join(problems),
+        "traceback": "\n".join(tracebacks),
+    }
 
 
 # -- backends ----------------------------------------------------------------------
@@ -248,7 +253,12 @@ def selection_facts(registry: PluginRegistry) -> dict:
         return {"backend": None, "how": how, "error": error_facts(exc), "notes": []}
     except Exception as exc:  # a plugin raised inside selection
         return {"backend": None, "how": how, "error": error_facts(exc), "notes": []}
-    return {"backend": backend.name, "how": how, "error": None, "notes": list(backend.selection_notes)}
+    return {
+        "backend": backend.name,
+        "how": how,
+        "error": None,
+        "notes": list(backend.selection_notes),
+    }
 
 
 def diagnostic_facts(spec: BackendSpec) -> dict | None:
@@ -319,7 +329,22 @@ def collective_facts(backend: Backend) -> dict:
         "c10d_backend": collective.c10d_backend,
         "avg_native": collective.capabilities.avg_supported,
         "ops": ops,
+        "shared_memory": shared_memory_facts(collective),
     }
+
+
+def shared_memory_facts(collective) -> str:
+    """Whether tensor-parallel groups of one host get the shared-memory channel, and why not."""
+    from mtcore.backend import shared_memory
+    from mtcore.backend.collective import SHARED_MEMORY_ENV
+
+    if not getattr(collective, "same_host_channels", False):
+        return "not offered by this backend"
+    if not shared_memory.supported_here():
+        return "off: needs an x86-64 host with /dev/shm"
+    if not collective.uses_shared_memory():
+        return f"off: {SHARED_MEMORY_ENV}=0"
+    return f"on (set {SHARED_MEMORY_ENV}=0 to keep them on {collective.c10d_backend})"
 
 
 def fp8_facts(backend: Backend) -> dict:

@@ -166,7 +166,11 @@ class ParallelLayout:
         spec = spec.resolve(world_size)
         layout = cls(spec, rank, world_size)
         for name, members in _all_groups(spec):
-            group = collective.new_group(members) if world_size > 1 else None
+            group = (
+                collective.new_group(members, latency_bound=name == "tp")
+                if world_size > 1
+                else None
+            )
             if rank in members:
                 layout.groups[name] = group
                 layout.ranks_of[name] = tuple(members)

@@ -68,7 +68,7 @@ class _FakeCollective:
     def __init__(self):
         self.created = []
 
-    def new_group(self, ranks):
+    def new_group(self, ranks, latency_bound=False):
         self.created.append(tuple(ranks))
         return f"group{tuple(ranks)}"
 

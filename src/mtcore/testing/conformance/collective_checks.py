@@ -311,6 +311,46 @@ def _subgroups(ctx, shared):
         )
 
 
+@check("new_group-latency_bound")
+def _latency_bound(ctx, shared):
+    """A latency-bound group (tensor parallelism's) may take a faster path (the cpu
+    backend's shared memory): it must give the same results as the world group."""
+    coll, ws, r = ctx.backend.collective, ctx.world_size, ctx.rank
+    device = _device(ctx)
+    group = coll.new_group(list(range(ws)), latency_bound=True)
+    results = []
+    for op in REDUCE_OPS:
+        for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+            if _needs(ctx, "all_reduce", dtype) is Support.NONE:
+                continue
+            t = _reduce_input(r, dtype, device)
+            handle = coll.all_reduce(t, op=op, group=group, async_op=op == "sum")
+            if handle is not None:
+                handle.wait()
+            results.append(
+                (
+                    f"all_reduce {op} {_short(dtype)}",
+                    t,
+                    _reduce_expected(op, range(ws), dtype, device),
+                )
+            )
+    rows = 3
+    inp = _scatter_rows(r, ws, rows).to(device)
+    out = torch.empty(rows, inp.shape[1], device=device)
+    coll.reduce_scatter(out, inp, group=group)
+    stack = torch.stack([_scatter_rows(k, ws, rows) for k in range(ws)]).sum(0)
+    results.append(("reduce_scatter sum", out, stack[r * rows : (r + 1) * rows].to(device)))
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        gathered = torch.empty(ws * 3, 5, dtype=dtype, device=device)
+        coll.all_gather(gathered, _data(100 + r, (3, 5), dtype, device), group=group)
+        want = torch.cat([_data(100 + k, (3, 5), dtype, device) for k in range(ws)])
+        results.append((f"all_gather {_short(dtype)}", gathered, want))
+    for what, got, want in results:
+        _same(got, want, f"latency-bound group: {what}")
+    channel = getattr(coll, "shared_memory_channel", lambda g: None)(group)
+    return "path=shared-memory" if channel is not None else "path=c10d"
+
+
 CHECK_NAMES: tuple[str, ...] = tuple(CHECKS)
 
 

@@ -1,0 +1,269 @@
+"""Collectives among the ranks of one host through a shared-memory segment.
+
+gloo moves every tensor over loopback TCP on worker threads: a 1 MiB all-reduce
+between two ranks costs 0.5 ms in a tight loop but 1-5 ms inside a training step,
+most of it waking those threads on a rank's one core (docs/results/megatron.md).
+For the small, frequent, blocking calls of tensor parallelism on CPU ranks that
+share a host, a ``SharedMemoryChannel`` does the work on the calling thread
+instead: each rank copies its tensor into its own slot of a segment mapped by every
+member, publishes a sequence number, waits until every member has published the
+same number, and reads the others' slots. No thread is woken and no byte crosses
+a socket.
+
+The protocol, per round (a tensor larger than a slot takes several rounds):
+
+1. round ``k`` uses slot set ``k % 2``; rank ``r`` writes only its own slot;
+2. rank ``r`` stores ``k`` in its flag, then waits until every flag is ``>= k``;
+3. every rank reads every slot and writes its result (a reduction sums the slots
+   in rank order, so every rank gets the same bits).
+
+Rank ``r`` overwrites a slot set only at round ``k + 2``, after it saw every flag
+reach ``k + 1``, which each peer stores only after it finished reading round ``k``:
+two slot sets are enough, and no second synchronisation is needed. Correctness
+rests on stores becoming visible in program order and loads not passing loads,
+which x86-64 guarantees (total store order); ``supported_here()`` is false on any
+other machine, and the collective keeps gloo there.
+
+Waiting spins for a short while, then yields the core, then sleeps between polls,
+so ranks that outnumber the cores still make progress. A peer that exits is noticed
+within a second (its pid is checked while waiting) and a peer that hangs after the
+group's timeout: both raise ``CollectiveTimeout`` naming the call, as gloo would.
+
+The segment lives in ``/dev/shm`` only until every member has mapped it; it is
+unlinked then, so nothing is left behind when a rank dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import platform
+import secrets
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+SHM_DIR = "/dev/shm"
+SLOT_BYTES = 2 << 20  # per rank and slot set: a 1 MiB activation travels in one round
+_PAGE = 4096
+_FLAG_STRIDE = 8  # int64s between flags: one 64-byte cache line each
+_SPIN_S = 50e-6  # spin this long before yielding the core
+_YIELD_S = 2e-3  # then yield until this long, then sleep between polls
+_SLEEP_S = 50e-6
+_LIVENESS_EVERY_S = 1.0
+_REDUCTIONS = ("sum", "avg", "max", "min")
+_X86_64 = ("x86_64", "amd64")
+
+
+def supported_here() -> bool:
+    """Whether this machine can run the channel: an x86-64 CPU and a ``/dev/shm``."""
+    return platform.machine().lower() in _X86_64 and os.path.isdir(SHM_DIR)
+
+
+def segment_bytes(members: int, slot_bytes: int = SLOT_BYTES) -> int:
+    """The size of a group's segment: a page of flags and two slot sets."""
+    return _PAGE + 2 * members * slot_bytes
+
+
+def create_segment(members: int, slot_bytes: int = SLOT_BYTES) -> str | None:
+    """Create a zeroed segment for a group (on its first rank); its path, or None if
+    ``/dev/shm`` lacks the room (the group then keeps its c10d backend)."""
+    size = segment_bytes(members, slot_bytes)
+    stat = os.statvfs(SHM_DIR)
+    if stat.f_bavail * stat.f_frsize < 2 * size:
+        return None
+    path = os.path.join(SHM_DIR, f"mtcore-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return path
+
+
+def unlink_segment(path: str) -> None:
+    """Remove the segment's name; the members' mappings stay valid."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: os.kill said it exists
+
+
+class PeerGone(RuntimeError):
+    """A member of the channel exited or stopped answering; the message says which."""
+
+
+class SharedMemoryChannel:
+    """One group's segment, mapped by this rank: all-reduce, all-gather and
+    reduce-scatter of contiguous CPU tensors among ``len(pids)`` same-host ranks."""
+
+    def __init__(
+        self,
+        path: str,
+        rank: int,
+        pids: Sequence[int],
+        timeout_s: float,
+        slot_bytes: int = SLOT_BYTES,
+        describe: Callable[[], str] = lambda: "shared-memory collective",
+    ):
+        self.rank, self.members, self.slot_bytes = rank, len(pids), slot_bytes
+        self.timeout_s = timeout_s
+        self.pids = tuple(pids)
+        self._describe = describe
+        size = segment_bytes(self.members, slot_bytes)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._flags = memoryview(self._map)[:_PAGE].cast("q")
+        self._flag_slots = [r * _FLAG_STRIDE for r in range(self.members)]
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._round = 0
+
+    # -- the three operations ----------------------------------------------------------
+    def takes(self, *tensors: torch.Tensor, op: str | None = None) -> bool:
+        """Whether the channel serves this call (else the c10d backend does)."""
+        if op is not None and op not in _REDUCTIONS:
+            return False
+        for tensor in tensors:
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                return False
+            if tensor.is_complex() or tensor.dtype == torch.bool:
+                return False
+            if op == "avg" and not tensor.is_floating_point():
+                return False
+        return True
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """Reduce ``tensor`` in place; every rank gets the same bits."""
+        flat = tensor.view(-1)
+        per_round = self.slot_bytes // tensor.element_size()
+        for lo in range(0, flat.numel(), per_round):
+            piece = flat[lo : lo + per_round]
+            slots = self._exchange(lambda mine, piece=piece: mine.copy_(piece), piece)
+            _reduce(slots, piece, op, self.members)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` (flat: members x input) gets every rank's ``input`` in rank order."""
+        source, target = input.view(-1), output.view(self.members, -1)
+        per_round = self.slot_bytes // input.element_size()
+        for lo in range(0, source.numel(), per_round):
+            piece = source[lo : lo + per_round]
+            slots = self._exchange(lambda mine, piece=piece: mine.copy_(piece), piece)
+            for member, slot in enumerate(slots):
+                target[member, lo : lo + piece.numel()].copy_(slot)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum") -> None:
+        """``output`` gets this rank's dim-0 shard of the reduction of ``input``."""
+        shards, target = input.view(self.members, -1), output.view(-1)
+        per_round = self.slot_bytes // (input.element_size() * self.members)
+        for lo in range(0, target.numel(), per_round):
+            pieces = shards[:, lo : lo + per_round]
+            width = pieces.shape[1]
+            slots = self._exchange(
+                lambda mine, pieces=pieces: mine.view(pieces.shape).copy_(pieces), pieces
+            )
+            own = [slot[self.rank * width : (self.rank + 1) * width] for slot in slots]
+            _reduce(own, target[lo : lo + width], op, self.members)
+
+    def close(self) -> None:
+        try:
+            del self._bytes, self._flags
+            self._map.close()
+        except (AttributeError, BufferError):
+            pass  # a view is still alive somewhere; the mapping goes with the process
+
+    # -- one round -----------------------------------------------------------------------
+    def _exchange(self, fill, like: torch.Tensor) -> list[torch.Tensor]:
+        """Write this rank's part (``fill`` gets the slot, typed and shaped flat like
+        ``like``), publish it, wait for every member's, and return all slots typed alike."""
+        self._round += 1
+        slot_set = self._round % 2
+        nbytes = like.numel() * like.element_size()
+        slots = []
+        for member in range(self.members):
+            start = _PAGE + (slot_set * self.members + member) * self.slot_bytes
+            slots.append(self._bytes[start : start + nbytes].view(like.dtype))
+        fill(slots[self.rank])
+        self._flags[self._flag_slots[self.rank]] = self._round
+        self._wait_for(self._round)
+        return slots
+
+    def _arrived(self, round_: int) -> bool:
+        flags = self._flags
+        return all(flags[slot] >= round_ for slot in self._flag_slots)
+
+    def _wait_for(self, round_: int) -> None:
+        if self._arrived(round_):
+            return
+        start = time.perf_counter()
+        next_check = _LIVENESS_EVERY_S
+        while not self._arrived(round_):
+            waited = time.perf_counter() - start
+            if waited < _SPIN_S:
+                continue
+            if waited < _YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(_SLEEP_S)
+            if waited >= next_check:
+                next_check += _LIVENESS_EVERY_S
+                self._check_peers(round_, waited)
+
+    def _check_peers(self, round_: int, waited: float) -> None:
+        missing = [r for r, slot in enumerate(self._flag_slots) if self._flags[slot] < round_]
+        gone = [r for r in missing if not pid_alive(self.pids[r])]
+        if gone:
+            raise PeerGone(
+                f"{self._describe()}: group rank(s) {gone} (pid "
+                f"{', '.join(str(self.pids[r]) for r in gone)}) exited while this rank "
+                f"waited {waited:.1f} s for them"
+            )
+        if waited > self.timeout_s:
+            raise PeerGone(
+                f"{self._describe()}: group rank(s) {missing} did not arrive within "
+                f"{self.timeout_s:g} s"
+            )
+
+
+def _reduce(slots: list[torch.Tensor], out: torch.Tensor, op: str, members: int) -> None:
+    """``out`` = the slots combined in rank order (the same bits on every rank)."""
+    if members == 1:
+        out.copy_(slots[0])
+        return
+    if op in ("sum", "avg"):
+        low_precision = out.is_floating_point() and out.element_size() < 4 and members > 2
+        if low_precision:
+            total = slots[0].float()
+            for slot in slots[1:]:
+                total.add_(slot)
+            out.copy_(total)
+        else:
+            torch.add(slots[0], slots[1], out=out)
+            for slot in slots[2:]:
+                out.add_(slot)
+        if op == "avg":
+            out.div_(members)
+        return
+    combine = torch.maximum if op == "max" else torch.minimum
+    combine(slots[0], slots[1], out=out)
+    for slot in slots[2:]:
+        combine(out, slot, out=out)

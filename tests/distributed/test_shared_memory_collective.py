@@ -1,0 +1,120 @@
+"""The cpu backend's shared-memory channel inside c10d groups: one 3-rank run.
+
+A latency-bound group (tensor parallelism's) of one host gets a channel; its
+all-reduce, all-gather and reduce-scatter must give what gloo gives on a plain group
+over the same ranks, bit for bit where the result does not depend on the order of
+the sum (integer-valued data), and the same bits on every rank where it does.
+Tensors larger than a slot take several rounds; FP8 and bf16 take the collective's
+fallbacks first. ``MTCORE_SHM_COLLECTIVES=0`` keeps a latency-bound group on gloo.
+Three ranks exercise the general reduction (two ranks have a shortcut in no path,
+but bf16 is widened only from three up).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mtcore.backend import shared_memory
+from mtcore.backend.collective import SHARED_MEMORY_ENV
+from mtcore.backend.shared_memory import SLOT_BYTES
+from mtcore.testing.distributed import run_ranks
+
+pytestmark = pytest.mark.skipif(
+    not shared_memory.supported_here(), reason="needs x86-64 and /dev/shm"
+)
+
+WORLD = 3
+# element counts: empty, one, odd, and more than one slot of float32 (several rounds)
+SIZES = (0, 1, 1001, SLOT_BYTES // 4 + 4099)
+DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float8_e4m3fn)
+
+
+def _integers(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Small integers (exact in every dtype here, and in sums of three): rank-dependent."""
+    span = 3 if dtype == torch.float8_e4m3fn else 17
+    values = (torch.arange(n) * (rank + 2) + rank) % span - span // 2
+    return values.to(dtype)
+
+
+def _checks(ctx) -> dict:
+    coll, rank = ctx.backend.collective, ctx.rank
+    ranks = list(range(WORLD))
+    fast = coll.new_group(ranks, latency_bound=True)
+    plain = coll.new_group(ranks)
+    os.environ[SHARED_MEMORY_ENV] = "0"
+    switched_off = coll.new_group(ranks, latency_bound=True)
+    os.environ.pop(SHARED_MEMORY_ENV)
+    out = {
+        "channels": [
+            coll.shared_memory_channel(g) is not None for g in (fast, plain, switched_off)
+        ],
+        "mismatches": [],
+    }
+
+    def compare(what, fast_result, plain_result):
+        if not torch.equal(fast_result.float(), plain_result.float()):
+            out["mismatches"].append(what)
+
+    for dtype in DTYPES:
+        for n in SIZES:
+            x = _integers(rank, n, dtype)
+            for op in ("sum", "max", "min") + (("avg",) if dtype.is_floating_point else ()):
+                if op == "avg" and dtype != torch.float32:
+                    continue  # a mean of integers is not exact in bf16/FP8
+                results = []
+                for group in (fast, plain):
+                    y = x.clone()
+                    coll.all_reduce(y, op=op, group=group)
+                    results.append(y)
+                compare(f"all_reduce {op} {dtype} {n}", *results)
+            gathered = []
+            for group in (fast, plain):
+                y = torch.empty(WORLD * n, dtype=dtype)
+                coll.all_gather(y, x, group=group)
+                gathered.append(y)
+            compare(f"all_gather {dtype} {n}", *gathered)
+            full = torch.cat([_integers(rank + k, n, dtype) for k in range(WORLD)])
+            scattered = []
+            for group in (fast, plain):
+                y = torch.empty(n, dtype=dtype)
+                coll.reduce_scatter(y, full, group=group)
+                scattered.append(y)
+            compare(f"reduce_scatter {dtype} {n}", *scattered)
+
+    # rounding-dependent sums: the same bits on every rank, whatever the order
+    noise = noise_of(rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = noise.to(dtype, copy=True)
+        coll.all_reduce(y, group=fast)
+        every = torch.empty(WORLD * y.numel(), dtype=dtype)
+        coll.all_gather(every, y, group=plain)
+        rows = every.view(WORLD, -1)
+        out[f"replicated {dtype}"] = all(torch.equal(rows[0], row) for row in rows)
+        exact = sum(noise_of(r).to(dtype).double() for r in range(WORLD))
+        out[f"error {dtype}"] = (y.double() - exact).abs().max().item()
+
+    y = torch.full((5,), float(rank))
+    handle = coll.all_reduce(y, group=fast, async_op=True)
+    handle.wait()
+    out["async"] = (handle.is_completed(), y.tolist())
+    return out
+
+
+def noise_of(rank: int) -> torch.Tensor:
+    """Normal values, one slot and a bit long: a rounding-dependent sum over two rounds."""
+    return torch.randn(SLOT_BYTES // 4 + 17, generator=torch.Generator().manual_seed(rank))
+
+
+def test_the_channel_gives_what_gloo_gives_on_every_op_dtype_and_size():
+    results = run_ranks(_checks, WORLD)
+    for rank, result in enumerate(results):
+        assert result["channels"] == [True, False, False], rank
+        assert result["mismatches"] == [], (rank, result["mismatches"][:5])
+        assert result["replicated torch.float32"] and result["replicated torch.bfloat16"]
+        assert result["error torch.float32"] < 1e-5
+        # bf16 is summed in float32 and rounded once: within half a bf16 ulp of |sum| <= 16
+        assert result["error torch.bfloat16"] <= 2**-4, result["error torch.bfloat16"]
+        assert result["async"] == (True, [3.0] * 5)
