@@ -259,7 +259,8 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     print(
-        f"tp=2 gloo, 1 thread/rank, fp32, batch {BATCH} x seq {CONFIG.seq_len}, "
+        "tp=2 (torch TP on gloo, mtcore's tp group through shared memory), 1 thread/rank, "
+        f"fp32, batch {BATCH} x seq {CONFIG.seq_len}, "
         f"hidden {CONFIG.hidden_size}, heads {CONFIG.num_heads}/{CONFIG.kv_heads}, "
         f"ffn {CONFIG.ffn_size}; median of {args.steps} steps "
         f"after {args.warmup} warmup; step = fwd + bwd{' + SGD' if args.with_optimizer else ''}"
