@@ -385,17 +385,20 @@ def _microbatch_time(
     products = sum(n * bl.attention_product_flops() for bl, n in blocks) * b / (tp * cp)
     fwd = weights / block_rate + products / rate
     # Backward: each block's passes after the forward (Block.passes - 1: 2 with weight
-    # gradients, 1 for frozen weights passing the gradient on, 0 under no_grad).
+    # gradients, 1 for frozen weights passing the gradient on, 0 under no_grad; the
+    # score products have no weights, so 2 whenever there is a backward).
     live = tuple((bl, n) for bl, n in blocks if bl.keeps_activations)
     back_weights = sum(n * (bl.passes - 1) * 2.0 * bl.seq * bl.active_weights() for bl, n in blocks)
-    back_products = sum(n * (bl.passes - 1) * bl.attention_product_flops() for bl, n in blocks)
+    back_products = sum(
+        n * (bl.product_passes - 1) * bl.attention_product_flops() for bl, n in blocks
+    )
     back = (back_weights / block_rate + back_products / rate) * b / (tp * cp)
     live_weights = sum(n * 2.0 * bl.seq * bl.active_weights() for bl, n in live) * b / (tp * cp)
     live_products = sum(n * bl.attention_product_flops() for bl, n in live) * b / (tp * cp)
     head = 0.0
     if last:
         head = 2.0 * b * shape.head_seq / cp * (shape.vocab + shape.head_dense) * shape.hidden / tp
-        head = 3 * head / rate
+        head = (2 if shape.embed_frozen else 3) * head / rate  # frozen: no weight gradient
     # a fused attention's backward recomputes the scores (Q K^T) per block
     compute_extra = 0.5 * live_products / rate if fused else 0.0
     compute = fwd + back + head + compute_extra

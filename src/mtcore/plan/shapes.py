@@ -72,6 +72,12 @@ class Block:
         return {"full": 3, "input": 2, "none": 1}[self.backward]
 
     @property
+    def product_passes(self) -> int:
+        """The same for the attention's score products (``QK^T``, ``AV``): they have no
+        weights, so their backward is whole whenever the block has one."""
+        return 1 if self.backward == "none" else 3
+
+    @property
     def q_width(self) -> int:
         return self.heads * self.head_dim
 

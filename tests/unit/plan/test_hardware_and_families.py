@@ -181,6 +181,32 @@ def test_llava_flops_are_the_familys(overrides):
     assert blocks + images * (patch + projector) == pytest.approx(config.flops_per_step(8) / 8)
 
 
+@pytest.mark.parametrize(
+    "freeze", ["[vision]", "[vision, language]", "[projector]", "[language]", "[vision, projector]"]
+)
+def test_llava_model_flops_count_what_frozen_parts_compute(freeze):
+    """The family's ``flops_per_step`` and the planner's blocks agree part by part when
+    parts are frozen: weight products run ``Block.passes`` times (3 trained, 2 frozen
+    passing the gradient on, 1 under no_grad), score products 3 times whenever there is a
+    backward, the head twice when the language model is frozen. The patch embedding and
+    projector (not blocks) follow the same rule. Freezing only ever lowers the count."""
+    config = llava("--model.freeze", freeze)
+    shape, v, images = model_shape(config), config.vision, config.images.max_images
+    weights = sum(b.passes * 2.0 * b.seq * b.active_weights() for b in shape.blocks)
+    scores = sum(b.product_passes * b.attention_product_flops() for b in shape.blocks)
+    head = (2 if shape.embed_frozen else 3) * 2.0 * shape.head_seq * shape.vocab * shape.hidden
+    patch = images * v.seq_len * 2.0 * v.channels * v.patch_size**2 * v.hidden_size
+    patch *= 1 if config.frozen("vision") else 3
+    projector = images * 2.0 * v.num_features * config.projector_params()
+    if config.frozen("projector"):
+        projector *= 2 if not config.frozen("vision") else 1
+    else:
+        projector *= 3
+    want = weights + scores + head + patch + projector
+    assert config.flops_per_step(8) / 8 == pytest.approx(want, rel=1e-9)
+    assert config.flops_per_step(8) < llava().flops_per_step(8)
+
+
 def test_llava_frozen_parts_run_as_the_trainer_runs_them():
     """A frozen tower runs under no_grad (no backward, no activations); a frozen language
     model in front of a trained projector still passes the gradient back (LLaVA stage 1)."""

@@ -149,12 +149,26 @@ class LlavaConfig(GPTConfig):
 
     def flops_per_step(self, global_batch: int) -> float:
         """The language model's (over ``seq_len``, image tokens included), plus the vision
-        tower's and the projector's for ``max_images`` images per sample."""
+        tower's and the projector's for ``max_images`` images per sample: the FLOPs the
+        step computes. A frozen part skips its weights' gradients (a third of their
+        products); the frozen tower, with nothing trained before it, runs under
+        ``no_grad`` (its forward only), as does a frozen projector behind it. Attention's
+        score products have no weights: a frozen language model still runs their whole
+        backward, to pass the gradient to the projector."""
         images = global_batch * self.images.max_images
-        projector = 6.0 * self.vision.num_features * self.projector_params()
-        return super().flops_per_step(global_batch) + images * (
-            self.vision.flops_per_image() + projector
-        )
+        vision_trains = not self.frozen("vision")
+        projector_trains = not self.frozen("projector")
+        tower = images * self.vision.flops_per_image()
+        projector = images * 6.0 * self.vision.num_features * self.projector_params()
+        language = super().flops_per_step(global_batch)
+        scores = 12.0 * global_batch * self.seq_len**2 * self.num_layers * self.hidden_size
+        if not vision_trains:
+            tower /= 3
+        if not projector_trains:
+            projector *= 2 / 3 if vision_trains else 1 / 3
+        if self.frozen("language"):  # the config refuses a wholly frozen model
+            language = (language - scores) * 2 / 3 + scores
+        return language + tower + projector
 
     def describe(self) -> str:
         v = self.vision
