@@ -90,7 +90,9 @@ def ce(logits, targets):
 
 def _batches():
     g = torch.Generator().manual_seed(3)
-    return torch.randint(0, V, (STEPS, BATCH, SEQ), generator=g), torch.randint(0, V, (STEPS, BATCH, SEQ), generator=g)
+    return torch.randint(0, V, (STEPS, BATCH, SEQ), generator=g), torch.randint(
+        0, V, (STEPS, BATCH, SEQ), generator=g
+    )
 
 
 # -- rank side ----------------------------------------------------------------------------
@@ -124,7 +126,10 @@ def _tiny_pipeline(ctx, data, layout, groups, schedule, rows, ddp=False):
             chunks[-1].head.weight.zero_()  # the first stage's copy must win
     sync_tied_weights(tied, groups, coll)
     if ddp:
-        chunks = [DataParallel(c, layout, ctx.backend, DataParallelConfig(bucket_size=500)) for c in chunks]
+        chunks = [
+            DataParallel(c, layout, ctx.backend, DataParallelConfig(bucket_size=500))
+            for c in chunks
+        ]
         (opt,) = [AdamW(c, **ADAM) for c in chunks]
     else:
         opt = _SGD([p for c in chunks for p in c.parameters()])
@@ -145,13 +150,21 @@ def _tiny_pipeline(ctx, data, layout, groups, schedule, rows, ddp=False):
 def _train(runner, opt, data, rows, finish, grads, params):
     """STEPS optimizer steps; ``finish()`` after each backward, then record."""
     tokens, targets = data
-    out = {"loss": [], "grads": [], "peak": [], "first": runner.has_first, "last": runner.has_last}
+    out = {
+        "loss": [],
+        "grads": [],
+        "peak": [],
+        "held": [],
+        "first": runner.has_first,
+        "last": runner.has_last,
+    }
     for step in range(STEPS):
         opt.zero_grad()
         stats = runner.step(tokens[step][rows].split(MB), targets[step][rows].split(MB))
         finish()
         out["loss"].append(stats.loss)
         out["peak"].append(stats.peak_in_flight)
+        out["held"].append(stats.peak_undelivered)
         out["grads"].append(grads())
         opt.step()
     out["params"] = params()
@@ -258,7 +271,11 @@ def _reference(kind: str):
     out = {"loss": [], "grads": []}
     for step in range(STEPS):
         opt.zero_grad()
-        loss = model(tokens[step], targets[step]) if kind == "gpt" else ce(model(tokens[step]), targets[step])
+        loss = (
+            model(tokens[step], targets[step])
+            if kind == "gpt"
+            else ce(model(tokens[step]), targets[step])
+        )
         loss.backward()
         out["loss"].append(loss.item())
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -274,7 +291,10 @@ def _ref_name(name: str) -> str:
 @pytest.fixture(scope="module")
 def runs():
     tokens, targets = _batches()
-    ranks = [torch.load(io.BytesIO(r), weights_only=False) for r in run_ranks(_rank_main, 4, tokens, targets)]
+    ranks = [
+        torch.load(io.BytesIO(r), weights_only=False)
+        for r in run_ranks(_rank_main, 4, tokens, targets)
+    ]
     refs = {k: _reference(k) for k in ("sgd", "adam", "gpt")}
     return ranks, refs
 
@@ -295,8 +315,12 @@ def test_matches_one_process(runs, case):
                 seen.add(_ref_name(name))
         for name, got in r["params"].items():
             err = rel_error(got, ref["params"][_ref_name(name)])
-            assert err <= TOL, f"{case} rank {rank} param {name} after {STEPS} steps: rel err {err:.2e}"
-    assert seen == set(ref["grads"][0]), f"{case}: params never checked: {set(ref['grads'][0]) - seen}"
+            assert err <= TOL, (
+                f"{case} rank {rank} param {name} after {STEPS} steps: rel err {err:.2e}"
+            )
+    assert seen == set(ref["grads"][0]), (
+        f"{case}: params never checked: {set(ref['grads'][0]) - seen}"
+    )
     if case == "pp2_dp2":  # each dp rank's loss is the mean over its half of the batch
         losses = [[sum(x) / len(losses) for x in zip(*losses, strict=True)]]
     for loss in losses:
@@ -314,6 +338,10 @@ def test_1f1b_keeps_at_most_pp_microbatches_in_flight(runs, case):
         res = r[case]
         want = min(pp - res["pp_rank"], m)  # warmup + 1; pp on stage 0 once m >= pp
         assert res["peak"] == [want] * STEPS, (case, res["pp_rank"], res["peak"])
+        # Delivered sends are let go of as the step goes: a stage's forward sends are
+        # received before the backward that needs them comes back, so at most its
+        # warm-up's worth and one more (plus one gradient) are held, not one per micro-batch.
+        assert max(res["held"]) <= min(pp - res["pp_rank"] + 1, m), (case, res["held"])
 
 
 def test_interleaved_and_gpipe_peaks_match_their_action_lists(runs):

@@ -16,7 +16,7 @@ from mtcore.parallel.pipeline import (
     one_f_one_b,
     simulate,
 )
-from mtcore.parallel.pipeline.schedules import FORWARD, Action, _with_comm
+from mtcore.parallel.pipeline.schedules import FORWARD, Action, _with_comm, counterpart, peer
 from mtcore.parallel.pipeline.simulate import MODES
 
 
@@ -170,3 +170,45 @@ def test_gantt_shows_the_bubble():
     assert t.makespan == 33  # (m + p - 1) (f + b)
     assert t.gantt().splitlines()[0].startswith("rank 0: 0123......aa4bb5")
     assert [a.kind for a, *_ in t.compute[3][:2]] == [FORWARD, "backward"]
+
+
+def _most_sends_held(schedule, rank) -> int:
+    """Sends a runner holds at once on ``rank`` when it lets go of each as soon as a
+    receive proves it delivered (``Schedule.delivered_by``), the rest at the step's end."""
+    proven, held, most = schedule.delivered_by(rank), set(), 0
+    for action in schedule.for_rank(rank):
+        if action.kind in ("send_fwd", "send_bwd"):
+            held.add(action)
+            most = max(most, len(held))
+        elif action.kind in ("recv_fwd", "recv_bwd"):
+            held -= set(proven.get(action, ()))
+    return most
+
+
+@pytest.mark.parametrize(
+    "name,pp,vpp,m",
+    [("1f1b", 2, 1, 8), ("1f1b", 4, 1, 16), ("interleaved_1f1b", 2, 2, 8),
+     ("interleaved_1f1b", 4, 2, 16), ("gpipe", 2, 1, 8)],
+)  # fmt: skip
+def test_sent_tensors_are_let_go_of_as_receives_prove_them_delivered(name, pp, vpp, m):
+    """Every proof is sound (the peer consumed the send before posting the proving
+    message) and enough of them exist that a 1F1B rank holds about its in-flight
+    micro-batches' sends, not one per micro-batch; GPipe's forwards all go before any
+    backward returns, so it holds them all."""
+    schedule = build_schedule(name, pp, m, vpp)
+    for rank in range(pp):
+        total = sum(a.kind in ("send_fwd", "send_bwd") for a in schedule.for_rank(rank))
+        for receive, sends in schedule.delivered_by(rank).items():
+            other = peer(receive, rank, pp)
+            theirs = schedule.for_rank(other)
+            proof = theirs.index(counterpart(receive, rank, pp))
+            for send in sends:
+                matching = counterpart(send, rank, pp)
+                kind = FORWARD if matching.kind == "recv_fwd" else "backward"
+                consumer = theirs.index(Action(kind, matching.microbatch, matching.chunk))
+                assert theirs.index(matching) < consumer < proof, (name, rank, send, receive)
+        most = _most_sends_held(schedule, rank)
+        if name == "gpipe":
+            assert most >= m - 1 or rank == pp - 1
+        else:
+            assert most <= schedule.max_in_flight(rank) + 1 < total, (name, rank, most, total)

@@ -75,6 +75,7 @@ class StepStats:
     total_s: float
     peak_in_flight: int
     trace: list[tuple[Action, float, float]] = field(default_factory=list)
+    peak_undelivered: int = 0  # the most sends whose tensors this rank held at once
 
     @property
     def idle_share(self) -> float:
@@ -107,9 +108,13 @@ class PipelineRunner:
         grad_sync: object | None = None,
     ):
         if len(chunks) != schedule.vpp:
-            raise ScheduleError(f"schedule has vpp={schedule.vpp} chunks per rank, got {len(chunks)} modules")
+            raise ScheduleError(
+                f"schedule has vpp={schedule.vpp} chunks per rank, got {len(chunks)} modules"
+            )
         if schedule.pp != groups.pp:
-            raise ScheduleError(f"schedule is for pp={schedule.pp}, the pipeline has {groups.pp} stages")
+            raise ScheduleError(
+                f"schedule is for pp={schedule.pp}, the pipeline has {groups.pp} stages"
+            )
         self.chunks, self.schedule, self.groups = list(chunks), schedule, groups
         self.collective, self.device = backend.collective, backend.torch_device()
         self._sync = backend.device.synchronize
@@ -128,6 +133,7 @@ class PipelineRunner:
         self.has_last = is_last_stage(self.rank, self.vpp - 1, self.pp, self.vpp)
         if self.has_last and loss_fn is None:
             raise ValueError("the last pipeline stage needs a loss_fn")
+        self._delivered_by = schedule.delivered_by(self.rank)
         last_b = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == BACKWARD}
         self._reduce_at = set(last_b.values())
 
@@ -144,7 +150,8 @@ class PipelineRunner:
         self._saved: dict[tuple[int, int], tuple[dict[str, Tensor], object]] = {}
         self._outgoing: dict[Action, dict[str, Tensor]] = {}
         self._recv: dict[Action, tuple[dict[str, Tensor], list]] = {}
-        self._sends: list[tuple[Tensor, list]] = []
+        self._sends: dict[Action, tuple[dict[str, Tensor], list, bool]] = {}
+        self._most_sends = 0
         self._losses: list[Tensor] = []
         self._busy = self._wait = 0.0
         self._peak = 0
@@ -161,14 +168,18 @@ class PipelineRunner:
                 j += 1
             self._post(actions[i:j])
             i = j
-        for _, handles in self._sends:
+        for _, handles, _ in self._sends.values():
             self._wait_all(handles)
-        self._sends = []  # delivered: keep no sent tensor through the optimizer step
+        self._sends = {}  # delivered: keep no sent tensor through the optimizer step
         total = time.perf_counter() - self._t0
         if self._saved or self._outgoing or self._recv:
-            raise ScheduleError(f"rank {self.rank}: step ended with unfinished work (action list is inconsistent)")
+            raise ScheduleError(
+                f"rank {self.rank}: step ended with unfinished work (action list is inconsistent)"
+            )
         loss = torch.stack(self._losses).sum().item() if self._losses else None
-        return StepStats(loss, self._busy, self._wait, total, self._peak, self._trace)
+        return StepStats(
+            loss, self._busy, self._wait, total, self._peak, self._trace, self._most_sends
+        )
 
     def _forward(self, c: int, inputs: dict[str, Tensor], batch) -> dict[str, Tensor] | Tensor:
         """Chunk ``c`` on one micro-batch: ``stage(inputs, batch)`` for named messages;
@@ -186,6 +197,7 @@ class PipelineRunner:
     # -- transfers -----------------------------------------------------------------------
     def _post(self, batch: Sequence[Action]) -> None:
         start = time.perf_counter()
+        self._drop_delivered()
         ops, kept = [], []
         for a in batch:
             dst = self.groups.ranks[peer(a, self.rank, self.pp)]
@@ -203,12 +215,27 @@ class PipelineRunner:
         for a, tensors, first in kept:
             mine = handles[first : first + len(tensors)] if per_op else handles
             if a.kind in (SEND_FWD, SEND_BWD):
-                self._sends.append((tensors, mine))
+                self._sends[a] = (tensors, mine, per_op)
             else:
                 self._recv[a] = (tensors, mine)
+        self._most_sends = max(self._most_sends, len(self._sends))
         # gloo writes a send in the caller's thread once the peer's receive is
         # posted, so posting is communication time too
         self._wait += time.perf_counter() - start
+
+    def _drop_delivered(self, received: Action | None = None) -> None:
+        """Let go of the tensors of sends known to be delivered, so that a step holds
+        the messages still travelling, not one per micro-batch (the gradients sent back
+        would otherwise pile up until the step ends). Known: the handles say so
+        (``is_completed``: NCCL, MCCL), or ``received`` has just arrived and proves it
+        (``Schedule.delivered_by``: gloo's send handles complete only when waited for).
+        Waiting on such a send returns at once; it raises a failed send's error."""
+        proven = self._delivered_by.get(received, ()) if received is not None else ()
+        for action in list(self._sends):
+            _, handles, own = self._sends[action]
+            if (own and action in proven) or all(h.is_completed() for h in handles):
+                self._wait_all(handles)
+                del self._sends[action]
 
     def _boundary(self, a: Action) -> int:
         """The virtual-stage boundary an action's tensors cross (sender's stage)."""
@@ -219,11 +246,15 @@ class PipelineRunner:
         specs = self.messages(self._boundary(a))
         if a.kind == RECV_BWD:  # gradients come back for the floating-point tensors only
             specs = {n: s for n, s in specs.items() if s.dtype.is_floating_point}
-        return {n: torch.empty(s.shape, dtype=s.dtype, device=self.device) for n, s in specs.items()}
+        return {
+            n: torch.empty(s.shape, dtype=s.dtype, device=self.device) for n, s in specs.items()
+        }
 
     def _received(self, kind: str, mb: int, chunk: int) -> dict[str, Tensor]:
-        tensors, handles = self._recv.pop(Action(kind, mb, chunk))
+        action = Action(kind, mb, chunk)
+        tensors, handles = self._recv.pop(action)
         self._wait_all(handles)
+        self._drop_delivered(action)
         return tensors
 
     def _wait_all(self, handles) -> None:

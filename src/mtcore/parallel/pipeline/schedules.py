@@ -102,6 +102,35 @@ class Schedule:
             peak = max(peak, live)
         return peak
 
+    def delivered_by(self, rank: int) -> dict[Action, tuple[Action, ...]]:
+        """For each receive of ``rank``, the rank's sends it proves delivered.
+
+        A send is delivered once its peer has waited for the matching receive, which
+        the peer does before the compute that consumes it. A message the same peer
+        posts after that compute therefore arrives only after the send was delivered:
+        once ``rank`` has received it, waiting on the send cannot block. This is what
+        lets a runner drop sent tensors during the step on a library whose send
+        handles report completion only when waited for (gloo), without the risk of
+        waiting on a send whose receive is not posted yet.
+        """
+        mine = self.actions[rank]
+        position = {p: {a: i for i, a in enumerate(self.actions[p])} for p in range(self.pp)}
+        out: dict[Action, list[Action]] = {}
+        for index, send in enumerate(mine):
+            if send.kind not in (SEND_FWD, SEND_BWD):
+                continue
+            other = peer(send, rank, self.pp)
+            receive = counterpart(send, rank, self.pp)
+            kind = FORWARD if receive.kind == RECV_FWD else BACKWARD
+            consumed = position[other][Action(kind, receive.microbatch, receive.chunk)]
+            for later in mine[index + 1 :]:
+                if later.kind not in (RECV_FWD, RECV_BWD) or peer(later, rank, self.pp) != other:
+                    continue
+                if position[other][counterpart(later, rank, self.pp)] > consumed:
+                    out.setdefault(later, []).append(send)
+                    break
+        return {receive: tuple(sends) for receive, sends in out.items()}
+
     def table(self) -> str:
         """A readable table: one row per compute step, one column per rank;
         a cell shows the fused batch posted before the compute, then the compute."""
