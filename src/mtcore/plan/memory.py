@@ -200,11 +200,15 @@ def head_transient_bytes(
     fp32 buffers of the logits' size at once, the saved log-softmax, the NLL's gradient
     of it and the logits' gradient (``_log_softmax_backward_data``; measured with
     ``mtcore sweep``, docs/plan.md). The vocab-parallel loss (tp > 1) turns its saved
-    exps into the gradient in place: one buffer."""
+    exps into the gradient in place: one buffer. Logits narrower than fp32 (bf16) are
+    widened to fp32 first, a copy alive next to the softmax in the forward, and the
+    vocab-parallel gradient is narrowed back, a copy next to the fp32 one (measured:
+    ``tests/unit/plan/test_memory_formulas.py``)."""
     e, v = act_bytes, vocab / tp
+    narrow = e < 4
     norm = 2 * e * tokens * hidden / (tp if sequence_parallel else 1)
-    forward = tokens * v * (e + 4)
-    backward = 4 * tokens * v + e * v * hidden * trains_head + e * tokens * hidden
+    forward = tokens * v * (e + 4 + 4 * narrow)
+    backward = (4 + e * narrow) * tokens * v + e * v * hidden * trains_head + e * tokens * hidden
     if tp == 1:
         backward = max(backward, 3 * 4 * tokens * v)
     return norm + max(forward, backward)

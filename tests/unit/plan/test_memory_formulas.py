@@ -3,7 +3,10 @@ for weights and optimizer state, and Korthikanti et al. 2022's activation formul
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from published import MEGATRON_CORE_2024, NARAYANAN_2021, megatron_core_config, narayanan_config
 
 from mtcore.parallel.pipeline.schedules import BACKWARD, FORWARD, build_schedule
@@ -127,6 +130,46 @@ def test_the_backward_transient_is_the_first_weight_gradient_and_its_input_gradi
     # long sequences of a small head: the forward's logits and softmax are the larger
     long = 64 * tokens
     assert head_transient_bytes(long, h, v, 2, False, 4) == 2 * 4 * long * h + long * v / 2 * 8
+
+
+class _OneRank:
+    """The identity collective: the vocab-parallel loss runs its per-rank code at one rank."""
+
+    def all_reduce(self, tensor, op="sum", group=None, async_op=False):
+        return None
+
+    def all_gather(self, output, input, group=None, async_op=False):
+        output.copy_(input.reshape(output.shape))
+        return SimpleNamespace(wait=lambda: None) if async_op else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_transients_are_what_the_vocab_parallel_loss_allocates(dtype):
+    """One rank's shard of the vocab-parallel loss, its allocations measured per logit
+    (torch profiler, as ``mtcore sweep`` measures) and put into the formula: the forward
+    holds the logits and allocates the exps it keeps (4 bytes), plus, for bf16, the
+    logits widened to fp32 (4 more); the backward turns the exps into the gradient in
+    place and, for bf16, narrows it back (2 more)."""
+    from mtcore.parallel.tensor import TPGroup
+    from mtcore.parallel.tensor.cross_entropy import _VocabParallelCrossEntropy
+    from mtcore.plan.sweep import tensor_peak
+
+    tokens, shard, h = 1024, 2048, 8
+    tp = TPGroup(SimpleNamespace(collective=_OneRank()), None, 1, 0)
+    logits = torch.randn(tokens, shard, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, shard, (tokens,))
+    with tensor_peak() as forward:
+        loss = _VocabParallelCrossEntropy.apply(logits, target, tp, -100)
+    with tensor_peak() as backward:
+        loss.sum().backward()
+    e, count = logits.element_size(), tokens * shard
+    forward_new, backward_new = forward[0] / count, backward[0] / count
+    assert forward_new == pytest.approx(8 if e < 4 else 4, rel=0.01)
+    assert backward_new == pytest.approx(2 if e < 4 else 0, abs=0.05)  # + per-row vectors
+    norm = 2 * e * tokens * h
+    phases = max((e + forward_new) * count, (4 + backward_new) * count + e * tokens * h)
+    modelled = head_transient_bytes(tokens, h, 2 * shard, 2, False, e, trains_head=False)
+    assert modelled == pytest.approx(norm + phases, rel=0.01)
 
 
 def _heads_held(schedule) -> int:
