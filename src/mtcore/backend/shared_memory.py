@@ -152,6 +152,7 @@ class SharedMemoryChannel:
                 return False
         return True
 
+    @torch.no_grad()
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """Reduce ``tensor`` in place; every rank gets the same bits."""
         flat = tensor.view(-1)
@@ -161,6 +162,7 @@ class SharedMemoryChannel:
             slots = self._exchange(lambda mine, piece=piece: mine.copy_(piece), piece)
             _reduce(slots, piece, op, self.members)
 
+    @torch.no_grad()
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``output`` (flat: members x input) gets every rank's ``input`` in rank order."""
         source, target = input.view(-1), output.view(self.members, -1)
@@ -171,6 +173,7 @@ class SharedMemoryChannel:
             for member, slot in enumerate(slots):
                 target[member, lo : lo + piece.numel()].copy_(slot)
 
+    @torch.no_grad()
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum") -> None:
         """``output`` gets this rank's dim-0 shard of the reduction of ``input``."""
         shards, target = input.view(self.members, -1), output.view(-1)

@@ -98,3 +98,17 @@ def test_the_channel_serves_contiguous_cpu_tensors_and_the_four_reductions():
     assert not channel.takes(torch.ones(2, dtype=torch.bool))
     assert not channel.takes(torch.ones(2, dtype=torch.complex64))
     channel.close()
+
+
+def test_a_parameter_is_reduced_in_place_as_gloo_would_reduce_it():
+    """Collectives move data, not autograd history: a leaf that requires grad (a tied
+    weight synchronised by value) is written in place, with no autograd error."""
+    path = shared_memory.create_segment(1)
+    channel = SharedMemoryChannel(path, 0, [os.getpid()], timeout_s=5)
+    shared_memory.unlink_segment(path)
+    weight = torch.nn.Parameter(torch.arange(4.0))
+    channel.all_reduce(weight, op="max")
+    out = torch.empty(4)
+    channel.all_gather(out, weight)
+    assert torch.equal(weight.detach(), torch.arange(4.0)) and torch.equal(out, torch.arange(4.0))
+    channel.close()
