@@ -402,6 +402,8 @@ def _microbatch_time(
     # a fused attention's backward recomputes the scores (Q K^T) per block
     compute_extra = 0.5 * live_products / rate if fused else 0.0
     compute = fwd + back + head + compute_extra
+    if first:  # the first stage's products outside the blocks, whole on every tp rank
+        compute += b * shape.first_stage_flops / rate
     redo = live_weights / block_rate + live_products / rate if recompute == "full" else 0.0
     if recompute == "selective":
         redo = live_products / rate

@@ -135,8 +135,10 @@ class ModelShape:
 
     ``first_stage_params``: more parameters on the first stage, held whole by every
     tp rank and never tied (a vision tower's patch embedding and positions, a
-    projector), ``first_stage_frozen`` of them frozen; ``embed_frozen``: the embedding
-    and head do not train (a frozen language model)."""
+    projector), ``first_stage_frozen`` of them frozen; ``first_stage_flops``: their
+    products' FLOPs per sequence over the whole step (forward and whatever backward they
+    run); ``embed_frozen``: the embedding and head do not train (a frozen language
+    model)."""
 
     family: str
     blocks: tuple[Block, ...]
@@ -153,6 +155,7 @@ class ModelShape:
     stage_counts: Callable[[int, int], list[int]] = field(repr=False, default=None)
     first_stage_params: int = 0
     first_stage_frozen: int = 0
+    first_stage_flops: float = 0.0
     embed_frozen: bool = False
 
     def counts(self, pp: int, vpp: int) -> list[int]:
@@ -290,7 +293,8 @@ def _llava(config) -> ModelShape:
     the tower: a tower block has ``seq = max_images x tower tokens`` queries, each
     attending to one image's ``kv_seq`` tokens. The language model's ``seq_len``
     already counts the image tokens. The patch embedding, positions and projector
-    are replicated over tp (``first_stage_params``).
+    are replicated over tp (``first_stage_params``, their products
+    ``first_stage_flops``).
     """
     v = config.vision
     language = _gpt(config)
@@ -318,6 +322,13 @@ def _llava(config) -> ModelShape:
     frozen = (vision_params if frozen_vision else 0) + (
         projector if config.frozen("projector") else 0
     )
+    # The patch embedding's and projector's products, per sequence: 3 passes trained, 2
+    # frozen but passing the gradient back to a trained part before them, 1 under no_grad.
+    images = config.images.max_images
+    patch = images * v.seq_len * 2.0 * v.channels * v.patch_size**2 * h
+    patch *= 1 if frozen_vision else 3
+    projector_passes = 3 if not config.frozen("projector") else 1 if frozen_vision else 2
+    projector_flops = images * v.num_features * 2.0 * projector * projector_passes
     split = _even_counts(config.num_layers)
 
     def counts(pp: int, vpp: int) -> list[int]:
@@ -333,6 +344,7 @@ def _llava(config) -> ModelShape:
         stage_counts=counts,
         first_stage_params=vision_params + projector,
         first_stage_frozen=frozen,
+        first_stage_flops=patch + projector_flops,
         embed_frozen=frozen_language,
     )
 

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from mtcore.plan import HardwareError, NotModelled, builtin_names, load_hardware, model_shape, plan
+from mtcore.plan import (
+    HardwareError,
+    NotModelled,
+    builtin_names,
+    load_hardware,
+    model_shape,
+    plan,
+    timing,
+)
 from mtcore.plan.planner import with_data_vocab
 from mtcore.plan.shapes import stage_params
 from mtcore.training.overrides import load_config
@@ -161,9 +169,9 @@ def test_llava_image_slots_are_sequences_of_the_tower():
 
 @pytest.mark.parametrize("overrides", [(), ("--model.images.max_images", "2")])
 def test_llava_flops_are_the_familys(overrides):
-    """Three passes of the blocks and the head give the family's ``flops_per_step``
-    exactly, but for the patch embedding's and projector's products (not blocks; about
-    1% here): the tower's blocks against ``flops_per_image``, the language model's and
+    """Three passes of the blocks and the head, with the patch embedding's and the
+    projector's products (``first_stage_flops``), give the family's ``flops_per_step``
+    exactly: the tower's blocks against ``flops_per_image``, the language model's and
     head against the GPT's count."""
     from mtcore.models.gpt.config import GPTConfig
 
@@ -178,7 +186,8 @@ def test_llava_flops_are_the_familys(overrides):
         GPTConfig.flops_per_step(config, 8) / 8
     )
     blocks = 3 * (sum(b.forward_flops() for b in shape.blocks) + head)
-    assert blocks + images * (patch + projector) == pytest.approx(config.flops_per_step(8) / 8)
+    assert shape.first_stage_flops == pytest.approx(images * (patch + projector))
+    assert blocks + shape.first_stage_flops == pytest.approx(config.flops_per_step(8) / 8)
 
 
 @pytest.mark.parametrize(
@@ -202,9 +211,32 @@ def test_llava_model_flops_count_what_frozen_parts_compute(freeze):
         projector *= 2 if not config.frozen("vision") else 1
     else:
         projector *= 3
+    assert shape.first_stage_flops == pytest.approx(patch + projector, rel=1e-9)
     want = weights + scores + head + patch + projector
     assert config.flops_per_step(8) / 8 == pytest.approx(want, rel=1e-9)
     assert config.flops_per_step(8) < llava().flops_per_step(8)
+
+
+def test_the_first_stage_pays_for_the_patch_embedding_and_projector(monkeypatch):
+    """One stage (pp = 1) on H100: the step's compute is longer by exactly those products'
+    FLOPs over the matmul rate the planner credits, once per sequence of the step."""
+    from dataclasses import replace as replaced
+
+    from mtcore.plan import planner
+
+    config = load_config(LLAVA, ["--parallel.tp", "1", "--parallel.pp", "1"])
+    hardware = load_hardware("H100-SXM")
+    with_them = plan(config, 1, hardware)
+    shape = model_shape(with_data_vocab(config).model)
+    monkeypatch.setattr(
+        planner, "model_shape", lambda model: replaced(shape, first_stage_flops=0.0)
+    )
+    without = plan(config, 1, hardware)
+    rate = timing.gemm_flops(hardware, hardware.peak_flops(config.precision.dtype))
+    sequences = config.training.global_batch_size
+    extra = with_them.time.compute - without.time.compute
+    assert shape.first_stage_flops > 0
+    assert extra == pytest.approx(sequences * shape.first_stage_flops / rate, rel=1e-9)
 
 
 def test_llava_frozen_parts_run_as_the_trainer_runs_them():
