@@ -4,8 +4,11 @@
 #   1. mtcore doctor for the cuda backend (plugins, capabilities, kernel table);
 #   2. the conformance kit on cuda: device, NCCL-free collective checks, every kernel
 #      candidate (the Triton pack compiled for real) against the reference, FP8;
-#   3. benchmarks/bench_kernels.py: each Triton kernel against torch eager (bf16, fp32);
-#   4. benchmarks/bench_fp8.py: a GPT step in bf16 against each FP8 recipe.
+#   3. benchmarks/bench_gemm_shapes.py: the bf16 products of Megatron-Core's H100 rows,
+#      the per-shape efficiency `mtcore plan` lacks for them (issue 21; an H200 has
+#      H100's compute), into $OUT/gemm_shapes.json;
+#   4. benchmarks/bench_kernels.py: each Triton kernel against torch eager (bf16, fp32);
+#   5. benchmarks/bench_fp8.py: a GPT step in bf16 against each FP8 recipe.
 #
 # Each step has its own time limit and its own log under $OUT; a failing step does
 # not stop the next. The exit status is the number of failed steps.
@@ -47,11 +50,12 @@ step install 120 $PY -m pip install -q --no-deps --no-build-isolation --no-compi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/gpu.txt" 2>&1
-step doctor 60 $PY -m mtcore.cli.main doctor --backend cuda
+step doctor 45 $PY -m mtcore.cli.main doctor --backend cuda
+step gemm_shapes 45 $PY benchmarks/bench_gemm_shapes.py --json "$OUT/gemm_shapes.json"
 step conformance 150 $PY -m pytest -q -p no:cacheprovider --pyargs mtcore.testing.conformance \
     --mtcore-backend cuda
 step kernels 90 $PY benchmarks/bench_kernels.py --dtype bfloat16
-step kernels_fp32 60 $PY benchmarks/bench_kernels.py --dtype float32
+step kernels_fp32 45 $PY benchmarks/bench_kernels.py --dtype float32
 step fp8 90 $PY benchmarks/bench_fp8.py --steps 20
 echo "gpu_check: $failed step(s) failed; logs in $OUT"
 exit "$failed"
