@@ -41,7 +41,7 @@ import os
 import platform
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -119,12 +119,10 @@ class SharedMemoryChannel:
         pids: Sequence[int],
         timeout_s: float,
         slot_bytes: int = SLOT_BYTES,
-        describe: Callable[[], str] = lambda: "shared-memory collective",
     ):
         self.rank, self.members, self.slot_bytes = rank, len(pids), slot_bytes
         self.timeout_s = timeout_s
         self.pids = tuple(pids)
-        self._describe = describe
         size = segment_bytes(self.members, slot_bytes)
         fd = os.open(path, os.O_RDWR)
         try:
@@ -236,13 +234,13 @@ class SharedMemoryChannel:
         gone = [r for r in missing if not pid_alive(self.pids[r])]
         if gone:
             raise PeerGone(
-                f"{self._describe()}: group rank(s) {gone} (pid "
+                f"shared-memory channel: group rank(s) {gone} (pid "
                 f"{', '.join(str(self.pids[r]) for r in gone)}) exited while this rank "
                 f"waited {waited:.1f} s for them"
             )
         if waited > self.timeout_s:
             raise PeerGone(
-                f"{self._describe()}: group rank(s) {missing} did not arrive within "
+                f"shared-memory channel: group rank(s) {missing} did not arrive within "
                 f"{self.timeout_s:g} s"
             )
 
