@@ -5,7 +5,8 @@ all-reduce, all-gather and reduce-scatter must give what gloo gives on a plain g
 over the same ranks, bit for bit where the result does not depend on the order of
 the sum (integer-valued data), and the same bits on every rank where it does.
 Tensors larger than a slot take several rounds; FP8 and bf16 take the collective's
-fallbacks first. ``MTCORE_SHM_COLLECTIVES=0`` keeps a latency-bound group on gloo.
+fallbacks first. ``MTCORE_SHM_COLLECTIVES=0`` keeps a latency-bound group on gloo,
+and so does one member unable to create or map the segment.
 Three ranks exercise the general reduction (two ranks have a shortcut in no path,
 but bf16 is widened only from three up).
 """
@@ -47,10 +48,31 @@ def _checks(ctx) -> dict:
     os.environ[SHARED_MEMORY_ENV] = "0"
     switched_off = coll.new_group(ranks, latency_bound=True)
     os.environ.pop(SHARED_MEMORY_ENV)
+    # A member that cannot take part (the first cannot create the segment; another
+    # cannot map it) leaves the whole group on gloo, agreed by all, and it still works.
+    from mtcore.backend import collective as collective_module
+
+    def refuse(*args, **kwargs):
+        raise OSError("refused for the test")
+
+    refused = []
+    for who, module, name in ((0, shared_memory, "create_segment"),
+                              (1, collective_module, "SharedMemoryChannel")):  # fmt: skip
+        original = getattr(module, name)
+        if rank == who:
+            setattr(module, name, refuse)
+        try:
+            group = coll.new_group(ranks, latency_bound=True)
+        finally:
+            setattr(module, name, original)
+        total = torch.tensor([float(rank)])
+        coll.all_reduce(total, group=group)
+        refused.append((coll.shared_memory_channel(group) is None, total.item()))
     out = {
         "channels": [
             coll.shared_memory_channel(g) is not None for g in (fast, plain, switched_off)
         ],
+        "refused": refused,
         "mismatches": [],
     }
 
@@ -112,6 +134,7 @@ def test_the_channel_gives_what_gloo_gives_on_every_op_dtype_and_size():
     results = run_ranks(_checks, WORLD)
     for rank, result in enumerate(results):
         assert result["channels"] == [True, False, False], rank
+        assert result["refused"] == [(True, 3.0), (True, 3.0)], (rank, result["refused"])
         assert result["mismatches"] == [], (rank, result["mismatches"][:5])
         assert result["replicated torch.float32"] and result["replicated torch.bfloat16"]
         assert result["error torch.float32"] < 1e-5

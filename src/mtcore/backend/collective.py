@@ -275,13 +275,16 @@ class Collective:
         it, the others open it by name (only a rank on the same host finds it) and see
         each other's pids (to notice one exiting). Otherwise the group stays on c10d."""
         rank, members = dist.get_rank(group), dist.get_world_size(group)
-        box = [shared_memory.create_segment(members) if rank == 0 else None]
+        box: list[str | None] = [None]
+        if rank == 0:
+            with contextlib.suppress(OSError):  # /dev/shm not writable: no channel
+                box = [shared_memory.create_segment(members)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         path, channel = box[0], None
         if path is not None:
-            try:
+            try:  # every member reaches the agreement below, whatever happens here
                 channel = SharedMemoryChannel(path, rank, [0] * members, self.timeout_s)
-            except OSError:
+            except (OSError, ValueError):
                 channel = None
         pids: list[object] = [None] * members
         dist.all_gather_object(pids, (os.getpid(), channel is not None), group=group)
