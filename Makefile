@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mtcore-installed
 
-.PHONY: setup test test-all lint train doctor bench clean
+.PHONY: setup test test-all test-cluster test-torch-floor torch-floor-record lint train doctor bench clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml plugins/mtcore_cuda/pyproject.toml plugins/mtcore_musa/
 		plugins/mtcore_triton/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]' -e 'plugins/mtcore_cuda[triton]' \
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,megatron]' -e 'plugins/mtcore_cuda[triton]' \
 		-e plugins/mtcore_musa -e plugins/mtcore_triton
 	touch $(STAMP)
 
@@ -27,6 +27,40 @@ test: lint
 test-all: lint
 	$(PY) -m pytest
 
+# What goes wrong on a cluster, slow: a node lost and replaced, a node cut off for
+# good (namespace nodes), a real two-node Slurm, a rank stopped mid-collective, a
+# preempted job (SIGTERM) and a job killed mid-save. The node tests need root and
+# Debian's slurmctld, slurmd, slurm-client and munge; each test says why it skips
+# without them. (The default suite runs doctor on a namespace node.)
+test-cluster: $(STAMP)
+	$(PY) -m pytest -m slow tests/e2e/test_multi_node.py tests/e2e/test_slurm.py \
+		tests/e2e/test_rank_lifetime.py tests/e2e/test_preemption.py \
+		tests/e2e/test_checkpoint_kill.py
+
+# The default suite on the oldest supported torch (2.7.1, torch_musa's), in a second
+# environment: the registry's torch 2.7.1 is its CUDA build, about 3 GB to download, so
+# `make test` never builds it; .ci/run does (docs/ci.md). Its bin/ goes first on PATH,
+# as an activated environment's does, for the tests that start `mtcore` and `python`.
+FLOOR_VENV ?= .venv-torch-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.mtcore-installed
+
+$(FLOOR_STAMP): pyproject.toml plugins/mtcore_cuda/pyproject.toml plugins/mtcore_musa/pyproject.toml \
+		plugins/mtcore_triton/pyproject.toml constraints-torch-floor.txt
+	python3 -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install -q --upgrade pip
+	$(FLOOR_PY) -m pip install -q -c constraints-torch-floor.txt -e '.[test]' \
+		-e 'plugins/mtcore_cuda[triton]' -e plugins/mtcore_musa -e plugins/mtcore_triton
+	touch $(FLOOR_STAMP)
+
+test-torch-floor: $(FLOOR_STAMP)
+	PATH="$(CURDIR)/$(FLOOR_VENV)/bin:$$PATH" $(FLOOR_PY) -m pytest -m "not slow"
+
+# Rewrites tests/unit/torch_floor/torch_api_floor.json: the torch API surface the source
+# uses, as the oldest supported torch has it (after a new torch call the floor test asks).
+torch-floor-record: $(FLOOR_STAMP)
+	$(FLOOR_PY) tests/unit/torch_floor/record_api.py
+
 train: $(STAMP)
 	$(VENV)/bin/mtcore train configs/default.yaml --nproc 4
 
@@ -37,4 +71,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_dispatch.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .ruff_cache

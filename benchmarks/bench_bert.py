@@ -54,9 +54,9 @@ from _timing import alternate, load_average, report
 from torch import nn
 
 from mtcore.backend import KernelImpl, select_backend
-from mtcore.data.pair_loader import mask_sequence
-from mtcore.data.pairs import PairVocab
 from mtcore.models.bert import IGNORE_INDEX, BertConfig
+from mtcore.models.bert.data import PairVocab
+from mtcore.models.bert.pair_loader import mask_sequence
 from mtcore.training.config import OptimizerConfig
 
 OPT = OptimizerConfig(
@@ -175,7 +175,7 @@ NATIVE_EXTRA = (
 def make_batches(config: BertConfig, steps: int, micro: int, microbatches: int, seed: int = 0):
     """``steps`` lists of ``microbatches`` BERT batches: ``[CLS] A [SEP] B [SEP] [PAD]...``
     with a random real length in [seq/2, seq] and split point, masked by
-    ``mtcore.data.pair_loader.mask_sequence`` (15%: 80% [MASK], 10% random, 10% kept)."""
+    ``mtcore.models.bert.pair_loader.mask_sequence`` (15%: 80% [MASK], 10% random, 10% kept)."""
     s, v = config.seq_len, config.vocab_size
     vocab = PairVocab(
         CLS, SEP, MASK, PAD, np.arange(4), np.arange(4, v), np.zeros(v, dtype=bool)

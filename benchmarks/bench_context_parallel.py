@@ -43,7 +43,7 @@ import yaml
 from _timing import load_average
 
 from mtcore.backend.collective import Collective
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
 from mtcore.parallel.context import METHODS, shard_batch
 from mtcore.testing.distributed import run_ranks
@@ -192,7 +192,7 @@ def _memory_rank(ctx, seqs: list[int], quick: bool) -> list[dict]:
             rows.append({"method": method, "error": str(e)})
             continue
         for seq, engine in engines.items():
-            batch = shard_batch(_sequence(seq, 0), seq, cp, layout.coordinate("cp"))
+            batch = shard_batch(_sequence(seq, 0), seq, cp, layout.coordinate(Axis.CP))
             saved, largest = saved_activation_bytes(engine, batch)
             row = {"method": method, "seq": seq, "saved": saved, "largest": largest}
             if cp > 1:

@@ -24,6 +24,19 @@ so its shares stand for H100's products; only its memory differs.
 Without an accelerator, or with ``--cpu``, every dimension is divided by ``--cpu-scale``
 (32) and the products run in float32 on the CPU: that checks the script (it runs in
 the default test run), and its numbers mean nothing.
+
+``--toml FILE`` writes what was measured as a hardware file's GEMM-shape table
+(``[gemm_efficiency.DTYPE]``, ``"MxKxN" = fraction of peak``, the three passes of each
+product together: docs/plan.md), to paste into the accelerator's description.
+
+``--planner CONFIG --layouts A B ... --nproc N`` times instead the products ``mtcore
+plan`` costs for those layouts of a training config (each block's, the attention's per
+head, the output layer's), at full size, in the config's dtype, on ``--threads`` threads
+(1: as ``mtcore sweep`` runs its ranks), as fractions of the ``--hardware`` file's peak;
+this is how ``cpu-host``'s table was measured::
+
+    .venv/bin/python benchmarks/bench_gemm_shapes.py --planner configs/default.yaml \
+        --layouts tp=2,pp=2 tp=2,pp=1 tp=1,pp=2,vpp=2 --nproc 4 --toml cpu-host-gemm.toml
 """
 
 from __future__ import annotations
@@ -101,6 +114,71 @@ def planner_share() -> float | None:
     return timing.gemm_flops(hardware, peak) / peak
 
 
+def time_passes(t: int, k: int, n: int, dtype, device, reps: int, synchronize) -> float:
+    """Seconds of a product's forward, input-gradient and weight-gradient passes."""
+    spent = 0.0
+    for pass_ in PASSES:
+        a, b = _operands(pass_, t, k, n, dtype, device)
+        spent += time_product(a, b, reps, synchronize)
+        del a, b
+    return spent
+
+
+def toml_table(dtype: str, fractions: dict[tuple[int, int, int], float]) -> str:
+    """A hardware file's ``[gemm_efficiency.DTYPE]`` table (``mtcore.plan.gemm``)."""
+    lines = [f"[gemm_efficiency.{dtype}]"]
+    for (m, k, n), fraction in sorted(fractions.items(), key=lambda item: item[0]):
+        lines.append(f'"{m}x{k}x{n}" = {min(1.0, fraction):.3f}')
+    return "\n".join(lines) + "\n"
+
+
+def planner_shapes(config_path: str, layouts: list[str], nproc: int) -> tuple[str, set]:
+    """(the config's dtype, every product shape ``mtcore plan`` costs for ``layouts``)."""
+    from mtcore.plan import model_shape
+    from mtcore.plan.layouts import layout_overrides
+    from mtcore.plan.planner import with_data_vocab
+    from mtcore.plan.stage import score_products, weight_products
+    from mtcore.training.overrides import load_config
+
+    shapes, dtype = set(), "fp32"
+    for layout in layouts:
+        config = with_data_vocab(load_config(config_path, layout_overrides(layout)))
+        spec, _ = config.check(nproc)
+        dtype, b = config.precision.dtype, config.training.micro_batch_size
+        shape = model_shape(config.model)
+        found = [((b * shape.head_seq / spec.cp, shape.hidden, shape.vocab / spec.tp), 1)]
+        for block in set(shape.blocks):
+            found += weight_products(block, b * block.seq / spec.cp, spec.tp, spec.ep)
+            found += score_products(block, b, spec.tp, spec.cp)
+        shapes |= {tuple(round(d) for d in dims) for dims, _ in found}
+    return dtype, shapes
+
+
+def planner_main(args) -> None:
+    from mtcore.plan import load_hardware
+
+    torch.set_num_threads(args.threads)
+    dtype_name, shapes = planner_shapes(args.planner, args.layouts, args.nproc)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    device, _, synchronize = _device(cpu=True)
+    peak = load_hardware(args.hardware).peak_flops(dtype_name)
+    print(f"{len(shapes)} products of {args.planner} ({', '.join(args.layouts)}), {dtype_name}, "
+          f"{args.threads} thread(s), median of {args.reps} calls; peak {peak / 1e12:g} TFLOP/s")  # fmt: skip
+    fractions = {}
+    for t, k, n in sorted(shapes):
+        spent = time_passes(t, k, n, dtype, device, args.reps, synchronize)
+        fractions[(t, k, n)] = 3 * 2.0 * t * k * n / spent / peak
+        print(f"  {t}x{k}x{n}: {fractions[(t, k, n)]:.3f} of peak")
+    _write_toml(args.toml, dtype_name, fractions)
+
+
+def _write_toml(path: str | None, dtype: str, fractions: dict) -> None:
+    if path:
+        with open(path, "w") as file:
+            file.write(toml_table(dtype, fractions))
+        print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=20)
@@ -109,37 +187,56 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak the shares are of (H100/H200 SXM: 989)")  # fmt: skip
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--toml", help="write the measured shapes as a GEMM-shape table")
+    parser.add_argument("--planner", metavar="CONFIG", help="time the plan's products of CONFIG")
+    parser.add_argument("--layouts", nargs="+", default=["tp=1"], help="--planner: layouts")
+    parser.add_argument("--nproc", type=int, default=4, help="--planner: ranks of the job")
+    parser.add_argument("--hardware", default="cpu-host", help="--planner: whose peak")
+    parser.add_argument("--threads", type=int, default=1, help="--planner: torch threads")
     args = parser.parse_args()
+    if args.planner:
+        planner_main(args)
+        return
     device, dtype, synchronize = _device(args.cpu)
     scale = 1 if device.type != "cpu" else args.cpu_scale
     reps = args.reps if device.type != "cpu" else 2
     name = torch.cuda.get_device_name() if device.type == "cuda" else device.type
     print(f"device {name}, {dtype}, dimensions / {scale}, median of {reps} calls")
     credited = planner_share()
-    results = []
+    results, fractions = [], {}
     for row, hidden, layers, tp, micro_batch in ROWS:
         flops = seconds = 0.0  # a step's worth: every layer's products, the logits once
         for product, t, k, n in products(hidden, tp, micro_batch * SEQ, scale):
             times = 1 if product == "logits" else layers
+            shape_seconds = 0.0
             for pass_ in PASSES:
                 a, b = _operands(pass_, t, k, n, dtype, device)
                 spent = time_product(a, b, reps, synchronize)
                 work = 2.0 * t * k * n
                 flops, seconds = flops + times * work, seconds + times * spent
+                shape_seconds += spent
                 results.append({"row": row, "product": product, "pass": pass_,
                                 "a": list(a.shape), "b": list(b.shape),
                                 "tflops": work / spent / 1e12})  # fmt: skip
                 print(f"  {row:>5} {product:<7} {pass_:<12} {list(a.shape)}@{list(b.shape)} "
                       f"{work / spent / 1e12:8.1f} TFLOP/s")  # fmt: skip
                 del a, b
+            fractions[(t, k, n)] = 3 * 2.0 * t * k * n / shape_seconds / (args.peak_tflops * 1e12)
         achieved = flops / seconds / 1e12
         share = achieved / args.peak_tflops
         results.append({"row": row, "product": "all", "tflops": achieved, "share": share})
-        print(f"{row}: {achieved:.1f} TFLOP/s over its products, {share:.3f} of "
-              f"{args.peak_tflops:g}" + (f" (the planner credits {credited:.3f})" if credited else ""))
+        print(
+            f"{row}: {achieved:.1f} TFLOP/s over its products, {share:.3f} of "
+            f"{args.peak_tflops:g}" + (f" (the planner credits {credited:.3f})" if credited else "")
+        )
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"device": name, "dtype": str(dtype), "scale": scale, "results": results}, file, indent=1)
+            json.dump(
+                {"device": name, "dtype": str(dtype), "scale": scale, "results": results},
+                file,
+                indent=1,
+            )
+    _write_toml(args.toml, "bf16" if dtype == torch.bfloat16 else "fp32", fractions)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _setup(ctx, layout, cfg, args, onebit: bool):
     model = build_gpt(cfg, layout, ctx.backend, seed=0)[0]
     bucket = int(args.bucket_mb * 2**20 / 4)
     ddp = DataParallel(model, layout, ctx.backend, DataParallelConfig(bucket_size=bucket))
-    counter = _ByteCounter(ddp.collective, layout.group("dp_cp"))
+    counter = _ByteCounter(ddp.collective, layout.dp_cp.group)
     ddp.collective = counter
     opt = OneBitAdam(ddp, freeze_step=args.warmup, **HP) if onebit else AdamW(ddp, **HP)
     return ddp, opt, counter

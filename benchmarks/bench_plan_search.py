@@ -4,10 +4,9 @@
 
 The issue asks for under 10 seconds on this machine (2 shared cores). The model is
 Narayanan et al.'s 1T GPT (h 25600, 128 layers, 160 heads, seq 2048, vocab 51,200),
-bf16, a global batch of 5,000 sequences. 10,000 = 2^4 x 5^4, so tp x cp x pp can be at
-most 80 with a 128-layer even split: an 80 GB accelerator cannot hold the ~12.8B
-parameters per rank with ZeRO-1 (77 GB before activations), so H200 (141 GB) is the
-default; on H100-SXM the search rightly finds nothing. The time includes building
+bf16, a global batch of 5,000 sequences. 10,000 = 2^4 x 5^4 and tp must divide an
+8-accelerator node: with an even 128-layer split pp can only be a power of two, with
+uneven end stages also 10 (12 + 8 x 13 + 12); H200 (141 GB) is the default. The time includes building
 candidates, the trainer's checks on each, the predictions and the final validation of
 the reported ones; imports are timed apart.
 """

@@ -21,8 +21,9 @@ import time
 import torch
 from _timing import load_average
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models.gpt import GPTConfig, lm_batches
+from mtcore.data import lm_batches
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
+from mtcore.models.gpt import GPTConfig
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.engine import Engine
@@ -61,7 +62,7 @@ def _rank_main(ctx, args):
     setups = {name: _engine(ctx, args, name == "overlap") for name in CONFIGS}
     layout = setups["overlap"][2]
     rows = args.mb * args.microbatches
-    g = torch.Generator().manual_seed(1000 + layout.coordinate("dp_cp"))
+    g = torch.Generator().manual_seed(1000 + layout.dp_cp.rank)
     tokens = torch.randint(
         0, args.vocab, (args.warmup + args.steps, rows, args.seq + 1), generator=g
     )
@@ -78,7 +79,7 @@ def _rank_main(ctx, args):
     return {
         "step": {n: statistics.median(t) for n, t in times.items()},
         "exposed": {n: statistics.median(setups[n][1][w:]) for n in CONFIGS},
-        "pp_rank": layout.coordinate("pp"),
+        "pp_rank": layout.coordinate(Axis.PP),
     }
 
 

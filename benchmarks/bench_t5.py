@@ -7,7 +7,7 @@
 configurations train the *same* T5 v1.1 (configs/t5.yaml's sizes: hidden 128, 2 + 2
 layers, 4 heads, gated-GELU 256, 32 relative buckets, untied head; fp32, dropout 0)
 from the same weights on the same span-corrupted batches (random token pieces of a
-random length, corrupted by ``mtcore.data.spans``: noise 0.15, mean span 3, sentinels,
+random length, corrupted by ``mtcore.models.t5.data``: noise 0.15, mean span 3, sentinels,
 padding), with the same AdamW, warmup + cosine learning rate, clipping and gradient
 accumulation over the micro-batches:
 
@@ -63,9 +63,9 @@ from bench_bert import torch_cross_entropy
 from torch import nn
 
 from mtcore.backend import KernelImpl, select_backend
-from mtcore.data.spans import corrupt, lengths_of, noise_mask, span_lengths
 from mtcore.models.t5 import T5Config
 from mtcore.models.t5.blocks import relative_position_bucket
+from mtcore.models.t5.data import corrupt, lengths_of, noise_mask, span_lengths
 from mtcore.models.t5.model import IGNORE_INDEX
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig
@@ -256,7 +256,7 @@ class OneAddLoop(MtcoreLoop):
 def make_batches(config: T5Config, steps: int, micro: int, microbatches: int, seed: int = 0):
     """``steps`` lists of ``microbatches`` span-corruption batches: pieces of random tokens
     of a random length in [raw/2, raw] (raw: what ``seq_len`` holds), corrupted by
-    ``mtcore.data.spans`` (``SpanLoader``'s layout: padded input, decoder input shifted
+    ``mtcore.models.t5.data`` (``SpanLoader``'s layout: padded input, decoder input shifted
     right after ``<pad>``, labels -100 on padding)."""
     se, sd, v = config.seq_len, config.decoder_seq_len, config.vocab_size
     raw = span_lengths(se, config.noise_density, config.mean_span_length, sd).raw_len

@@ -50,7 +50,7 @@ from bench_trainer import PlainBlock
 from torch import nn
 
 from mtcore.backend import select_backend
-from mtcore.models.gpt.model import IGNORE_INDEX
+from mtcore.models.common.decoder.model import IGNORE_INDEX
 from mtcore.models.vlm.config import LlavaConfig
 from mtcore.ops import rope_tables
 from mtcore.training.config import OptimizerConfig

@@ -6,7 +6,8 @@
 #      candidate (the Triton pack compiled for real) against the reference, FP8;
 #   3. benchmarks/bench_gemm_shapes.py: the bf16 products of Megatron-Core's H100 rows,
 #      the per-shape efficiency `mtcore plan` lacks for them (issue 21; an H200 has
-#      H100's compute), into $OUT/gemm_shapes.json;
+#      H100's compute), into $OUT/gemm_shapes.json, and as a hardware file's GEMM-shape
+#      table into $OUT/gemm_efficiency.toml (paste it into h100-sxm.toml, docs/plan.md);
 #   4. benchmarks/bench_kernels.py: each Triton kernel against torch eager (bf16, fp32);
 #   5. benchmarks/bench_fp8.py: a GPT step in bf16 against each FP8 recipe.
 #
@@ -51,7 +52,8 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/gpu.txt" 2>&1
 step doctor 45 $PY -m mtcore.cli.main doctor --backend cuda
-step gemm_shapes 45 $PY benchmarks/bench_gemm_shapes.py --json "$OUT/gemm_shapes.json"
+step gemm_shapes 45 $PY benchmarks/bench_gemm_shapes.py --json "$OUT/gemm_shapes.json" \
+    --toml "$OUT/gemm_efficiency.toml"
 step conformance 150 $PY -m pytest -q -p no:cacheprovider --pyargs mtcore.testing.conformance \
     --mtcore-backend cuda
 step kernels 90 $PY benchmarks/bench_kernels.py --dtype bfloat16

@@ -20,6 +20,13 @@ from typing import ClassVar
 
 import pytest
 
+# Triton's interpreter for the kernel pack's tests (tests/plugins/triton_pack): triton
+# decides between compiling and interpreting when a function is decorated, its own
+# ``tl`` library included, so the switch must be set before anything imports triton.
+# megatron-core (the [megatron] extra) imports triton, and test modules that import
+# it are collected before the pack's directory; set here, it precedes them all.
+os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture
 def make_dist(tmp_path, monkeypatch):

@@ -3,7 +3,9 @@
 ``mtcore train`` starts these ranks itself; run this module directly under
 ``torchrun`` (or Slurm's ``srun`` + ``torchrun``) for several nodes. Every rank
 validates the config; only rank 0 prints a problem with it. Exit status: 0 done,
-1 training failed, 2 bad input (nothing was trained), 130 interrupted (Ctrl-C).
+1 training failed, 2 bad input (nothing was trained), 130 interrupted (Ctrl-C),
+143 preempted: a SIGTERM stopped the ranks at an agreed step, which they committed
+(``mtcore.training.preemption``); the same command continues from it.
 
 A rank ends when the process that started it dies (Linux: a parent-death signal),
 so killing the launcher never leaves ranks training, and writing checkpoints, on
@@ -20,6 +22,10 @@ import sys
 import time
 
 LAUNCHER_PID_ENV = "MTCORE_LAUNCHER_PID"
+# A file `mtcore train`'s launcher watches: a rank that stops on bad input creates it, so
+# the launcher ends the job at once instead of having the agent restart ranks that would
+# find the same problem (``--max-restarts``).
+BAD_INPUT_FILE_ENV = "MTCORE_BAD_INPUT_FILE"
 # How long a rank other than 0 that found bad input waits before it says so itself: every
 # rank finds the same problem, and rank 0's line (its exit ends the others) is the one.
 BAD_INPUT_GRACE_S = 5.0
@@ -40,26 +46,20 @@ def end_with_parent() -> None:
     except (OSError, AttributeError):  # no prctl: nothing to arm
         return
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher and launcher.isdigit() and os.getppid() != int(launcher):
+    if launcher and launcher.isascii() and launcher.isdigit() and os.getppid() != int(launcher):
         # The launcher died before the signal was armed: do not train as an orphan.
         sys.exit(1)
 
 
-def restart_overrides() -> list[str]:
-    """``--checkpoint.resume true`` when the elastic agent restarted this rank (torchrun
-    ``--max-restarts``; it counts restarts in TORCHELASTIC_RESTART_COUNT): a restarted
-    job continues from checkpoint.dir's latest commit, not from step 0."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if not count.isdigit() or int(count) == 0:
-        return []
-    if int(os.environ.get("RANK", "0")) == 0:
-        most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-        print(
-            f"mtcore train: restart {count} of at most {most} (a rank died): "
-            "resuming from checkpoint.dir's latest commit",
-            file=sys.stderr,
-        )
-    return ["--checkpoint.resume", "true"]
+def tell_launcher_bad_input() -> None:
+    """Create the launcher's bad-input file, if it watches one (``BAD_INPUT_FILE_ENV``)."""
+    path = os.environ.get(BAD_INPUT_FILE_ENV)
+    if path:
+        try:
+            with open(path, "a"):
+                pass
+        except OSError:  # the launcher is gone, or its directory: nothing to tell
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +76,10 @@ def run_rank(make_config) -> int:
     problem said in one line (rank 0 for what every rank finds)."""
     from mtcore.backend import BackendError
     from mtcore.backend.collective import CollectiveTimeout
+    from mtcore.data.loader import SamplesLost
     from mtcore.training.checkpoint import CheckpointError, CheckpointWriteError
     from mtcore.training.config import ConfigError
+    from mtcore.training.preemption import PREEMPTED_EXIT, Preempted
     from mtcore.training.trainer import TrainingError, train
 
     rank = int(os.environ.get("RANK", "0"))
@@ -89,11 +91,16 @@ def run_rank(make_config) -> int:
             print(f"mtcore train: error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, CheckpointError, BackendError) as e:  # bad input: nothing was trained
+        tell_launcher_bad_input()
         if not loud:  # rank 0 says it, and its exit ends this rank, unless it did not find it
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing to save: end when told
             time.sleep(BAD_INPUT_GRACE_S)
         print(f"mtcore train: error: {'' if loud else f'rank {rank}: '}{e}", file=sys.stderr)
         return 2
+    except SamplesLost as e:  # one model replica's ranks found it; one of them says it
+        if e.said:
+            print(f"mtcore train: error: {e}", file=sys.stderr)
+        return 1
     except TrainingError as e:
         if loud:
             print(f"mtcore train: error: {e}", file=sys.stderr)
@@ -101,6 +108,10 @@ def run_rank(make_config) -> int:
     except CollectiveTimeout as e:  # every rank that waited says what it waited for
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # every rank stopped at the same step; rank 0 committed it
+        if loud:
+            print(f"mtcore train: {e}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it, once
         return 130
     return 0
@@ -108,4 +119,4 @@ def run_rank(make_config) -> int:
 
 if __name__ == "__main__":
     end_with_parent()  # a restarted rank's parent is still the launcher (the agent)
-    sys.exit(main(sys.argv[1:] + restart_overrides()))
+    sys.exit(main(sys.argv[1:]))

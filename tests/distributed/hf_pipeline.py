@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from mtcore.backend.collective import P2P
+from mtcore.distributed import Axis
 
 
 def forward_logits(chunks, layout, collective, tokens: torch.Tensor):
     """Every virtual stage in order; the full ``[b, s, vocab]`` logits on the last
     stage's ranks (gathered over tp), None on the others."""
-    pp_ranks, r = layout.ranks_of["pp"], layout.pp_rank
-    group = layout.group("pp")
+    pp_ranks, r = layout.ranks_of[Axis.PP], layout.pp_rank
+    group = layout.group(Axis.PP)
     seq = tokens.shape[1] // layout.tp if chunks[0].c.sequence_parallel else tokens.shape[1]
     shape = (tokens.shape[0], seq, chunks[0].config.hidden_size)
     for c, chunk in enumerate(chunks):

@@ -135,6 +135,22 @@ def test_bert_exact_resume_then_reshard_to_pp4_and_one_process(job):
     _check_reshard(zero_whole, (one.losses, one.start_step, stream.getvalue()), "bert -> one process")
 
 
+def test_zb_h1_resumes_bitwise_and_trains_as_1f1b(job):
+    """GPT-2 (tied copy on the last stage) with dropout under pp2 and the zero-bubble
+    schedule: 3 steps, stop, resume gives the unbroken run's losses bitwise, and those
+    are 1F1B's (the forwards, and so the dropout draws, come in the same order)."""
+    root, make = job
+    zb = {"pp": 2, "schedule": "zb_h1"}
+    jobs = [
+        make("zb", zb, dropout=0.1, style="gpt2"),
+        _resume(make, "zb_again", zb, root / "zb" / "checkpoints", dropout=0.1, style="gpt2"),
+        make("zb_twin", {"pp": 2}, dropout=0.1, style="gpt2"),
+    ]
+    (whole, _, _), again, (twin, _, _) = run_ranks(_run_jobs, 2, jobs)[0]
+    assert again[1] == 3 and again[0] == whole[3:]  # bitwise
+    assert whole == twin and len(whole) == 6
+
+
 @pytest.mark.slow
 def test_resharding_matrix(job):
     """Saved under tp2 x dp2 (ZeRO-1), tp2 x pp2 and (GPT-2, tied) pp2 x vpp2 x dp2; loaded

@@ -86,7 +86,7 @@ def _rank_main(ctx, root: str):
     out["live_load"] = ck.load(live).directory.name
     # Whether to resume: rank 0's view is every rank's (here each rank looks at another
     # root, as ranks would whose file-system views disagree).
-    out["holds"] = ck.holds_checkpoint(good if ctx.rank == 0 else root / "empty")
+    out["latest"] = ck.latest_commit(good if ctx.rank == 0 else root / "empty")
     return out
 
 
@@ -99,4 +99,5 @@ def test_rank0_failures_raise_on_every_rank(tmp_path):
     assert "rank 0" in results[1]["save_into_file"]
     assert "blocked" in results[0]["save_into_file"]
     assert results[0]["live_load"] == results[1]["live_load"], results
-    assert [out["holds"] for out in results] == [True, True]
+    assert [out["latest"] for out in results] == [results[0]["latest"]] * 2
+    assert results[0]["latest"] is not None  # rank 0 sees a commit (its manifest damaged)

@@ -5,14 +5,17 @@ then declares bf16 a fallback dtype (tests/plugins/test_musa_wiring.py checks th
 declaration). Here a real ``Collective`` over gloo declares the same table, so every
 op takes the fallback path: reductions in float32 then cast back (one rounding, where
 gloo's own bf16 sum rounds after every addition), data movement as raw bytes (a 1-D
-all-to-all with uneven splits and a 0-d broadcast included). One 3-rank run.
+all-to-all with uneven splits and a 0-d broadcast included). A reduce-scatter that only sums (gloo
+before torch 2.8) gets MAX and MIN right through an all-reduce. One 3-rank run.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from mtcore.backend import P2P, Collective, CollectiveCapabilities
+from mtcore.backend import P2P, Collective, CollectiveCapabilities, gloo_capabilities
 from mtcore.backend.collective import OPS
 from mtcore.testing.distributed import run_ranks
 
@@ -35,8 +38,9 @@ def _all_values() -> torch.Tensor:
 def _checks(ctx) -> dict:
     rank = ctx.rank
     table = {op: frozenset({BF16}) for op in OPS if op != "barrier"}
-    wide = Collective("gloo", CollectiveCapabilities(lambda: table))
-    native = Collective("gloo")
+    gloo = gloo_capabilities()  # AVG and reduce-scatter MAX/MIN as gloo has them here
+    wide = Collective("gloo", dataclasses.replace(gloo, fallback_dtypes=lambda: table))
+    native = Collective("gloo", gloo)
     everyone = _all_values()
     exact_sum = everyone.float().sum(0)
     out = {
@@ -69,6 +73,21 @@ def _checks(ctx) -> dict:
     wide.reduce_scatter(shard, full)
     lo = rank * (N // 4)
     out["reduce_scatter"] = torch.equal(shard, exact_sum[lo : lo + N // 4].to(BF16))
+
+    # A reduce-scatter that only sums (gloo before torch 2.8): MAX and MIN go through an
+    # all-reduce, of which each rank keeps its shard; bf16 through float32 on the way.
+    sums_only = Collective(
+        "gloo", CollectiveCapabilities(lambda: table, reduce_scatter_ops=frozenset({"sum"}))
+    )
+    whole = everyone[:, : (N // 4) * WORLD]
+    for op, want in (("max", whole.max(0).values), ("min", whole.min(0).values)):
+        for dtype, is_async in ((BF16, False), (torch.float32, True)):
+            shard = torch.empty(N // 4, dtype=dtype)
+            handle = sums_only.reduce_scatter(shard, full.to(dtype), op=op, async_op=is_async)
+            if handle is not None:
+                handle.wait()
+            expected = want[lo : lo + N // 4].to(dtype)
+            out[f"reduce_scatter_{op}_{dtype}"] = torch.equal(shard, expected)
 
     mine = _values(rank).view(64, 64)
     gathered = torch.empty(WORLD * 64, 64, dtype=BF16)
@@ -103,6 +122,9 @@ def test_bf16_declared_fallback_reduces_in_float32_and_moves_bytes():
     results = run_ranks(_checks, WORLD)
     for rank, r in enumerate(results):
         assert r["support"] == ["fallback", "native"]
+        for key in [k for k in r if k.startswith("reduce_scatter_m")]:
+            assert r[key] is True, (rank, key)
+        assert len([k for k in r if k.startswith("reduce_scatter_m")]) == 4
         for key in ("sum_is_one_rounding", "avg", "max", "async_sum", "reduce_scatter",
                     "all_gather", "broadcast_0d", "all_to_all_1d_uneven", "send_recv"):  # fmt: skip
             assert r[key] is True, (rank, key)

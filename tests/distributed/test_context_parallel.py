@@ -7,7 +7,8 @@ active, each rank taking its dp rows and its cp share of every sequence
 (gathered whole; not under ZeRO-1, whose gradients are shards), the evaluation loss
 and the weights after the last step, relative error <= 1e-5.
 
-2 ranks: cp2 causal GPT with GQA (RoPE) for ring, allgather and a2a; cp2 GPT-2 style
+2 ranks: cp2 causal GPT with GQA (RoPE) for ring, allgather and a2a, and with a sliding
+window of 5 (ring; the op itself with windows for every method); cp2 GPT-2 style
 (learned positions, tied output); cp2 with full and with selective recompute; cp2
 BERT with uneven padding (bidirectional, padding mask, [CLS] pair head) for each
 method; the ring op itself against one process (fully masked rows included) and the
@@ -22,7 +23,6 @@ cp4, cp2 x tp2 x pp2 (8 ranks), MoE cp4 x ep2 and cp2 x tp2 with sp ("seq").
 from __future__ import annotations
 
 import dataclasses
-import io
 import types
 
 import pytest
@@ -32,7 +32,7 @@ from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.bert import BertConfig
 from mtcore.models.gpt import GPTConfig
 from mtcore.ops import attention
-from mtcore.ops.torch_native import cpu_flash_attention_lse
+from mtcore.ops.flash_lse import cpu_flash_attention_lse
 from mtcore.parallel.context import (
     CPGroup,
     causal_pairs,
@@ -41,11 +41,10 @@ from mtcore.parallel.context import (
     shard_batch,
 )
 from mtcore.testing.compare import rel_error
-from mtcore.testing.distributed import run_ranks
+from mtcore.testing.equivalence import Case, Runs, Setup, assert_matches, spawn, token_batches
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.engine import Engine
 
-RTOL = 1e-5
 STEPS, BATCH, MB, SEQ, VOCAB, PAD = 3, 8, 2, 16, 64, 4
 GPT_SIZES = dict(
     vocab_size=VOCAB, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=SEQ
@@ -57,6 +56,7 @@ MODELS = {
         style="llama", init_std=0.1, **{**GPT_SIZES, "num_heads": 8, "num_kv_heads": 4}
     ),
     "gpt2": GPTConfig(style="gpt2", init_std=0.1, **GPT_SIZES),
+    "llama_window": GPTConfig(style="llama", init_std=0.1, sliding_window=5, **GPT_SIZES),
     "llama_full": GPTConfig(style="llama", init_std=0.1, recompute="full", **GPT_SIZES),
     "gpt2_selective": GPTConfig(style="gpt2", init_std=0.1, recompute="selective", **GPT_SIZES),
     # Large router-loss coefficients so that a cp rank using only its own tokens' expert
@@ -83,42 +83,34 @@ MODELS = {
     "bert": BertConfig(dropout=0.0, init_std=0.1, pair_task="nsp", **BERT_SIZES),
 }
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
-# name: (world, model, layout, zero1)
 CASES = {
-    "cp2_ring": (2, "llama", dict(cp=2), False),
-    "cp2_allgather": (2, "llama", dict(cp=2, cp_method="allgather"), False),
-    "cp2_a2a": (2, "llama", dict(cp=2, cp_method="a2a"), False),
-    "cp2_gpt2_allgather": (2, "gpt2", dict(cp=2, cp_method="allgather"), False),
-    "cp2_full_recompute": (2, "llama_full", dict(cp=2), False),
-    "cp2_selective_a2a": (2, "gpt2_selective", dict(cp=2, cp_method="a2a"), False),
-    "bert_cp2_ring": (2, "bert", dict(cp=2), False),
-    "bert_cp2_allgather": (2, "bert", dict(cp=2, cp_method="allgather"), False),
-    "bert_cp2_a2a": (2, "bert", dict(cp=2, cp_method="a2a"), False),
-    "cp2_ep2_moe": (2, "moe", dict(cp=2, ep=2), False),
-    "cp2_moe_seq_a2a": (2, "moe_seq", dict(cp=2, cp_method="a2a"), False),
-    "cp2_tp2_sp": (4, "gpt2", dict(cp=2, tp=2, sequence_parallel=True), False),
-    "cp2_pp2": (4, "llama", dict(cp=2, pp=2), False),
-    "cp2_pp2_vpp2": (4, "gpt2", dict(cp=2, pp=2, vpp=2), False),
-    "cp2_dp2_zero1": (4, "gpt2", dict(cp=2, dp=2), True),
-    "bert_cp2_tp2_sp": (4, "bert", dict(cp=2, tp=2, sequence_parallel=True), False),
+    "cp2_ring": Case(2, "llama", dict(cp=2)),
+    "cp2_allgather": Case(2, "llama", dict(cp=2, cp_method="allgather")),
+    "cp2_a2a": Case(2, "llama", dict(cp=2, cp_method="a2a")),
+    "cp2_window_ring": Case(2, "llama_window", dict(cp=2)),
+    "cp2_gpt2_allgather": Case(2, "gpt2", dict(cp=2, cp_method="allgather")),
+    "cp2_full_recompute": Case(2, "llama_full", dict(cp=2)),
+    "cp2_selective_a2a": Case(2, "gpt2_selective", dict(cp=2, cp_method="a2a")),
+    "bert_cp2_ring": Case(2, "bert", dict(cp=2)),
+    "bert_cp2_allgather": Case(2, "bert", dict(cp=2, cp_method="allgather")),
+    "bert_cp2_a2a": Case(2, "bert", dict(cp=2, cp_method="a2a")),
+    "cp2_ep2_moe": Case(2, "moe", dict(cp=2, ep=2)),
+    "cp2_moe_seq_a2a": Case(2, "moe_seq", dict(cp=2, cp_method="a2a")),
+    "cp2_tp2_sp": Case(4, "gpt2", dict(cp=2, tp=2, sequence_parallel=True)),
+    "cp2_pp2": Case(4, "llama", dict(cp=2, pp=2)),
+    "cp2_pp2_vpp2": Case(4, "gpt2", dict(cp=2, pp=2, vpp=2)),
+    "cp2_dp2_zero1": Case(4, "gpt2", dict(cp=2, dp=2), zero1=True),
+    "bert_cp2_tp2_sp": Case(4, "bert", dict(cp=2, tp=2, sequence_parallel=True)),
 }
 SLOW_CASES = {
-    "cp4_ring": (4, "llama8", dict(cp=4), False),
-    "cp4_allgather": (4, "llama8", dict(cp=4, cp_method="allgather"), False),
-    "cp4_a2a": (4, "llama8", dict(cp=4, cp_method="a2a"), False),
-    "bert_cp4_ring": (4, "bert", dict(cp=4), False),
-    "bert_cp2_tp2_pp2": (8, "bert", dict(cp=2, tp=2, pp=2), False),
-    "cp4_ep2_moe": (4, "moe", dict(cp=4, ep=2), False),
-    "cp2_tp2_sp_moe_seq": (4, "moe_seq", dict(cp=2, tp=2, sequence_parallel=True), False),
+    "cp4_ring": Case(4, "llama8", dict(cp=4)),
+    "cp4_allgather": Case(4, "llama8", dict(cp=4, cp_method="allgather")),
+    "cp4_a2a": Case(4, "llama8", dict(cp=4, cp_method="a2a")),
+    "bert_cp4_ring": Case(4, "bert", dict(cp=4)),
+    "bert_cp2_tp2_pp2": Case(8, "bert", dict(cp=2, tp=2, pp=2)),
+    "cp4_ep2_moe": Case(4, "moe", dict(cp=4, ep=2)),
+    "cp2_tp2_sp_moe_seq": Case(4, "moe_seq", dict(cp=2, tp=2, sequence_parallel=True)),
 }
-ALL_CASES = {**CASES, **SLOW_CASES}
-
-
-def _gpt_batches():
-    g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g)
-    return [dict(tokens=tokens[s], labels=labels[s]) for s in range(STEPS)]
 
 
 def _bert_batches():
@@ -150,50 +142,7 @@ def _bert_batches():
 
 
 def _batches_for(model: str):
-    return _bert_batches() if model == "bert" else _gpt_batches()
-
-
-def _micro(batch, rows: slice, cp: int = 1, cp_rank: int = 0) -> list[dict]:
-    local = {name: t[rows] for name, t in batch.items()}
-    count = next(iter(local.values())).shape[0]
-    micro = [{n: t[i : i + MB] for n, t in local.items()} for i in range(0, count, MB)]
-    return [shard_batch(mb, SEQ, cp, cp_rank) for mb in micro]
-
-
-def _full_grads(engine: Engine):
-    """The reduced (and clipped) gradients, gathered whole like the weights."""
-    params = [p for chunk in engine.chunks for p in chunk.parameters()]
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.main_grad.view_as(p)
-    try:
-        return engine.full_state_dict()
-    finally:
-        for p, data in zip(params, saved, strict=True):
-            p.data = data
-
-
-def _engine(model: str, layout, backend, local: int, zero1: bool) -> Engine:
-    return Engine(
-        MODELS[model], layout, backend, micro_batch_size=MB, num_microbatches=local // MB,
-        optimizer=OPT, seed=5, zero1=zero1, bucket_size=700,
-    )  # fmt: skip
-
-
-def _run(engine: Engine, batches, rows: slice, cp: int, cp_rank: int, grads: bool) -> dict:
-    out = {"loss": [], "terms": [], "norm": [], "moe": []}
-    for step, batch in enumerate(batches):
-        result = engine.train_step(_micro(batch, rows, cp, cp_rank))
-        assert not result.skipped, result
-        out["loss"].append(result.loss)
-        out["terms"].append(result.terms)
-        out["norm"].append(result.grad_norm)
-        out["moe"].append(result.moe)  # load statistics; None for dense models
-        if step == 0 and grads:
-            out["grads"] = _full_grads(engine)
-    out["eval"] = engine.evaluate(_micro(batches[0], rows, cp, cp_rank))
-    out["weights"] = engine.full_state_dict()
-    return out
+    return _bert_batches() if model == "bert" else token_batches(STEPS, BATCH, SEQ, VOCAB)
 
 
 def _shard_heads(t: torch.Tensor, cp: CPGroup) -> torch.Tensor:
@@ -262,7 +211,30 @@ def _ring_op_checks(ctx) -> dict:
         ]
         finite = all(torch.isfinite(t).all().item() for t in (got, *got_grads))
         errors["allgather " + key + " finite"] = finite
+    errors.update(_window_checks(cp, ctx.backend.kernels, (q, k, v), dout, mask))
     return {"errors": errors, "trace": trace}
+
+
+def _window_checks(cp: CPGroup, kernels, qkv, dout, mask) -> dict:
+    """Each method with a sliding window (3: inside one chunk of 4; 6: across chunks)
+    against one process's windowed attention, forward and backward (float64)."""
+    errors = {}
+    for window, key_mask in ((3, None), (6, mask)):
+        full = [t.clone().requires_grad_() for t in qkv]
+        want = attention(*full, causal=True, key_padding_mask=key_mask, window=window)
+        want_grads = torch.autograd.grad(want, full, dout)
+        for method in ("ring", "allgather", "a2a"):
+            group = dataclasses.replace(cp, method=method, trace=None)
+            local = [_shard_heads(t, cp).clone().requires_grad_() for t in qkv]
+            got = context_attention(
+                *local, group, kernels, True, _cp_mask(key_mask, cp), window=window
+            )
+            got_grads = torch.autograd.grad(got, local, _shard_heads(dout, cp))
+            errors[f"window={window} {method}"] = [
+                rel_error(a, _shard_heads(b, cp))
+                for a, b in zip((got, *got_grads), (want.detach(), *want_grads), strict=True)
+            ]
+    return errors
 
 
 def _capacity_under_cp(ctx) -> str:
@@ -277,60 +249,20 @@ def _capacity_under_cp(ctx) -> str:
     return ""
 
 
-def _rank_main(ctx, names, batches):
-    results = {}
-    for name in names:
-        world, model, layout_kw, zero1 = ALL_CASES[name]
-        layout = ParallelLayout.build(
-            LayoutSpec(**layout_kw), ctx.backend.collective, ctx.rank, world
-        )
-        dp, dp_rank = layout.size("dp"), layout.coordinate("dp")
-        local = BATCH // dp
-        engine = _engine(model, layout, ctx.backend, local, zero1)
-        rows = slice(dp_rank * local, (dp_rank + 1) * local)
-        results[name] = _run(
-            engine, batches[model], rows, layout.cp, layout.coordinate("cp"), not zero1
-        )
-    if ctx.world_size == 2:
-        results["ring_op"] = _ring_op_checks(ctx)
-        results["capacity_under_cp"] = _capacity_under_cp(ctx)
-    buf = io.BytesIO()
-    torch.save(results, buf)
-    return buf.getvalue()
+def _op_checks(ctx) -> dict | None:
+    """The ring op and the capacity refusal, on the 2-rank spawn."""
+    if ctx.world_size != 2:
+        return None
+    return {"ring_op": _ring_op_checks(ctx), "capacity_under_cp": _capacity_under_cp(ctx)}
 
 
-def _reference(name: str, batches) -> dict:
-    from mtcore.backend import select_backend
-
-    _, model, _, _ = ALL_CASES[name]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = _engine(model, ParallelLayout.single(), select_backend("cpu"), BATCH, False)
-        return _run(engine, batches[model], slice(None), 1, 0, True)
-    finally:
-        torch.set_num_threads(threads)
+# The reference takes the same micro-batches (a MoE aux loss is per micro-batch).
+SETUP = Setup(MODELS, OPT, batch_size=BATCH, micro_batch_size=MB, seed=5,
+              reference_micro_batch_size=MB, extras=_op_checks)  # fmt: skip
 
 
-def _spawn(cases: dict) -> dict:
-    models = {case[1] for case in cases.values()}
-    batches = {m: _batches_for(m) for m in models}
-    out, references = {}, {}
-    for world in sorted({case[0] for case in cases.values()}):
-        names = [n for n, case in cases.items() if case[0] == world]
-        ranks = [
-            torch.load(io.BytesIO(r), weights_only=False)
-            for r in run_ranks(_rank_main, world, names, batches)
-        ]
-        for name in names:
-            key = ALL_CASES[name][1]
-            if key not in references:
-                references[key] = _reference(name, batches)
-            out[name] = ([r[name] for r in ranks], references[key])
-        if world == 2:
-            out["ring_op"] = [r["ring_op"] for r in ranks]
-            out["capacity_under_cp"] = [r["capacity_under_cp"] for r in ranks]
-    return out
+def _spawn(cases: dict) -> Runs:
+    return spawn(SETUP, cases, {m: _batches_for(m) for m in {case.model for case in cases.values()}})
 
 
 @pytest.fixture(scope="module")
@@ -338,60 +270,20 @@ def runs():
     return _spawn(CASES)
 
 
-def _check_moe_stats(case, rank, step, got, want):
-    """The logged load statistics (tokens per expert, aux and z loss, load shares):
-    one process's values on every rank."""
-    assert (got is None) == (want is None), (case, rank, step)
-    if want is None:
-        return
-    assert set(got) == set(want), (case, sorted(got), sorted(want))
-    for key, value in want.items():
-        assert abs(got[key] - value) <= RTOL * max(abs(value), 1e-6), (
-            f"{case} rank {rank} step {step}: moe {key} {got[key]} vs {value}"
-        )
-
-
-def _check_case(case, ranks, ref):
-    for rank, got in enumerate(ranks):
-        for step in range(STEPS):
-            err = abs(got["loss"][step] - ref["loss"][step]) / abs(ref["loss"][step])
-            assert err <= RTOL, (
-                f"{case} rank {rank} step {step}: loss {got['loss'][step]} vs {ref['loss'][step]}"
-            )
-            for term, want in ref["terms"][step].items():
-                assert abs(got["terms"][step][term] - want) <= RTOL * abs(want), (case, term, step)
-            err = abs(got["norm"][step] - ref["norm"][step]) / ref["norm"][step]
-            assert err <= RTOL, (
-                f"{case} rank {rank} step {step}: grad norm {got['norm'][step]} vs {ref['norm'][step]}"
-            )
-            _check_moe_stats(case, rank, step, got["moe"][step], ref["moe"][step])
-        for metric, want in ref["eval"].items():
-            assert abs(got["eval"][metric] - want) <= RTOL * max(abs(want), 1e-6), (case, metric)
-    for what in ("grads", "weights"):
-        if what == "grads" and ALL_CASES[case][3]:
-            continue  # ZeRO-1: each rank's gradients are a shard
-        full = ranks[0][what]
-        assert full is not None and set(full) == set(ref[what]), (case, what)
-        for name, want in ref[what].items():
-            err = rel_error(full[name], want)
-            assert err <= RTOL, f"{case}: {what} {name}: rel err {err:.2e}"
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_parallel_matches_one_process(runs, case):
-    ranks, ref = runs[case]
-    _check_case(case, ranks, ref)
+    assert_matches(SETUP, case, CASES[case], *runs[case])
 
 
 @pytest.mark.slow
 def test_cp4_and_long_compositions_match_one_process():
     out = _spawn(SLOW_CASES)
     for case in SLOW_CASES:
-        _check_case(case, *out[case])
+        assert_matches(SETUP, case, SLOW_CASES[case], *out[case])
 
 
 def test_ring_and_allgather_ops_match_one_process_with_fully_masked_rows(runs):
-    for rank, result in enumerate(runs["ring_op"]):
+    for rank, result in enumerate(e["ring_op"] for e in runs.extras[2]):
         for key, errors in result["errors"].items():
             if key.endswith("finite"):
                 assert errors, f"rank {rank} {key}: NaN or inf"
@@ -408,7 +300,7 @@ def test_ring_and_allgather_ops_match_one_process_with_fully_masked_rows(runs):
 def test_ring_posts_next_block_before_computing_the_current_one(runs):
     """The recorded order: block t+1's send/receive is posted before block t's compute,
     and waited for only after it."""
-    for result in runs["ring_op"]:
+    for result in (e["ring_op"] for e in runs.extras[2]):
         forward = result["trace"][:4]
         assert forward == [("post", 1), ("compute", 0), ("wait", 1), ("compute", 1)], forward
 
@@ -418,7 +310,7 @@ def test_ring_backward_overlaps_both_hops_with_the_next_blocks_gradients(runs):
     block 0's dK/dV hop right after they are added; the K/V is waited for before block
     1's gradients, the dK/dV only after them (so it hides behind them), and the last
     hop returns this rank's own dK/dV."""
-    for result in runs["ring_op"]:
+    for result in (e["ring_op"] for e in runs.extras[2]):
         backward = result["trace"][4:]
         assert backward == [
             ("post", 1),
@@ -434,7 +326,7 @@ def test_ring_backward_overlaps_both_hops_with_the_next_blocks_gradients(runs):
 
 def test_moe_capacity_dropping_is_refused_under_cp(runs):
     """A cp rank cannot rank the micro-batch's assignments as one process does."""
-    for message in runs["capacity_under_cp"]:
+    for message in (e["capacity_under_cp"] for e in runs.extras[2]):
         assert "capacity_factor=1.0" in message and "cp=2" in message, message
 
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 from counting import CountingCollective
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models.gpt import GPTConfig, lm_batches
+from mtcore.data import lm_batches
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
+from mtcore.models.gpt import GPTConfig
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe, FP8StepBookkeeping
 from mtcore.testing.distributed import run_ranks
@@ -47,7 +48,7 @@ def _engine(ctx, name, per_step: bool):
     model, layout_kw, mb = CASES[name]
     layout = ParallelLayout.build(LayoutSpec(**layout_kw), ctx.backend.collective, ctx.rank, 2)
     precision = MixedPrecision("fp32", fp8=FP8Recipe("hybrid", "delayed", amax_history_len=4))
-    local = BATCH // layout.size("dp_cp")
+    local = BATCH // layout.dp_cp.size
     engine = Engine(
         MODELS[model], layout, ctx.backend, micro_batch_size=mb, num_microbatches=local // mb,
         optimizer=OPT, precision=precision, seed=3,
@@ -65,9 +66,9 @@ def _run(ctx, name, per_step, tokens, targets):
     counter = CountingCollective(ctx.backend.collective)
     for scaling in scalings:
         scaling.amax_groups = [(counter, group) for _, group in scaling.amax_groups]
-    groups = {"tp": layout.group("tp"), "dp": layout.group("dp_cp")}
-    local = BATCH // layout.size("dp_cp")
-    rows = slice(layout.coordinate("dp_cp") * local, (layout.coordinate("dp_cp") + 1) * local)
+    groups = {"tp": layout.group(Axis.TP), "dp": layout.dp_cp.group}
+    local = BATCH // layout.dp_cp.size
+    rows = slice(layout.dp_cp.rank * local, (layout.dp_cp.rank + 1) * local)
     out = {"loss": [], "collectives": [], "weight_quantizations": [], "linears": len(scalings)}
     out["microbatches"] = local // mb
     for step in range(STEPS):

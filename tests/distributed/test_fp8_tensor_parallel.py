@@ -26,8 +26,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtcore.data import lm_batches
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models.gpt import GPTConfig, lm_batches
+from mtcore.models.gpt import GPTConfig
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe
 from mtcore.testing.compare import rel_error

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.bert.family import FAMILY
 from mtcore.models.bert.weights import load_full_weights
 from mtcore.testing.distributed import run_ranks
@@ -31,8 +31,8 @@ CASES = {
 
 def _forward(chunks, layout, collective, batch):
     """The batch through every virtual stage in order; full logits on the last stage."""
-    pp_ranks, r = layout.ranks_of["pp"], layout.pp_rank
-    group = layout.group("pp")
+    pp_ranks, r = layout.ranks_of[Axis.PP], layout.pp_rank
+    group = layout.group(Axis.PP)
     sp = chunks[0].c.sequence_parallel
     b = batch["tokens"].shape[0]
     shape = (b, SEQ // layout.tp if sp else SEQ, chunks[0].config.hidden_size)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
+from mtcore.models.common.decoder.weights import load_full_weights
 from mtcore.models.gpt import build_gpt
 from mtcore.models.gpt.hf import import_llama
-from mtcore.models.gpt.weights import load_full_weights
 from mtcore.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -56,8 +56,8 @@ def _hf_model(tied: bool):
 
 def _forward(chunks, layout, collective, tokens):
     """Tokens through every virtual stage in order; full logits on the last stage."""
-    pp_ranks, r = layout.ranks_of["pp"], layout.pp_rank
-    group = layout.group("pp")
+    pp_ranks, r = layout.ranks_of[Axis.PP], layout.pp_rank
+    group = layout.group(Axis.PP)
     sp = chunks[0].c.sequence_parallel
     shape = (tokens.shape[0], SEQ // layout.tp if sp else SEQ, chunks[0].config.hidden_size)
     for c, chunk in enumerate(chunks):

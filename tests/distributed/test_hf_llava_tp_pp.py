@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.vlm import build
 from mtcore.models.vlm.hf import import_llava
 from mtcore.models.vlm.weights import load_full_weights
@@ -34,7 +34,7 @@ CASES = {"tp2_pp2": dict(tp=2, pp=2), "tp2_pp2_sp": dict(tp=2, pp=2, sequence_pa
 
 
 def _forward(chunks, layout, collective, batch):
-    pp_ranks, r, group = layout.ranks_of["pp"], layout.pp_rank, layout.group("pp")
+    pp_ranks, r, group = layout.ranks_of[Axis.PP], layout.pp_rank, layout.group(Axis.PP)
     sp = chunks[0].c.sequence_parallel
     shape = (
         batch["tokens"].shape[0],

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.t5.family import FAMILY
 from mtcore.models.t5.weights import load_full_weights
 from mtcore.testing.distributed import run_ranks
@@ -38,7 +38,7 @@ def _p2p(collective, kind, tensor, peer, group):
 
 def _forward(chunks, config, layout, collective, batch):
     """The batch through every virtual stage in order; full logits on the last stage."""
-    pp_ranks, r, group = layout.ranks_of["pp"], layout.pp_rank, layout.group("pp")
+    pp_ranks, r, group = layout.ranks_of[Axis.PP], layout.pp_rank, layout.group(Axis.PP)
     messages = FAMILY.messages(config, layout, batch["tokens"].shape[0], torch.float32)
     for c, chunk in enumerate(chunks):
         stage = c * layout.pp + r

@@ -24,19 +24,15 @@ without MoE layers still joins the load and norm reductions. And model ``dedup``
 from __future__ import annotations
 
 import pytest
-import torch
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models.gpt import GPTConfig, lm_batches
+from mtcore.models.gpt import GPTConfig
 from mtcore.parallel.clip import clip_grad_norm_
 from mtcore.parallel.tensor import full_tensor, named_tp_parameters
 from mtcore.testing.compare import rel_error
-from mtcore.testing.distributed import run_ranks
+from mtcore.testing.equivalence import Case, Setup, assert_matches, spawn, token_batches
 from mtcore.training.config import OptimizerConfig
-from mtcore.training.engine import Engine
 from mtcore.training.moe import gather_experts
 
-RTOL = 1e-5
 WORLD, STEPS, BATCH, MB = 4, 3, 8, 2
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16)
 MOE = dict(num_experts=4, top_k=2, ffn_size=32)
@@ -71,26 +67,20 @@ LAYOUTS = {
     "ep2_zero1": (dict(ep=2), True),
 }
 CASES = {
-    f"{layout}_{model}": (model, *LAYOUTS[layout])
+    f"{layout}_{model}": Case(WORLD, model, *LAYOUTS[layout])
     for layout in LAYOUTS
     for model in ("a2a", "ag")
     if not (layout == "ep2_tp2_sp" and model == "ag")  # SP once is enough
 }
-CASES["ep4_cap"] = ("cap", *LAYOUTS["ep4"])  # capacity 1.0: the same tokens dropped
-CASES["ep2_tp2_dedup"] = ("dedup", *LAYOUTS["ep2_tp2"])  # the third dispatcher
+CASES["ep4_cap"] = Case(WORLD, "cap", *LAYOUTS["ep4"])  # capacity 1.0: the same tokens dropped
+CASES["ep2_tp2_dedup"] = Case(WORLD, "dedup", *LAYOUTS["ep2_tp2"])  # the third dispatcher
 # Only layer 0 is MoE: with interleaving, pipeline rank 1 (layers 1 and 3) has no experts.
-CASES["ep2_pp2_vpp2_first"] = ("first", dict(ep=2, pp=2, vpp=2), False)
+CASES["ep2_pp2_vpp2_first"] = Case(WORLD, "first", dict(ep=2, pp=2, vpp=2))
 
 
-def _batches():
-    g = torch.Generator().manual_seed(7)
-    shape = (STEPS, BATCH, SIZES["seq_len"])
-    return torch.randint(0, 64, shape, generator=g), torch.randint(0, 64, shape, generator=g)
-
-
-def _full_grads(engine: Engine) -> dict | None:
+def _full_grads(engine) -> dict | None:
     """The last step's reduced (clipped) gradients, whole, on dp index 0 / tp rank 0."""
-    if engine.optimizer.sharded or engine.layout.coordinate("edp") != 0:
+    if engine.optimizer.sharded or engine.layout.edp.rank != 0:
         return None
     out = {}
     for chunk in engine.chunks:
@@ -100,137 +90,74 @@ def _full_grads(engine: Engine) -> dict | None:
         }
         gather_experts(chunk, grads, engine.layout, engine.collective)
         out.update(grads)
-    lead = engine.layout.tp_rank == 0 and engine.layout.coordinate("dp_cp") == 0
+    lead = engine.layout.tp_rank == 0 and engine.layout.dp_cp.rank == 0
     return out if lead else None
 
 
-def _run(engine: Engine, tokens, targets, rows: slice):
-    out = {"loss": [], "norm": [], "moe": []}
-    for step in range(STEPS):
-        x, y = tokens[step][rows].split(MB), targets[step][rows].split(MB)
-        result = engine.train_step(lm_batches(x, y))
-        assert not result.skipped, result
-        out["loss"].append(result.loss)
-        out["norm"].append(result.grad_norm)
-        out["moe"].append(result.moe)
-    out["grads"] = _full_grads(engine)
-    out["plain_norm"] = None  # clip_grad_norm_ (gradients held whole) on the same gradients
+def _moe_records(engine, record: dict) -> None:
+    """The last step's whole gradients (experts gathered), ``clip_grad_norm_`` (gradients
+    held whole) on them, and under ZeRO-1 the expert state against the expert params."""
+    record["grads"] = _full_grads(engine)
+    record["plain_norm"] = None
     if not engine.optimizer.sharded:
         params = [p for chunk in engine.chunks for p in chunk.parameters()]
-        out["plain_norm"] = clip_grad_norm_(params, 1e30, engine.layout, engine.collective)
-    out["weights"] = engine.full_state_dict()
-    return out
-
-
-def _engine(model: str, layout, backend, zero1: bool = False) -> Engine:
-    local = BATCH // layout.size("dp_cp")
-    return Engine(
-        MODELS[model],
-        layout,
-        backend,
-        micro_batch_size=MB,
-        num_microbatches=local // MB,
-        optimizer=OPT,
-        seed=3,
-        zero1=zero1,
-        bucket_size=700,
-    )
-
-
-def _rank_main(ctx, names, tokens, targets):
-    results = {}
-    for name in names:
-        model, layout_kw, zero1 = CASES[name]
-        layout = ParallelLayout.build(
-            LayoutSpec(**layout_kw), ctx.backend.collective, ctx.rank, WORLD
+        record["plain_norm"] = clip_grad_norm_(params, 1e30, engine.layout, engine.collective)
+    else:  # expert state is sharded over edp: half of the experts' elements per rank
+        expert_state = sum(
+            s.numel for s in engine.optimizer.segments if s.buffer.reduce_group == "edp"
         )
-        engine = _engine(model, layout, ctx.backend, zero1)
-        if zero1:  # expert state is sharded over edp: half of the experts' elements per rank
-            expert_state = sum(
-                s.numel for s in engine.optimizer.segments if s.buffer.reduce_group == "edp"
-            )
-            expert_params = sum(b.numel for b in engine.ddp.grad_buffers if b.reduce_group == "edp")
-            results[f"{name}/sharded"] = (expert_state, expert_params)
-        local = BATCH // layout.size("dp_cp")
-        dp_rank = layout.coordinate("dp_cp")
-        results[name] = _run(engine, tokens, targets, slice(dp_rank * local, (dp_rank + 1) * local))
-    return results
+        expert_params = sum(b.numel for b in engine.ddp.grad_buffers if b.reduce_group == "edp")
+        record["sharded"] = (expert_state, expert_params)
 
 
-def _reference(model: str, tokens, targets):
-    from mtcore.backend import select_backend
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = _engine(model, ParallelLayout.single(), select_backend("cpu"))
-        return _run(engine, tokens, targets, slice(None))
-    finally:
-        torch.set_num_threads(threads)
+SETUP = Setup(MODELS, OPT, batch_size=BATCH, micro_batch_size=MB, seed=3,
+              reference_micro_batch_size=MB, first_step_grads=False, evaluate=False,
+              probe=_moe_records)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs():
-    tokens, targets = _batches()
-    ranks = run_ranks(_rank_main, WORLD, list(CASES), tokens, targets)
-    refs = {model: _reference(model, tokens, targets) for model in MODELS}
-    return ranks, refs
+    return spawn(SETUP, CASES, token_batches(STEPS, BATCH, SIZES["seq_len"], vocab=64))
 
 
-def _merged(ranks, name, key):
+def _merged(ranks, key):
     """Rank 0's full dict, plus the other pipeline stages' entries (grads come per stage)."""
     out = {}
     for r in ranks:
-        if r[name][key] is not None:
-            out.update(r[name][key])
+        if r[key] is not None:
+            out.update(r[key])
     return out
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_matches_one_process(runs, case):
-    ranks, refs = runs
-    ref = refs[CASES[case][0]]
-    for rank, got in enumerate(r[case] for r in ranks):
-        for step in range(STEPS):
-            for key in ("loss", "norm"):
-                err = abs(got[key][step] - ref[key][step]) / abs(ref[key][step])
-                assert err <= RTOL, (
-                    f"{case} rank {rank} step {step}: {key} {got[key][step]} vs {ref[key][step]}"
-                )
-            load = got["moe"][step]
-            for key, want in ref["moe"][step].items():  # loads, dropped, aux and z losses
-                assert abs(load[key] - want) <= RTOL * max(abs(want), 1.0), (case, rank, step, key)
-    weights = ranks[0][case]["weights"]
-    assert weights is not None and set(weights) == set(ref["weights"]), case
-    for name, want in ref["weights"].items():
-        err = rel_error(weights[name], want)
-        assert err <= RTOL, f"{case}: {name} after {STEPS} steps: rel err {err:.2e}"
-    assert all(r[case]["weights"] is None for r in ranks[1:]), "only rank 0 gathers the weights"
-    if CASES[case][2]:
+    ranks, ref = runs[case]
+    # loads, dropped tokens, aux and z losses: relative to max(|value|, 1)
+    assert_matches(SETUP, case, CASES[case], ranks, ref, moe_floor=1.0)
+    if CASES[case].zero1:
         return  # ZeRO-1 holds gradient shards; its weights and norms are checked above
-    for rank, got in enumerate(r[case] for r in ranks):
+    for rank, got in enumerate(ranks):
         err = abs(got["plain_norm"] - ref["plain_norm"]) / ref["plain_norm"]
-        assert err <= RTOL, (
+        assert err <= SETUP.rtol, (
             f"{case} rank {rank}: clip_grad_norm_ {got['plain_norm']} vs {ref['plain_norm']}"
         )
-    grads = _merged(ranks, case, "grads")
-    assert set(grads) == {n for n in ref["grads"]}, case
+    grads = _merged(ranks, "grads")
+    assert set(grads) == set(ref["grads"]), case
     for name, want in ref["grads"].items():
         err = rel_error(grads[name], want)
-        assert err <= RTOL, f"{case}: gradient of {name} at step {STEPS}: rel err {err:.2e}"
+        assert err <= SETUP.rtol, f"{case}: gradient of {name} at step {STEPS}: rel err {err:.2e}"
 
 
 def test_zero1_shards_expert_state_over_edp(runs):
-    ranks, _ = runs
-    for name in (n for n in CASES if CASES[n][2]):
-        for r in ranks:
-            state, params = r[f"{name}/sharded"]
+    for name in (n for n in CASES if CASES[n].zero1):
+        for got in runs[name][0]:
+            state, params = got["sharded"]
             assert state * 2 <= params and state > 0, (name, state, params)
 
 
 def test_reference_exercises_the_checked_paths(runs):
     """Clipping was active; the aux-free biases moved; experts saw uneven loads."""
-    _, refs = runs
+    refs = {CASES[name].model: runs[name][1] for name in CASES}
     assert min(min(ref["norm"]) for ref in refs.values()) > OPT.max_grad_norm
     bias = refs["ag"]["weights"]["layers.0.mlp.router.expert_bias"]
     assert bias.abs().max() > 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.parallel.moe import (
     MoELayer,
     MoESpec,
@@ -142,11 +142,11 @@ def _full_grads(layer, layout, backend, tp):
     for name, p, partition, _ in named_tp_parameters(layer):
         g = p.grad.clone()
         if name in experts:
-            collective.all_reduce(g, group=layout.group("edp"))
+            collective.all_reduce(g, group=layout.edp.group)
             g = full_expert_tensor(g, tp, ep_group(layout, backend), partition)
         else:
             g = full_tensor(g, tp, partition)
-            collective.all_reduce(g, group=layout.group("dp"))
+            collective.all_reduce(g, group=layout.group(Axis.DP))
         out[name] = g
     return out
 

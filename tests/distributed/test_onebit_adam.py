@@ -77,7 +77,7 @@ def _rank_main(ctx):
         opt.zero_grad()
         _backward(ddp, _grad(step, ctx.rank, buf.numel))
         assert opt.step().stepped
-        dp_calls = counter.on(layout.group("dp_cp"))
+        dp_calls = counter.on(layout.dp_cp.group)
         out["bytes"].append(sum(c.nbytes for c in dp_calls))
         out["ops"].append(sorted(c.op for c in dp_calls))
         out["params"].append(buf.param_data.clone())

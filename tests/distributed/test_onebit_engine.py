@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.models.gpt import GPTConfig, lm_batches
+from mtcore.data import lm_batches
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
+from mtcore.models.gpt import GPTConfig
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig, TrainConfig
 from mtcore.training.engine import Engine
@@ -27,7 +28,7 @@ OPT = dict(lr=3e-3, warmup_steps=0, max_grad_norm=1.0)
 def _run(ctx, model, layout_kw, optimizer: OptimizerConfig, tokens):
     layout = ParallelLayout.build(LayoutSpec(**layout_kw), ctx.backend.collective, ctx.rank, 4)
     local = BATCH // 2
-    rows = slice(layout.coordinate("dp_cp") * local, (layout.coordinate("dp_cp") + 1) * local)
+    rows = slice(layout.dp_cp.rank * local, (layout.dp_cp.rank + 1) * local)
     engine = Engine(
         MODELS[model], layout, ctx.backend, micro_batch_size=MB, num_microbatches=local // MB,
         optimizer=optimizer, seed=3, bucket_size=500,
@@ -39,7 +40,7 @@ def _run(ctx, model, layout_kw, optimizer: OptimizerConfig, tokens):
         assert not out.skipped, out
         losses.append(out.loss)
     weights = torch.cat([b.param_data.clone() for b in engine.ddp.grad_buffers])
-    return losses, weights, (layout.tp_rank, layout.coordinate("pp"))
+    return losses, weights, (layout.tp_rank, layout.coordinate(Axis.PP))
 
 
 def _rank_main(ctx, tokens):

@@ -50,6 +50,12 @@ CASES = {
     "tp2_sp_full": ({"recompute": "full"}, True, torch.float32),
     "tp2_sp_selective": ({"recompute": "selective"}, True, torch.float32),
     "tp2_sp_float64": ({}, True, torch.float64),
+    # Attention-probability dropout: each head's mask is hashed from its global index,
+    # so tp (and sp, and full recompute) draw one process's masks.
+    "tp2_attention_dropout": ({"attention_dropout": 0.3}, False, torch.float32),
+    "tp2_sp_full_attention_dropout": (
+        {"attention_dropout": 0.3, "recompute": "full"}, True, torch.float32,
+    ),
 }
 RTOL_OF = {torch.float32: RTOL, torch.float64: 1e-12}
 STEPS = 3

@@ -18,21 +18,17 @@ order of images within a sample and unused slots are all exercised.
 
 from __future__ import annotations
 
-import io
+import functools
 
 import pytest
 import torch
 
 from mtcore.data import DataConfig
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models import family_of
 from mtcore.models.vlm import LlavaConfig
-from mtcore.testing.compare import rel_error
-from mtcore.testing.distributed import run_ranks
+from mtcore.testing.equivalence import Case, Setup, assert_matches, spawn
 from mtcore.training.config import OptimizerConfig
-from mtcore.training.engine import Engine
 
-RTOL = 1e-5
 STEPS, BATCH, MB, SEQ = 3, 8, 2, 56
 VISION = dict(image_size=16, patch_size=4, hidden_size=32, num_layers=2, num_heads=4)
 LM = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=SEQ, init_std=0.1)
@@ -52,23 +48,34 @@ MODELS = {
     "full": lambda: _config(recompute="full"),
 }
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
-# name: (world, model, layout, zero1)
 CASES = {
-    "tp2": (2, "base", dict(tp=2), False),
-    "tp2_sp": (2, "no_cls", dict(tp=2, sequence_parallel=True), False),
-    "pp2": (2, "base", dict(pp=2), False),
-    "dp2_zero1_frozen": (2, "frozen", dict(dp=2), True),
-    "tp2_pp2": (4, "base", dict(tp=2, pp=2), False),
-    "pp2_stage1": (2, "stage1", dict(pp=2), False),  # stage 1's rank trains nothing
-    "pp2_vpp2": (2, "base", dict(pp=2, vpp=2), False),
-    "tp2_dp2_full": (4, "full", dict(tp=2, dp=2), False),  # recompute: the tower's blocks too
+    "tp2": Case(2, "base", dict(tp=2)),
+    "tp2_sp": Case(2, "no_cls", dict(tp=2, sequence_parallel=True)),
+    "pp2": Case(2, "base", dict(pp=2)),
+    "dp2_zero1_frozen": Case(2, "frozen", dict(dp=2), zero1=True),
+    "tp2_pp2": Case(4, "base", dict(tp=2, pp=2)),
+    "pp2_stage1": Case(2, "stage1", dict(pp=2)),  # stage 1's rank trains nothing
+    "pp2_vpp2": Case(2, "base", dict(pp=2, vpp=2)),
+    "tp2_dp2_full": Case(4, "full", dict(tp=2, dp=2)),  # recompute: the tower's blocks too
 }
 
 
+@functools.cache
 def _model(name: str) -> tuple[LlavaConfig, object]:
     config = MODELS[name]()
     data = family_of(config).data(DataConfig(), config)
     return config.with_vocab(data.tokenizer.vocab_size), data
+
+
+def _optimizer_state(engine, record: dict) -> None:
+    record["state_numel"] = sum(t.numel() for t in engine.optimizer._state["exp_avg"])
+
+
+@functools.cache
+def _setup() -> Setup:
+    models = {name: _model(name)[0] for name in MODELS}
+    return Setup(models, OPT, batch_size=BATCH, micro_batch_size=MB, seed=5,
+                 initial_weights=True, probe=_optimizer_state)  # fmt: skip
 
 
 def _batches(name: str) -> list[dict[str, torch.Tensor]]:
@@ -95,135 +102,15 @@ def _batches(name: str) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _micro(
-    batch: dict[str, torch.Tensor], rows: slice, size: int = MB
-) -> list[dict[str, torch.Tensor]]:
-    local = {name: t[rows] for name, t in batch.items()}
-    count = next(iter(local.values())).shape[0]
-    return [{n: t[i : i + size] for n, t in local.items()} for i in range(0, count, size)]
-
-
-def _full_grads(engine: Engine) -> dict[str, torch.Tensor] | None:
-    """The reduced (and clipped) gradients, gathered whole like the weights (frozen
-    parameters, which have none, report zeros)."""
-    params = [p for chunk in engine.chunks for p in chunk.parameters()]
-    saved = [p.data for p in params]
-    for p in params:
-        p.data = p.main_grad.view_as(p) if hasattr(p, "main_grad") else torch.zeros_like(p)
-    try:
-        return engine.full_state_dict()
-    finally:
-        for p, data in zip(params, saved, strict=True):
-            p.data = data
-
-
-def _run(engine: Engine, batches, rows: slice, grads: bool = True, size: int = MB) -> dict:
-    out = {"loss": [], "norm": [], "initial": engine.full_state_dict()}
-    for step, batch in enumerate(batches):
-        result = engine.train_step(_micro(batch, rows, size))
-        assert not result.skipped, result
-        out["loss"].append(result.loss)
-        out["norm"].append(result.grad_norm)
-        if step == 0 and grads:
-            out["grads"] = _full_grads(engine)
-    out["eval"] = engine.evaluate(_micro(batches[0], rows, size))
-    out["weights"] = engine.full_state_dict()
-    out["state_numel"] = sum(t.numel() for t in engine.optimizer._state["exp_avg"])
-    return out
-
-
-def _engine(name: str, layout, backend, local: int, size: int = MB) -> Engine:
-    _, model, _, zero1 = CASES[name]
-    config, _ = _model(model)
-    return Engine(config, layout, backend, micro_batch_size=size, num_microbatches=local // size,
-                  optimizer=OPT, seed=5, zero1=zero1, bucket_size=700)  # fmt: skip
-
-
-def _rank_main(ctx, names, batches):
-    results = {}
-    for name in names:
-        world, model, layout_kw, zero1 = CASES[name]
-        layout = ParallelLayout.build(
-            LayoutSpec(**layout_kw), ctx.backend.collective, ctx.rank, world
-        )
-        dp, dp_rank = layout.size("dp"), layout.coordinate("dp")
-        local = BATCH // dp
-        engine = _engine(name, layout, ctx.backend, local)
-        rows = slice(dp_rank * local, (dp_rank + 1) * local)
-        results[name] = _run(engine, batches[model], rows, grads=not zero1)
-    buf = io.BytesIO()
-    torch.save(results, buf)
-    return buf.getvalue()
-
-
-def _reference(name: str, batches):
-    from mtcore.backend import select_backend
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = _engine(name, ParallelLayout.single(), select_backend("cpu"), BATCH, BATCH)
-        return _run(engine, batches, slice(None), size=BATCH)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def runs():
-    batches = {model: _batches(model) for model in MODELS}
-    out, references = {}, {}
-    for world in (2, 4):
-        names = [n for n, case in CASES.items() if case[0] == world]
-        ranks = run_ranks(_rank_main, world, names, batches)
-        ranks = [torch.load(io.BytesIO(r), weights_only=False) for r in ranks]
-        for name in names:
-            model = CASES[name][1]
-            if model not in references:
-                references[model] = _reference(name, batches[model])
-            out[name] = ([r[name] for r in ranks], references[model])
-    return out
-
-
-def _close(got: float, want: float) -> bool:
-    return abs(got - want) <= RTOL * max(abs(want), 1e-6)
+    return spawn(_setup(), CASES, {model: _batches(model) for model in MODELS})
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_vlm_layout_matches_one_process(runs, case):
-    ranks, ref = runs[case]
-    for rank, got in enumerate(ranks):
-        for step in range(STEPS):
-            assert _close(got["loss"][step], ref["loss"][step]), (
-                case,
-                rank,
-                step,
-                got["loss"],
-                ref["loss"],
-            )
-            assert _close(got["norm"][step], ref["norm"][step]), (
-                case,
-                rank,
-                step,
-                got["norm"],
-                ref["norm"],
-            )
-        assert set(got["eval"]) == {"loss", "lm", "caption_accuracy"}, got["eval"]
-        for metric, value in ref["eval"].items():
-            assert _close(got["eval"][metric], value), (
-                case,
-                rank,
-                metric,
-                got["eval"][metric],
-                value,
-            )
-    for what in ("weights", "grads"):
-        if what == "grads" and CASES[case][3]:
-            continue  # a ZeRO-1 rank holds only its shard of the reduced gradients
-        gathered = ranks[0][what]
-        assert gathered is not None and set(gathered) == set(ref[what]), (case, what)
-        for name, want in ref[what].items():
-            err = rel_error(gathered[name], want)
-            assert err <= RTOL, f"{case}: {what} {name}: rel err {err:.2e}"
+    names = {"loss", "lm", "caption_accuracy"}
+    assert_matches(_setup(), case, CASES[case], *runs[case], eval_names=names)
 
 
 def test_the_vision_tower_and_projector_learn(runs):

@@ -18,6 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 LOSS = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)", re.MULTILINE)
@@ -42,6 +43,7 @@ def _losses(text: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in LOSS.finditer(text)}
 
 
+@pytest.mark.slow  # make test-cluster (about 20 s)
 def test_kill_mid_save_then_resume_from_the_previous_checkpoint(
     tmp_path, write_code_corpus, mtcore_script, cli_env, run_command
 ):
@@ -66,14 +68,16 @@ def test_kill_mid_save_then_resume_from_the_previous_checkpoint(
     first = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
     )
-    partial = ckpt / "step_000004.partial"
     deadline = time.monotonic() + 240
+    # The save's staging directory: step_000004.<the job's incarnation>.partial.
     while not (
-        (ckpt / "step_000002" / "manifest.json").is_file() and (partial / ".metadata").is_file()
+        (ckpt / "step_000002" / "manifest.json").is_file()
+        and (partial := next(ckpt.glob("step_000004.*partial/.metadata"), None)) is not None
     ):
         assert first.poll() is None, first.communicate()[0]
         assert time.monotonic() < deadline, "the job never reached the save of step 4"
         time.sleep(0.05)
+    partial = partial.parent
     rank0 = _rank_pid(first.pid, 0)
     assert rank0 is not None
     os.kill(rank0, signal.SIGKILL)

@@ -4,7 +4,7 @@ A random tiny Llama saved by transformers (with a tokenizer.json) goes through
 `convert from-hf` into an mtcore checkpoint (checked with ``read_model_weights``) and
 back through `convert to-hf` into a directory that ``LlamaForCausalLM`` loads with the
 original logits. A GPT-2-style checkpoint and a Llama with RoPE scaling are refused with
-exit status 1 and a message that names the reason (in process: no model is built).
+exit status 2 and a message that names the reason (in process: no model is built).
 """
 
 from __future__ import annotations
@@ -109,11 +109,11 @@ def test_convert_refuses_what_does_not_map(tmp_path, capsys):
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "max_position_embeddings": 16,
-        "rope_scaling": {"rope_type": "yarn", "factor": 8.0},
+        "rope_scaling": {"rope_type": "longrope", "factor": 8.0},
     }
     (scaled / "config.json").write_text(json.dumps(hf_config))
     assert main(["convert", "from-hf", str(scaled), str(tmp_path / "no-ckpt")]) == 2
-    assert "rope_type='yarn'" in capsys.readouterr().err
+    assert "rope_type='longrope'" in capsys.readouterr().err
     assert not (tmp_path / "no-ckpt").exists()
     # Into a root that holds checkpoints: the import would become its latest.
     assert main(["convert", "from-hf", str(scaled), str(tmp_path / "gpt2")]) == 2

@@ -16,8 +16,8 @@ import warnings
 import pytest
 import torch
 
-from mtcore.data.spans import T5_SPECIAL_TOKENS
 from mtcore.data.tokenizer import train_tokenizer
+from mtcore.models.t5.data import T5_SPECIAL_TOKENS
 from mtcore.models.t5.hf import import_t5
 from mtcore.training.checkpoint import read_model_weights, resolve_checkpoint
 

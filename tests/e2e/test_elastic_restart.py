@@ -144,3 +144,24 @@ def test_max_restarts_needs_a_count(run_mtcore):
     out = run_mtcore("train", "--max-restarts", "x")
     assert out.returncode == 2
     assert "--max-restarts needs a non-negative number, got 'x'" in out.stderr
+
+
+def test_bad_input_found_in_the_ranks_is_not_retried(tmp_path, write_code_corpus, run_mtcore):
+    """A damaged checkpoint is found by the ranks (its checksums), not by the launcher:
+    every restart would find it again, so the job stops at once with exit 2 and one line."""
+    corpus = write_code_corpus(tmp_path / "docs", n_docs=6, n_lines=20)
+    checkpoints = tmp_path / "elastic"
+    job = _config(tmp_path, corpus, checkpoints)
+    first = run_mtcore("train", job, "--nproc", "2", "--parallel.pp", "1", "--training.steps", "1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    shard = next((checkpoints / "step_000001").glob("__1_0.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    out = run_mtcore("train", job, "--nproc", "2", "--parallel.pp", "1", "--max-restarts", "3",
+                     "--checkpoint.resume", "true")  # fmt: skip
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "restart 1 of at most 3" not in out.stdout + out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("mtcore train: error:")]
+    assert errors and errors[0].startswith("mtcore train: error: checkpoint file"), out.stderr
+    assert "is corrupted" in errors[0] and "Traceback" not in out.stderr

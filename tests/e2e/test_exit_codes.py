@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from mtcore.cli.train import _failed
+from mtcore.cli.launch import failed as _failed
 
 
 @pytest.fixture(scope="module")

@@ -108,6 +108,9 @@ def test_killing_the_launcher_ends_its_ranks(job, cli_env, mtcore_script):
             os.kill(pid, signal.SIGKILL)
 
 
+# Slow (about 40 s: the 5 s timeout, then torch's agent waits 30 s for the stopped rank to
+# take its SIGTERM before it kills it): make test-cluster runs it, in CI too.
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_timeout(job, cli_env, mtcore_script):
     proc = _start(job, cli_env, mtcore_script)
     stopped = None

@@ -186,6 +186,7 @@ def probe() -> dict:
     probe_torch_version(out)
 
     import musa_standin as st
+    from musa_probe_attention import probe_attention, probe_hybrid
 
     from mtcore.backend import KernelQuery, plugin_registry, select_backend
     from mtcore_musa import kernels
@@ -239,6 +240,8 @@ def probe() -> dict:
 
     probe_collective_tables(out, standin)
     probe_fp8(out, standin)
+    probe_hybrid(out, standin)
+    probe_attention(out, standin)
 
     # -- AdamW: torch_musa's op, once registered --------------------------------------
     seen: list[float] = []

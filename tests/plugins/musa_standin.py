@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 
 import torch
 from torch import Tensor
@@ -86,7 +87,34 @@ def install_standin(**facts) -> TorchMusaCpuStandIn:
     torch.version.musa = None
     standin.aten_impls = torch.library.Library("aten", "IMPL")  # kept alive on the stand-in
     standin_empty(standin)
+    standin_scaled_mm(standin)
     return standin
+
+
+def standin_scaled_mm(standin: TorchMusaCpuStandIn) -> None:
+    """``torch._scaled_mm`` for the stand-in's "musa" tensors, which are CPU tensors: a
+    CPU kernel (replacing torch's, from 2.8, in this process) computed as muDNN's scaled
+    matmul is specified (operands times their scales, one float32 matmul, rounded to
+    ``out_dtype``). ``standin.mixed_fp8`` says what it does with an e5m2 x e4m3 pair, which
+    torch_musa's tests never run: "right", "wrong" (reads the second operand's bits as
+    the first's format) or "raise"."""
+    standin.mixed_fp8 = "right"
+
+    def scaled_mm(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                  use_fast_accum=False):  # fmt: skip
+        if self.dtype != mat2.dtype:
+            if standin.mixed_fp8 == "raise":
+                raise RuntimeError("muDNN: unsupported operand dtypes (stand-in)")
+            if standin.mixed_fp8 == "wrong":
+                mat2 = mat2.view(self.dtype)
+        out = (self.float() * scale_a) @ (mat2.float() * scale_b)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype or self.dtype)
+
+    with warnings.catch_warnings():  # "overriding a previously registered kernel" (2.8+)
+        warnings.simplefilter("ignore")
+        standin.aten_impls.impl("_scaled_mm", scaled_mm, "CPU")
 
 
 def standin_empty(standin: TorchMusaCpuStandIn) -> None:
@@ -102,6 +130,11 @@ def standin_empty(standin: TorchMusaCpuStandIn) -> None:
         return torch.empty(size, dtype=dtype)
 
     standin.aten_impls.impl("empty.memory_format", empty, "PrivateUse1")
+
+    def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+        return empty(size, dtype).as_strided(size, stride)  # what .to("musa") allocates
+
+    standin.aten_impls.impl("empty_strided", empty_strided, "PrivateUse1")
 
 
 def standin_fused_adamw(seen_steps: list[float]) -> None:

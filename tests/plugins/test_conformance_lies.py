@@ -40,8 +40,8 @@ LIAR = '''
 import torch
 
 from mtcore.backend import (
-    FP8, BackendSpec, Collective, CollectiveCapabilities, CpuDevice, KernelImpl,
-    fp8_fallback_everywhere, hookimpl,
+    FP8, BackendSpec, Collective, CpuDevice, KernelImpl, cpu_scaled_mm_pairs,
+    gloo_capabilities, hookimpl,
 )
 
 
@@ -58,11 +58,9 @@ def mtcore_backends():
         BackendSpec(
             name="liar",
             device=CpuDevice(),
-            collective=Collective("gloo", CollectiveCapabilities(fp8_fallback_everywhere())),
+            collective=Collective("gloo", gloo_capabilities()),
             # The lie: torch._scaled_mm on the host has no block scaling.
-            fp8=FP8(native_granularities=frozenset(
-                {("tensor", "tensor"), ("row", "row"), ("1x128", "128x128")}
-            )),
+            fp8=FP8(native_granularities=lambda: cpu_scaled_mm_pairs() | {("1x128", "128x128")}),
             accelerator=False,
         )
     ]
@@ -171,6 +169,8 @@ def test_kit_fails_the_liars_and_runs_only_the_areas_asked_for(tmp_path, liars):
         f"test_kernels::test_kernel[{BIASED_KERNEL}]",
         "test_fp8::test_scaled_matmul[1x128-128x128-e4m3xe4m3]",
         "test_fp8::test_scaled_matmul[1x128-128x128-e5m2xe4m3]",
+        "test_fp8::test_scaled_matmul_into_low_precision[1x128-128x128-torch.bfloat16]",
+        "test_fp8::test_scaled_matmul_into_low_precision[1x128-128x128-torch.float16]",
         "test_plugins::test_plugin_is_healthy[liar_unloadable]",
     }
     assert failed == expected, (
@@ -194,7 +194,7 @@ def test_kit_fails_the_liars_and_runs_only_the_areas_asked_for(tmp_path, liars):
     assert "systematic bias" in bias and mean and abs(float(mean[1]) - 0.01) < 1e-3, bias
     assert "out of tolerance" not in bias, "the 1% must be within the element-wise tolerance"
     pair = _failure_text(outcomes["test_fp8::test_scaled_matmul[1x128-128x128-e4m3xe4m3]"][1])
-    assert "liar declares 1x128 x 128x128 native" in pair, pair
+    assert "liar declares 1x128 x 128x128 (e4m3 x e4m3) native" in pair, pair
     broken = _failure_text(outcomes["test_plugins::test_plugin_is_healthy[liar_unloadable]"][1])
     assert "mtcore plugin liar_unloadable (mtcore-liars 0.1.0) is broken" in broken, broken
     assert "Traceback (most recent call last)" in broken, broken
@@ -233,3 +233,48 @@ def test_unknown_area_is_a_usage_error(tmp_path, liars):
         "device, collective, kernel, kernels, fp8, plugins"
     ) in proc.stderr
     assert not outcomes
+
+
+def test_train_checks_the_backend_first_and_refuses_the_lying_kernel(
+    tmp_path, liars, write_code_corpus
+):
+    """`mtcore train` runs the kit's cases for the kernels it will call before step 1: the
+    1%-high bf16 RMSNorm stops it in one line (exit 2); the result is cached for the
+    machine, and training.self_check false trains anyway."""
+    import yaml
+
+    corpus = write_code_corpus(tmp_path / "docs", n_docs=4, n_lines=10)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "model": dict(hidden_size=32, num_layers=1, num_heads=4, seq_len=16),
+        "precision": {"dtype": "bf16"},
+        "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "cache")),
+        "training": dict(steps=1, global_batch_size=2, micro_batch_size=2, eval_interval=0,
+                         sample_prompt=None, backend="liar"),
+        "checkpoint": {"dir": None},
+        "logging": dict(tensorboard_dir=None),
+    }))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_")}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(liars.path), env.get("PYTHONPATH")])),
+        MTCORE_PLUGINS="liar", MTCORE_SELFCHECK_CACHE=str(tmp_path / "selfcheck"),
+    )  # fmt: skip
+    mtcore = [sys.executable, "-m", "mtcore.cli.main", "train", str(job)]
+    for attempt in ("fresh", "cached"):
+        proc = subprocess.run(mtcore, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert proc.returncode == 2, (attempt, proc.stdout[-3000:], proc.stderr[-3000:])
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("mtcore train: error:")]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "backend 'liar' failed its self-check" in errors[0]
+        assert "rms_norm (one-percent-high, plugin liar)" in errors[0], errors[0]
+        assert "step 1" not in proc.stdout
+    assert len(list((tmp_path / "selfcheck").glob("liar-*.json"))) == 1
+    doctor = subprocess.run([sys.executable, "-m", "mtcore.cli.main", "doctor"], env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert "liar bfloat16 at " in doctor.stdout, doctor.stdout[-3000:]
+    assert "FAILED: kernels on rank 0" not in doctor.stdout  # the kernel result, as cached
+    assert "FAILED: rms_norm (one-percent-high, plugin liar)" in doctor.stdout
+    skipped = subprocess.run([*mtcore, "--training.self_check", "false"], env=env,
+                             capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert "step 1/1" in skipped.stdout

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtcore.testing.conformance.kernel_cases import (
+from mtcore.backend.checks.kernel_cases import (
     MIN_EFFECTIVE_ELEMENTS,
     TOLERANCES,
     check_unbiased,

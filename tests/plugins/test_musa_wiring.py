@@ -122,7 +122,7 @@ def test_flash_head_size_guard_falls_through_to_reference(facts):
 
 def test_fp8_native_only_from_capability_3_1(facts):
     s = facts["s22"]
-    assert set(s["fp8"].values()) == {"fallback (dequantize + matmul)"}
+    assert set(s["fp8"].values()) == {"fallback (matmul in higher precision)"}
     assert "(3, 1)" in s["fp8_available"]
     assert facts["fp8"]["musa4"] == {"available": True, "reason": "", "native": [True, True, False]}
 
@@ -238,3 +238,51 @@ def test_docs_state_what_was_not_exercised_and_the_musa_settings():
         "parallel_fused_cross_entropy",
     ):
         assert fact in text, fact
+
+
+def test_sdpa_scale_other_than_the_default_goes_to_the_reference(facts):
+    # SDP.cpp: MUSA < 4.2 raises on such a scale, a build without a version ignores it.
+    assert facts["attention_by_scale"] == {"none": "sdpa", "default": "sdpa", "one": "reference"}
+
+
+def test_attention_lse_through_musa_flash_once_the_op_exists(facts):
+    assert facts["lse_before_op"] == ["reference"]
+    assert facts["lse_table"] == ["mudnn-flash", "reference"]
+    assert facts["lse_fp32_table"] == ["reference"]  # muDNN flash is fp16/bf16 only
+    # Padded by 8 in backward, the head dim must stay <= 128; only the default scale.
+    assert facts["lse_served"] == {
+        "d64-default": "mudnn-flash",
+        "d64-one": "reference",
+        "d120-default": "mudnn-flash",
+        "d120-one": "reference",
+        "d128-default": "reference",
+        "d128-one": "reference",
+    }
+
+
+def test_attention_lse_adapter_matches_the_reference_through_the_lse(facts):
+    # The stand-in computes as SDP.cpp specifies and ignores any scale it is given.
+    for case, diff in facts["lse_max_diff"].items():
+        assert diff < 1e-4, (case, diff)
+    assert facts["lse_bf16_dtypes"] == ["torch.bfloat16", "torch.float32"]
+
+
+def test_hybrid_fp8_native_only_where_the_probe_finds_it_exact(facts):
+    h = facts["hybrid"]
+    assert {mode: f["same_format_native"] for mode, f in h.items()} == dict.fromkeys(h, True)
+    assert {mode: f["mixed_native"] for mode, f in h.items()} == {
+        "right": True,
+        "wrong": False,
+        "raise": False,
+    }
+    assert h["right"]["hybrid_paths"] == dict.fromkeys(("forward", "dgrad", "wgrad"), "native")
+    for mode in ("wrong", "raise"):
+        paths = h[mode]["hybrid_paths"]
+        assert paths["forward"] == "native", mode  # e4m3 x e4m3
+        assert paths["dgrad"] == paths["wgrad"] == "fallback (matmul in higher precision)", mode
+
+
+def test_notes_say_hybrid_fp8_and_the_sdpa_scale_are_handled(facts):
+    notes = "\n".join(facts["s22"]["notes"])
+    assert "Hybrid FP8 (e5m2 x e4m3" in notes and "unverified" in notes
+    assert "SDPA's scale" in notes and "attention_lse" in notes

@@ -92,3 +92,37 @@ def test_generate_refuses_what_is_not_a_checkpoint_in_one_line(tmp_path, capsys)
     assert "no checkpoint at" in _one_error_line(capsys, "mtcore generate: error:")
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     assert "no committed checkpoint" in _one_error_line(capsys, "mtcore generate: error:")
+
+
+def test_convert_names_the_directory_asked_for_when_it_cannot_write(tmp_path, checkpoint, capsys):
+    """Root only (mounts): a read-only directory is bad input (exit 2, before anything is
+    read); a disk that fills up mid-export is a failure (exit 1). Either way the line names
+    the directory given, not the staging directory beside it, which is gone."""
+    import subprocess
+
+    small, read_only = tmp_path / "small", tmp_path / "ro"
+    small.mkdir()
+    read_only.mkdir()
+    mounts = [(small, "size=16k"), (read_only, "ro,size=16k")]
+    for where, options in mounts:
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                              capture_output=True)  # fmt: skip
+        if made.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        assert main(["convert", "to-hf", str(checkpoint), str(read_only / "hf")]) == 2
+        err = _one_error_line(capsys, "mtcore convert to-hf: error:")
+        assert f"OUT_DIR {read_only / 'hf'} is not writable" in err
+        assert main(["convert", "from-hf", str(tmp_path / "no-model"), str(read_only / "ck")]) == 2
+        assert "OUT_ROOT" in _one_error_line(capsys, "mtcore convert from-hf: error:")
+
+        assert (
+            main(["convert", "to-hf", str(checkpoint), str(small / "hf"), "--dtype", "fp32"]) == 1
+        )
+        err = _one_error_line(capsys, "mtcore convert to-hf: error:")
+        assert f"cannot write {small / 'hf'}: " in err and "o space left on device" in err, err
+        assert ".hf." not in err  # the staging directory is not what the user asked for
+        assert list(small.iterdir()) == []  # nothing half-written left
+    finally:
+        for where, _ in mounts:
+            subprocess.run(["umount", str(where)], check=True)

@@ -7,10 +7,11 @@ is ``mtcore`` (or ``.../bin/mtcore``) or ``make`` is checked without running it:
 
 * ``make X``: the Makefile has a target X;
 * ``mtcore SUB ...``: the real parser (``mtcore.cli.main.build_parser``) accepts it;
-* ``mtcore train CONFIG [--nproc N] [--section.key V ...]``: CONFIG exists (relative
-  to the repository, or to the directory a ``cd`` earlier in the block moved to),
-  ``load_config(CONFIG, overrides)`` validates it (unknown keys, bad values) and the
-  layout and batch sizes fit N processes (``TrainConfig.check``). Nothing is trained
+* ``mtcore train CONFIG [--nproc N] [--nnodes N|MIN:MAX ...] [--section.key V ...]``:
+  CONFIG exists (relative to the repository, or to the directory a ``cd`` earlier in
+  the block moved to), ``load_config(CONFIG, overrides)`` validates it (unknown keys,
+  bad values) and the layout and batch sizes fit the processes at every node count
+  (``TrainConfig.check``). Nothing is trained
   and no data is prepared.
 
 Every ```python block is run, each in a fresh interpreter from the repository root
@@ -277,7 +278,8 @@ def check_train(cmd: Command, ns) -> None:
     try:
         with example_families():
             config = load_config(path, ns.overrides)
-            config.check(ns.nproc)
+            for world in ns.launch.world_sizes():  # every node count --nnodes allows
+                config.check(world)
     except ValueError as e:  # ConfigError, LayoutError, SplitError
         raise DocCommandError(f"the config does not validate: {e}") from None
 
@@ -663,6 +665,20 @@ EXAMPLE_FAMILY_INSTALL = (
     "mtcore-example-family",
 )
 
+MEGATRON_IMPORT = (
+    "docs/migrating-from-megatron.md",
+    "mtcore convert from-megatron megatron/gpt_tiny runs/gpt_tiny/from-megatron",
+)
+# No Megatron checkpoint here: the config trains 2 steps and mtcore exports it as one.
+MEGATRON_CHECKPOINT_FIRST = (
+    (
+        MEGATRON_IMPORT[1],
+        "mtcore train docs/examples/megatron/gpt_tiny.yaml --nproc 4 --checkpoint.dir runs/seed\n"
+        "mtcore convert to-megatron runs/seed megatron/gpt_tiny --tp 2 --pp 2\n"
+        + MEGATRON_IMPORT[1],
+    ),
+)
+
 # doc -> first line of a block -> how it runs. A block without an entry needs a marker.
 SHELL_RUN: dict[str, dict[str, ShellRun]] = {
     "docs/backends.md": {
@@ -698,12 +714,22 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         " delayed": SLOW_SHORT,
     },
     "docs/kernels.md": {'TRITON_INTERPRET=1 .venv/bin/python -c "': CHEAP},
+    "docs/migrating-from-megatron.md": {
+        "mtcore convert megatron-args docs/examples/megatron/run_gpt_tiny.sh > docs/examples/"
+        "megatron/gpt_tiny.yaml": CHEAP,
+        MEGATRON_IMPORT[1]: ShellRun(slow=True, shorten=True, replace=MEGATRON_CHECKPOINT_FIRST),
+        "mtcore convert to-megatron runs/gpt_tiny/checkpoints megatron/gpt_tiny_back --tp 2 --pp 2": (
+            ShellRun(slow=True, after=(MEGATRON_IMPORT,))
+        ),
+    },
     "docs/models.md": {
         "mtcore train configs/default.yaml --nproc 4     # model.family unset: gpt": SLOW_SHORT,
     },
     "docs/moe.md": {
         "mtcore train configs/moe.yaml --nproc 4      # tp2 x dp2 (4 ranks), experts over ep2, "
         "ZeRO-1, fp32, 200 steps": SLOW_SHORT,
+        "mtcore train configs/deepseek.yaml --nproc 4   # tp2 x dp2, 16 experts over ep2, ZeRO-1, "
+        "fp32, 150 steps": SLOW_SHORT,
     },
     "docs/multimodal.md": {
         "mtcore train configs/llava.yaml --nproc 4 --model.freeze '[vision, language]' "
@@ -713,8 +739,15 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host": CHEAP,
         "mtcore plan configs/llava.yaml --gpus 4 --hardware cpu-host": CHEAP,
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --backend cpu": CHEAP,
-        "mtcore sweep configs/default.yaml --layouts tp=2,pp=2 tp=2,pp=1 tp=1,pp=2,vpp=2 "
-        "--nproc 4 --steps 4": ShellRun(slow=True, replace=(("--steps 4", "--steps 2"),)),
+        "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --compare tp=1,pp=4 "
+        "tp=1,pp=4,schedule=zb_h1": CHEAP,
+        "mtcore plan configs/default.yaml --gpus 8192 --hardware docs/examples/hardware/"
+        "h100-meta-roce.toml \\": CHEAP,
+        "mtcore plan configs/default.yaml --gpus 992 --hardware A100-80GB --model.style gpt2 \\": (
+            CHEAP
+        ),
+        "mtcore sweep configs/default.yaml --layouts tp=2,pp=1 tp=1,pp=2 tp=1,pp=1 --nproc 2 "
+        "--steps 6": ShellRun(slow=True, replace=(("--steps 6", "--steps 2"),)),
     },
     "docs/plugin-author-guide.md": {
         "python docs/examples/c10d-backend/toyccl.py": CHEAP,
@@ -751,6 +784,8 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "mtcore train configs/default.yaml --nproc 4 --parallel.tp 1 --parallel.pp 1 \\": (
             SLOW_SHORT
         ),
+        "mtcore train configs/default.yaml --nproc 4 --parallel.tp 1 --parallel.pp 4 "
+        "--parallel.schedule zb_h1": SLOW_SHORT,
     },
 }
 

@@ -1,5 +1,7 @@
 """The core stays hardware-neutral and its imports point down the layers
-(docs/architecture.md), and training/ and cli/ know models only through the family seam."""
+(docs/architecture.md); training/, cli/ and plan/ know models only through the family
+seam, and no family imports another (what they share is models/common). The family
+names, folders and exports the checks look for come from the registry."""
 
 from __future__ import annotations
 
@@ -24,9 +26,22 @@ LAYERS = {
     "precision": {"backend", "ops"},
     "parallel": {"backend", "ops", "distributed", "precision"},
     "models": {"backend", "ops", "data", "distributed", "precision", "parallel"},
+    "training": {"backend", "ops", "data", "distributed", "precision", "parallel", "models"},
+    "plan": {
+        "backend",
+        "ops",
+        "data",
+        "distributed",
+        "precision",
+        "parallel",
+        "models",
+        "training",
+        "train",
+    },
 }
-# What training/ and cli/ may import from mtcore.models: the seam, never a family.
-SEAM = {"mtcore.models", "mtcore.models.family", "mtcore.models.registry"}
+# What training/, cli/ and plan/ may import from mtcore.models: the seam, never a family
+# nor the families' shared internals (models/common).
+SEAM = {"mtcore.models", "mtcore.models.family", "mtcore.models.registry", "mtcore.models.shape"}
 
 
 def test_no_vendor_names_in_the_core():
@@ -68,10 +83,35 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-def test_training_and_cli_import_no_concrete_model():
+def _family_packages() -> dict[str, str]:
+    """Family name -> the package of its folder (``mtcore.models.gpt``), from the registry."""
+    from mtcore.models import BUILTIN_FAMILIES
+
+    return {name: module.rsplit(".", 1)[0] for name, module in BUILTIN_FAMILIES.items()}
+
+
+def _concrete_names() -> set[str]:
+    """What a family folder exports (its model, config and family classes...), from the
+    registry: the names the seam must not hand to training/, cli/ or plan/."""
+    import importlib
+
+    from mtcore.models import family_names, get_family
+
+    names = set()
+    for package in _family_packages().values():
+        names |= set(importlib.import_module(package).__all__)
+    for name in family_names():
+        family = get_family(name)
+        names |= {type(family).__name__, family.config.__name__}
+    return names - {"FAMILY"}
+
+
+def test_training_cli_and_plan_import_no_concrete_model():
     import mtcore.models
 
     seam_names = set(mtcore.models.__all__)
+    packages = set(_family_packages().values())
+    assert {"mtcore.models.gpt", "mtcore.models.bert"} <= packages  # the registry was read
     wrong = []
     for package in ("training", "cli", "plan"):
         for path in sorted((SRC / package).rglob("*.py")):
@@ -81,11 +121,26 @@ def test_training_and_cli_import_no_concrete_model():
                     wrong.append(where)
                 elif module == "mtcore.models" and set(names) - seam_names:
                     wrong.append(f"{where}: {sorted(set(names) - seam_names)}")
-    assert not wrong, "training/ and cli/ must use the family seam only:\n" + "\n".join(wrong)
+    assert not wrong, "training/, cli/ and plan/ must use the seam only:\n" + "\n".join(wrong)
 
 
 def test_the_seam_exports_no_concrete_model():
     import mtcore.models
 
-    concrete = [n for n in mtcore.models.__all__ if n in {"GPT", "GPTConfig", "Bert", "BertConfig"}]
+    concrete = sorted(set(mtcore.models.__all__) & _concrete_names())
+    assert {"GPT", "GPTConfig", "BertConfig", "GPTFamily"} <= _concrete_names()
     assert not concrete, f"mtcore.models re-exports concrete models: {concrete}"
+
+
+def test_no_family_imports_another_family():
+    """Families compose models/common; a family's folder imports no other family's."""
+    packages = _family_packages()
+    wrong = []
+    for name, package in packages.items():
+        others = {p for n, p in packages.items() if n != name}
+        folder = SRC.parent / package.replace(".", "/")
+        for path in sorted(folder.rglob("*.py")):
+            for module, _ in _imports(path):
+                if any(module == p or module.startswith(p + ".") for p in others):
+                    wrong.append(f"{path.relative_to(SRC)} imports {module}")
+    assert not wrong, "a family imports another family:\n" + "\n".join(wrong)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
+from mtcore.distributed import Axis, LayoutError, LayoutSpec, ParallelLayout
 from mtcore.distributed.layout import _all_groups
 
 
@@ -80,4 +80,4 @@ def test_single_process_layout():
     layout = ParallelLayout.single()
     assert (layout.tp, layout.dp, layout.pp, layout.tp_rank) == (1, 1, 1, 0)
     assert layout.is_first_stage and layout.is_last_stage
-    assert layout.group("tp") is None
+    assert layout.group(Axis.TP) is None

@@ -12,6 +12,7 @@ from mtcore.backend.collective import (
     Handle,
     Support,
     fp8_fallback_everywhere,
+    gloo_capabilities,
 )
 from mtcore.backend.device import (
     Availability,
@@ -24,6 +25,7 @@ from mtcore.backend.device import (
 )
 from mtcore.backend.fp8 import FORMATS, FP8, Quantized
 from mtcore.backend.hookspecs import ENTRY_POINT_GROUP, hookimpl
+from mtcore.backend.host import cpu_scaled_mm_pairs
 from mtcore.backend.kernels import (
     REFERENCE,
     KernelImpl,
@@ -64,8 +66,10 @@ __all__ = [
     "Quantized",
     "Support",
     "TorchModuleDevice",
+    "cpu_scaled_mm_pairs",
     "fp8_fallback_everywhere",
     "get_backend",
+    "gloo_capabilities",
     "hookimpl",
     "peaks_by_name",
     "plugin_registry",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,9 +34,11 @@ from mtcore.backend.shared_memory import PeerGone, SharedMemoryChannel
 
 SHARED_MEMORY_ENV = "MTCORE_SHM_COLLECTIVES"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = 300.0
 # How long ranks may take to arrive at process-group creation (see _gather_ranks).
 STARTUP_TIMEOUT_S = 300.0
+# how long destroy() waits for torch to close the process groups (see destroy)
+DESTROY_WAIT_S = 30.0
 OPS = (
     "all_reduce",
     "all_gather",
@@ -77,10 +80,14 @@ class CollectiveCapabilities:
     lacks it). ``avg_supported`` is False where the backend lacks ReduceOp.AVG
     (then AVG is SUM followed by a division). ``Support.NONE`` is for
     capability tables that subclass this one to declare an op missing.
+    ``reduce_scatter_ops``: the reduce ops the backend's reduce-scatter computes
+    correctly (None: all); the others run as an all-reduce of a float copy, of which
+    each rank keeps its shard.
     """
 
     fallback_dtypes: FallbackTable | Callable[[], FallbackTable] = field(default_factory=dict)
     avg_supported: bool = True
+    reduce_scatter_ops: frozenset[str] | None = None
     _table: dict[str, frozenset[torch.dtype]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -107,10 +114,32 @@ def fp8_fallback_everywhere() -> dict[str, frozenset[torch.dtype]]:
     return {op: frozenset(FP8_DTYPES) for op in OPS if op != "barrier"}
 
 
+# ProcessGroupGloo gained ReduceOp.AVG in torch 2.8 (pytorch/pytorch#149781), and its
+# reduce_scatter_tensor honours MAX and MIN only from 2.8: torch 2.7's returns the SUM
+# for them, silently (the conformance kit's reduce_scatter max/min checks catch it).
+GLOO_FIXED_IN = "2.8"
+
+
+def gloo_capabilities() -> CollectiveCapabilities:
+    """What gloo carries on the installed torch: no FP8 dtype, and before torch 2.8 no
+    ReduceOp.AVG (sum, then divide) and a reduce-scatter that only sums."""
+    fixed = torch.__version__ >= GLOO_FIXED_IN
+    return CollectiveCapabilities(
+        fp8_fallback_everywhere(),
+        avg_supported=fixed,
+        reduce_scatter_ops=None if fixed else frozenset({"sum"}),
+    )
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective or a transfer did not complete within the process group's timeout:
     a peer stopped answering (stopped, hung, or gone). The message names the call and
     the ranks it waited for."""
+
+
+# What gloo (and NCCL's socket transport) say when the process at the other end died or
+# its host went away: the kernel closed or reset the connection.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 def _looks_like_timeout(error: RuntimeError) -> bool:
@@ -120,15 +149,24 @@ def _looks_like_timeout(error: RuntimeError) -> bool:
 
 @contextlib.contextmanager
 def _named(what: Callable[[], str], timeout_s: float):
-    """Turn a c10d timeout into a CollectiveTimeout saying which call and ranks hung."""
+    """Turn a c10d timeout, or a connection a dead peer closed, into a CollectiveTimeout
+    saying which call and ranks it waited for."""
     try:
         yield
     except PeerGone as e:
         raise CollectiveTimeout(f"{what()}: {e}") from e
     except RuntimeError as e:
-        if isinstance(e, CollectiveTimeout) or not _looks_like_timeout(e):
+        if isinstance(e, CollectiveTimeout):
             raise
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if any(sign in first_line.lower() for sign in _PEER_LOST):
+            detail = first_line.split(". This is typically")[0]
+            raise CollectiveTimeout(
+                f"{what()} failed: a peer closed the connection (it died, or its node went "
+                f"down): {detail}"
+            ) from e
+        if not _looks_like_timeout(e):
+            raise
         raise CollectiveTimeout(
             f"{what()} did not complete within {timeout_s:g} s (a peer stopped answering; "
             f"training.collective_timeout_s sets the limit): {first_line}"
@@ -178,6 +216,11 @@ class P2P:
 class Collective:
     """Collectives over one c10d backend. Groups are torch ProcessGroup objects.
 
+    ``interface_variables``: the environment variables that pick the network interface of
+    its traffic between nodes (its library's, e.g. ``NCCL_SOCKET_IFNAME``, then
+    ``GLOO_SOCKET_IFNAME`` for the gloo groups every backend also uses); ``mtcore doctor``
+    and a multi-node job's first lines say what each selects.
+
     ``same_host_channels``: the backend's tensors live in host memory, so latency-bound
     groups whose members share this host may use shared-memory channels (see the
     module docstring); the channel serves all-reduce, all-gather and reduce-scatter of
@@ -189,8 +232,12 @@ class Collective:
         c10d_backend: str,
         capabilities: CollectiveCapabilities | None = None,
         same_host_channels: bool = False,
+        interface_variables: tuple[str, ...] = ("GLOO_SOCKET_IFNAME",),
     ):
         self.c10d_backend = c10d_backend
+        # The environment variables that choose the network interface this backend's
+        # traffic between nodes uses (``mtcore.backend.network``), the backend's own first.
+        self.interface_variables = tuple(interface_variables)
         self.capabilities = capabilities or CollectiveCapabilities()
         self.same_host_channels = same_host_channels
         self.timeout_s = DEFAULT_TIMEOUT_S  # of every group: set by init_process_group
@@ -231,8 +278,12 @@ class Collective:
         """
         startup = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
         store, rank, world_size = next(
-            dist.rendezvous(init_method or "env://", rank=-1 if rank is None else rank,
-                            world_size=-1 if world_size is None else world_size, timeout=startup)
+            dist.rendezvous(
+                init_method or "env://",
+                rank=-1 if rank is None else rank,
+                world_size=-1 if world_size is None else world_size,
+                timeout=startup,
+            )
         )
         store.set_timeout(startup)
         store.set(f"mtcore/arrived/{rank}", "1")
@@ -311,11 +362,19 @@ class Collective:
         return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
     def destroy(self) -> None:
+        """Close the channels and the process groups, waiting at most
+        ``DESTROY_WAIT_S`` for torch: on torch 2.7.1 under load, ``destroy_process_group`` sometimes never
+        returned after a job's last checkpoint (a gloo worker thread that does not
+        join). The ranks are done by then, so a close that does not return in time is
+        left to the process's exit."""
         for _, channel in self._channels.values():
             channel.close()
         self._channels.clear()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        closing = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        closing.start()
+        closing.join(DESTROY_WAIT_S)
 
     def support(self, op: str, dtype: torch.dtype) -> Support:
         return self.capabilities.support(op, dtype)
@@ -352,7 +411,11 @@ class Collective:
         _check_shard(output, input, self.world_size(group), "reduce_scatter")
         epilogue = None
         if self.support("reduce_scatter", input.dtype) is Support.FALLBACK:
-            target, output, input = output, torch.empty_like(output, dtype=torch.float32), input.float()
+            target, output, input = (
+                output,
+                torch.empty_like(output, dtype=torch.float32),
+                input.float(),
+            )
             epilogue = lambda: target.copy_(output)  # noqa: E731
         reduce_op = op
         if op == "avg" and not self.capabilities.avg_supported:
@@ -362,12 +425,31 @@ class Collective:
             epilogue = lambda: (out.div_(size), inner and inner())  # noqa: E731
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         channel = self._channel_for(group, output, input, op=reduce_op)
+        supported = self.capabilities.reduce_scatter_ops
         with self._sync("reduce_scatter", group):
             if channel is not None:
                 work = channel.reduce_scatter(output, input, reduce_op)
+            elif supported is not None and reduce_op not in supported:
+                work, epilogue = self._reduce_scatter_by_all_reduce(
+                    output, input, reduce_op, group, async_op, epilogue
+                )
             else:
                 work = fn(output, input, op=_reduce_op(reduce_op), group=group, async_op=async_op)
         return self._finish(work, epilogue, async_op, "reduce_scatter", group)
+
+    def _reduce_scatter_by_all_reduce(self, output, input, op, group, async_op, epilogue):
+        """A reduce-scatter the backend gets wrong for ``op``: all-reduce a copy, keep
+        this rank's shard (then the caller's epilogue)."""
+        whole = input.clone(memory_format=torch.contiguous_format)
+        work = dist.all_reduce(whole, _reduce_op(op), group=group, async_op=async_op)
+        shard = whole.view(self.world_size(group), -1)[self.rank(group)]
+
+        def keep_shard():
+            output.view(-1).copy_(shard)
+            if epilogue is not None:
+                epilogue()
+
+        return work, keep_shard
 
     # -- data movement -------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):

@@ -13,6 +13,7 @@ Two implementations live here, both hardware-neutral:
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -56,6 +57,11 @@ class Device:
     def availability(self) -> Availability:
         return Availability(True)
 
+    def device_seen(self) -> bool:
+        """Whether this machine shows signs of the device (its driver's files), whether or
+        not the backend can run: an unavailable backend whose device is seen is worth a warning."""
+        return False
+
     # -- placement -----------------------------------------------------------------
     def device_count(self) -> int:
         return 1
@@ -92,12 +98,19 @@ class Device:
         return _proc_status_kib("VmRSS") * 1024
 
     def max_memory_allocated(self) -> int:
-        return _proc_status_kib("VmHWM") * 1024
+        # Linux's VmHWM is not monotone: the kernel folds the resident size into it only
+        # at some events, so a reading after memory was returned can be lower than one
+        # before (the conformance kit's peak check saw it fall 52 KiB). Keep the high
+        # water mark of our own readings, as the device modules do.
+        seen = max(_proc_status_kib("VmHWM"), _proc_status_kib("VmRSS")) * 1024
+        self._peak = max(getattr(self, "_peak", 0), seen)
+        return self._peak
 
     def reset_peak_memory_stats(self) -> None:
         # Linux resets the peak RSS (VmHWM) when "5" is written to clear_refs.
         with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        self._peak = 0
 
     def empty_cache(self) -> None:
         return None
@@ -158,6 +171,8 @@ class DeviceModuleSpec:
     device_type: torch device type string, as in ``torch.device(device_type)``.
     import_name: module to import before the device type exists (None if built in).
     visible_devices_env: environment variable that restricts visible devices.
+    device_files: glob patterns of files the device's driver creates (device nodes,
+      /proc entries); one that exists means the device is plausibly here.
     bf16_min_capability: lowest (major, minor) with native bf16.
     peak_tflops: rule from (device name, capability) to {dtype name: TFLOP/s}.
     """
@@ -165,6 +180,7 @@ class DeviceModuleSpec:
     device_type: str
     import_name: str | None = None
     visible_devices_env: str | None = None
+    device_files: tuple[str, ...] = ()
     bf16_min_capability: tuple[int, int] = (0, 0)
     peak_tflops: PeakRule | None = None
 
@@ -199,6 +215,9 @@ class TorchModuleDevice(Device):
                 hint = f" ({env}={os.environ[env]!r})"
             return Availability(False, f"no {self.type} device is visible{hint}")
         return Availability(True)
+
+    def device_seen(self) -> bool:
+        return any(glob.glob(pattern) for pattern in self.spec.device_files)
 
     def capability_at_least(self, minimum: tuple[int, int]) -> Availability:
         """Whether the current device reaches ``minimum`` (major, minor), and why not."""

@@ -1,5 +1,8 @@
 """The plugin contract: the hooks an accelerator plugin implements.
 
+The upper layers declare their own hooks in their own modules (the models layer:
+``mtcore.models.hookspecs``), found through the ``mtcore.hookspecs`` entry point group.
+
 A plugin is any importable object (usually a module) named by an entry point in
 the group ``mtcore.plugins``::
 
@@ -24,6 +27,10 @@ if TYPE_CHECKING:  # annotations only: the spec modules import this one's marker
 
 PROJECT = "mtcore"
 ENTRY_POINT_GROUP = "mtcore.plugins"
+# Hooks of the layers above this one (models: ``mtcore_model_families``) are declared
+# where they belong and named by an entry point of this group; the registry adds them
+# before it loads any plugin, so a plugin's hook is checked against every layer's spec.
+HOOKSPEC_GROUP = "mtcore.hookspecs"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -65,18 +72,4 @@ class MtcoreHookSpecs:
         Implementations must match the reference op within the tolerances of
         the conformance kit (``pytest --pyargs mtcore.testing.conformance
         --mtcore-backend NAME``).
-        """
-
-    @hookspec
-    def mtcore_model_families(self) -> list:  # list[mtcore.models.ModelFamily], a higher layer
-        """Contribute model families: return a list of ``mtcore.models.ModelFamily``.
-
-        A family is selected by ``model.family`` in a training config (its
-        ``ModelFamily.name``) and supplies its config class, how to build one
-        rank's pipeline chunks, the tensors that cross pipeline boundaries, its
-        loss as (sum, count) terms, its data pipeline and, optionally, its
-        HuggingFace adapter and generation (docs/models.md has the contract).
-        Import the model code lazily if it is heavy: this hook runs when any
-        config is parsed. A name must not repeat a built-in family (``gpt``,
-        ``bert``) or another plugin's; a clash is an error naming both.
         """

@@ -12,26 +12,62 @@ the reference ops stay the spec, and ``MTCORE_KERNELS=reference`` forces them.
 
 from __future__ import annotations
 
+import functools
+import platform
+
 import torch
 
-from mtcore.backend.collective import Collective, CollectiveCapabilities, fp8_fallback_everywhere
+from mtcore.backend.collective import Collective, gloo_capabilities
 from mtcore.backend.device import CpuDevice
 from mtcore.backend.fp8 import FP8
+from mtcore.backend.fp8_paths import measured_paths
 from mtcore.backend.hookspecs import hookimpl
 from mtcore.backend.kernels import KernelImpl
 from mtcore.backend.spec import BackendSpec
-from mtcore.ops import torch_native
+from mtcore.ops import flash_lse, torch_native
 
 PLUGIN_NAME = "mtcore"
 HOST_BACKEND = "cpu"
 
-# torch._scaled_mm runs tensor-wise and row-wise scales on the CPU; 1x128/128x128
-# blocks take the dequantize fallback.
+# torch._scaled_mm runs tensor-wise and row-wise scales on the CPU from torch 2.8 (2.7
+# has no CPU kernel: "Could not run 'aten::_scaled_mm' ... 'CPU' backend"), so each pair
+# is declared native only once a 16x16 product has run here; 1x128/128x128 blocks take
+# the fallback matmul. Whether running a declared pair natively is faster is
+# measured per machine and torch version (fp8_paths): CPUs without FP8 arithmetic
+# run torch's _scaled_mm as a scalar loop, hundreds of times slower than the fallback.
 NATIVE_FP8 = frozenset({("tensor", "tensor"), ("row", "row")})
+_SCALES = {"tensor": lambda n: torch.ones(()), "row": lambda n: torch.ones(n, 1)}
 
-# ProcessGroupGloo gained ReduceOp.AVG in torch 2.8 (pytorch/pytorch#149781); before
-# that mtcore's Collective turns AVG into SUM and a division.
-GLOO_AVG_SINCE = "2.8"
+
+def cpu_scaled_mm_pairs() -> frozenset[tuple[str, str]]:
+    """The pairs of ``NATIVE_FP8`` that this torch's CPU ``torch._scaled_mm`` runs."""
+    operand = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    works = set()
+    for pair in NATIVE_FP8:
+        scale_a, scale_b = (_SCALES[g](16) for g in pair)
+        try:
+            torch._scaled_mm(
+                operand, operand.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=torch.float32
+            )
+        except (NotImplementedError, RuntimeError):
+            continue
+        works.add(pair)
+    return frozenset(works)
+
+
+def cpu_identity() -> str:
+    """The host CPU as the FP8 path measurement keys it: architecture, model and flags."""
+    model = flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{platform.machine()} | {model or platform.processor()} | {flags}"
 
 
 def _float32(query) -> bool:
@@ -48,20 +84,19 @@ def fused_adamw_fits(
 
 @hookimpl
 def mtcore_backends() -> list[BackendSpec]:
-    avg = torch.__version__ >= GLOO_AVG_SINCE
     host = BackendSpec(
         name=HOST_BACKEND,
         device=CpuDevice(),
-        collective=Collective(
-            "gloo",
-            CollectiveCapabilities(fp8_fallback_everywhere(), avg_supported=avg),
-            same_host_channels=True,
+        collective=Collective("gloo", gloo_capabilities(), same_host_channels=True),
+        fp8=FP8(
+            native_granularities=cpu_scaled_mm_pairs,
+            choose=functools.partial(measured_paths, machine=cpu_identity()),
         ),
-        fp8=FP8(native_granularities=NATIVE_FP8),
         accelerator=False,
         description="host CPU: gloo collectives (tensor-parallel groups of one host through "
         "shared memory), torch fused SDPA/flash-LSE/RMSNorm/LayerNorm/"
-        "cross-entropy/AdamW kernels, FP8 through torch._scaled_mm",
+        "cross-entropy/AdamW kernels, FP8 through torch._scaled_mm where measured faster "
+        "than the fallback matmul",
     )
     return [host]
 
@@ -71,7 +106,16 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
     if backend != HOST_BACKEND:
         return []
     impls = [
-        KernelImpl("attention", torch_native.sdpa_attention, "sdpa", priority=50),
+        # Not float16: torch's CPU SDPA backward rounds with a bias there (the kit's
+        # bias check, -2.3e-4 on dK); the reference serves it.
+        KernelImpl(
+            "attention",
+            torch_native.sdpa_attention,
+            "sdpa",
+            priority=50,
+            predicate=lambda q: q.dtype != torch.float16,
+            fallback_ok=torch_native.without_dropout,
+        ),
         KernelImpl("rms_norm", torch_native.fused_rms_norm, "torch-fused", priority=50),
         # Every dtype: F.layer_norm runs on float32 operands and the result is rounded
         # once, as the reference specifies (for float32 inputs the casts are no-ops).
@@ -84,12 +128,12 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
         # Every dtype: F.silu on float32 operands, one rounding, as the reference.
         KernelImpl("swiglu", torch_native.silu_glu_fp32, "torch-silu", priority=50),
     ]
-    if torch_native.cpu_flash_attention_lse_available():
+    if flash_lse.cpu_flash_attention_lse_available():
         # torch's CPU flash kernel returns the log-sum-exp ring attention merges with.
         impls.append(
             KernelImpl(
                 "attention_lse",
-                torch_native.cpu_flash_attention_lse,
+                flash_lse.cpu_flash_attention_lse,
                 "cpu-flash",
                 priority=50,
                 predicate=lambda q: q.dtype in (torch.float32, torch.bfloat16),

@@ -28,7 +28,7 @@ from importlib import metadata
 import pluggy
 
 from mtcore.backend import host
-from mtcore.backend.hookspecs import ENTRY_POINT_GROUP, PROJECT, MtcoreHookSpecs
+from mtcore.backend.hookspecs import ENTRY_POINT_GROUP, HOOKSPEC_GROUP, PROJECT, MtcoreHookSpecs
 from mtcore.backend.kernels import KernelImpl, KernelRegistrationError, check_signature
 from mtcore.backend.spec import BackendSpec
 
@@ -115,6 +115,8 @@ class PluginRegistry:
     def __init__(self) -> None:
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(MtcoreHookSpecs)
+        for ep in metadata.entry_points(group=HOOKSPEC_GROUP):
+            self.manager.add_hookspecs(ep.load())  # the upper layers' hooks (their contract)
         self.discovery = Discovery()
         self._backends_collected = False
         self._kernel_failures: dict[str, list[PluginInfo]] = {}

@@ -2,11 +2,15 @@
 
 A backend that was asked for and cannot run is an error that says why; mtcore
 never falls back to the CPU silently. When automatic selection lands on the host
-although an accelerator plugin is installed (its backend cannot run here, several
-plugins claim it, its probe raised, or a plugin is broken), it warns with each
-plugin and reason, and records them on the backend (``Backend.selection_notes``)
-for the trainer's first lines. ``MTCORE_REQUIRE_ACCELERATOR=1`` makes that an
-error instead, for clusters where the CPU is never the intended target.
+although an accelerator plugin is installed whose device is plausibly here (its
+driver's files exist, yet the backend cannot run: library missing, no visible
+device, its probe raised), or two plugins claim one backend, or a plugin is broken,
+it warns with each plugin and reason, and records them on the backend
+(``Backend.selection_notes``) for the trainer's first lines. An accelerator plugin
+whose device is nowhere on this machine (a development install on a CPU host, CI)
+is passed over quietly: ``mtcore doctor`` lists it with its reason.
+``MTCORE_REQUIRE_ACCELERATOR=1`` makes any landing on the host an error instead,
+naming every plugin passed over, for clusters where the CPU is never the target.
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ def select_backend(name: str | None = None, registry: PluginRegistry | None = No
     requested = name or os.environ.get(BACKEND_ENV) or None
     if requested is not None:
         return _build(registry, requested, how="requested" if name else f"requested by {BACKEND_ENV}")
+    # Notes worth a warning, then those about accelerators whose device is not here.
     passed_over = [_conflict_message(registry, n, owners) for n, owners in sorted(found.conflicts.items())]
+    absent: list[str] = []
     accelerators = sorted(
         (entry for entry in found.backends.values() if entry[0].accelerator),
         key=lambda entry: (-entry[0].priority, entry[0].name),  # ties break by name, not install order
@@ -75,10 +81,13 @@ def select_backend(name: str | None = None, registry: PluginRegistry | None = No
         reason = _unavailable_reason(spec)
         if reason is None:
             return _build(registry, spec.name, how="auto")
-        passed_over.append(f"backend {spec.name!r} from plugin {info.label} cannot run here: {reason}")
+        note = f"backend {spec.name!r} from plugin {info.label} cannot run here: {reason}"
+        (passed_over if spec.device_seen() else absent).append(note)
     passed_over += [f"plugin {p.label} is broken ({p.what}): {p.error!r}" for p in found.broken]
     if accelerator_required():
-        why = "\n  ".join(passed_over) or "no accelerator plugin is installed (install your accelerator's mtcore plugin)"
+        why = "\n  ".join(passed_over + absent) or (
+            "no accelerator plugin is installed (install your accelerator's mtcore plugin)"
+        )
         raise BackendError(
             f"{REQUIRE_ACCELERATOR_ENV} is set and no accelerator backend can run here:\n  {why}"
             "\n`mtcore doctor --verbose` shows every plugin and backend, with tracebacks"
@@ -88,7 +97,8 @@ def select_backend(name: str | None = None, registry: PluginRegistry | None = No
         note = (
             f"automatic backend selection chose {HOST_BACKEND!r} although accelerator plugins "
             "are installed: " + "; ".join(passed_over)
-            + f" (set {REQUIRE_ACCELERATOR_ENV}=1 to make this an error)"
+            + f" (set {REQUIRE_ACCELERATOR_ENV}=1 to make this an error, or "
+            f"{BACKEND_ENV}={HOST_BACKEND} to choose the host)"
         )
         backend.selection_notes = (note,)
         warnings.warn(note, PluginWarning, stacklevel=2)

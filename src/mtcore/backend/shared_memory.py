@@ -24,10 +24,15 @@ rests on stores becoming visible in program order and loads not passing loads,
 which x86-64 guarantees (total store order); ``supported_here()`` is false on any
 other machine, and the collective keeps gloo there.
 
-Waiting spins for a short while, then yields the core, then sleeps between polls,
-so ranks that outnumber the cores still make progress. A peer that exits is noticed
-within a second (its pid is checked while waiting) and a peer that hangs after the
-group's timeout: both raise ``CollectiveTimeout`` naming the call, as gloo would.
+Waiting spins for a short while (``_SPIN_S``: a peer a few microseconds behind is
+caught without a system call), then sleeps in the kernel on the first missing peer's
+flag (a futex on the shared mapping: ``FUTEX_WAIT`` while the flag still holds the
+value seen); every rank wakes its flag's sleepers after publishing. A sleeping rank
+uses no CPU, so on a machine with more busy processes than cores the peer it waits
+for gets the core (spinning, then polling every 50 µs, made a waiting rank compete
+with it: issue 33). A peer that exits is noticed within a second (the sleep times out
+to check its pid) and a peer that hangs after the group's timeout: both raise
+``CollectiveTimeout`` naming the call, as gloo would.
 
 The segment lives in ``/dev/shm`` only until every member has mapped it; it is
 unlinked then, so nothing is left behind when a rank dies.
@@ -36,6 +41,8 @@ unlinked then, so nothing is left behind when a rank dies.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import mmap
 import os
 import platform
@@ -49,10 +56,12 @@ SHM_DIR = "/dev/shm"
 SLOT_BYTES = 2 << 20  # per rank and slot set: a 1 MiB activation travels in one round
 _PAGE = 4096
 _FLAG_STRIDE = 8  # int64s between flags: one 64-byte cache line each
-_SPIN_S = 50e-6  # spin this long before yielding the core
-_YIELD_S = 2e-3  # then yield until this long, then sleep between polls
-_SLEEP_S = 50e-6
+_SPIN_S = 50e-6  # spin this long before sleeping on a futex
 _LIVENESS_EVERY_S = 1.0
+_SYS_FUTEX = 202  # x86-64 (the only machine the channel runs on)
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
+_WAKE_ALL = 0x7FFFFFFF
+_POLL_S = 50e-6  # only where the futex call fails (a sandbox that refuses it)
 _REDUCTIONS = ("sum", "avg", "max", "min")
 _X86_64 = ("x86_64", "amd64")
 
@@ -104,6 +113,43 @@ def pid_alive(pid: int) -> bool:
         return True  # no /proc: os.kill said it exists
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def futex_wait(address: int, expected: int, timeout_s: float) -> bool:
+    """Sleep while the 32-bit word at ``address`` equals ``expected`` (as a signed 32-bit
+    value), at most ``timeout_s``; False when the kernel refused the call (the caller
+    then polls). A change before the call, a wake and the timeout all return True."""
+    seconds = int(timeout_s)
+    timeout = _Timespec(seconds, int((timeout_s - seconds) * 1e9))
+    result = _syscall(
+        ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAIT),
+        ctypes.c_int(expected), ctypes.byref(timeout), None, ctypes.c_int(0),
+    )  # fmt: skip
+    return result == 0 or ctypes.get_errno() in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR)
+
+
+def futex_wake(address: int) -> None:
+    """Wake every process sleeping on the word at ``address``."""
+    _syscall(
+        ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
+        ctypes.c_int(_WAKE_ALL), None, None, ctypes.c_int(0),
+    )  # fmt: skip
+
+
+def _low_word(value: int) -> int:
+    """The low 32 bits of an int64 flag as a signed 32-bit int (the futex word on a
+    little-endian machine)."""
+    low = value & 0xFFFFFFFF
+    return low - (1 << 32) if low >= 1 << 31 else low
+
+
 class PeerGone(RuntimeError):
     """A member of the channel exited or stopped answering; the message says which."""
 
@@ -134,6 +180,8 @@ class SharedMemoryChannel:
         self._flags = memoryview(self._map)[:_PAGE].cast("q")
         self._flag_slots = [r * _FLAG_STRIDE for r in range(self.members)]
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        base = self._bytes.data_ptr()
+        self._flag_addresses = [base + slot * 8 for slot in self._flag_slots]
         self._round = 0
 
     # -- the three operations ----------------------------------------------------------
@@ -205,6 +253,7 @@ class SharedMemoryChannel:
             slots.append(self._bytes[start : start + nbytes].view(like.dtype))
         fill(slots[self.rank])
         self._flags[self._flag_slots[self.rank]] = self._round
+        futex_wake(self._flag_addresses[self.rank])
         self._wait_for(self._round)
         return slots
 
@@ -216,18 +265,20 @@ class SharedMemoryChannel:
         if self._arrived(round_):
             return
         start = time.perf_counter()
+        while time.perf_counter() - start < _SPIN_S:
+            if self._arrived(round_):
+                return
         next_check = _LIVENESS_EVERY_S
-        while not self._arrived(round_):
-            waited = time.perf_counter() - start
-            if waited < _SPIN_S:
-                continue
-            if waited < _YIELD_S:
-                os.sched_yield()
-                continue
-            time.sleep(_SLEEP_S)
-            if waited >= next_check:
-                next_check += _LIVENESS_EVERY_S
-                self._check_peers(round_, waited)
+        flags = self._flags
+        for member, slot in enumerate(self._flag_slots):
+            while (seen := flags[slot]) < round_:
+                waited = time.perf_counter() - start
+                if waited >= next_check:
+                    next_check += _LIVENESS_EVERY_S
+                    self._check_peers(round_, waited)
+                sleep_s = max(next_check - waited, 1e-3)
+                if not futex_wait(self._flag_addresses[member], _low_word(seen), sleep_s):
+                    time.sleep(_POLL_S)
 
     def _check_peers(self, round_: int, waited: float) -> None:
         missing = [r for r, slot in enumerate(self._flag_slots) if self._flags[slot] < round_]

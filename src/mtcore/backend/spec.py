@@ -46,6 +46,13 @@ class BackendSpec:
         except Exception as exc:
             return Availability(False, f"availability check raised {exc!r}")
 
+    def device_seen(self) -> bool:
+        """Whether the device is plausibly here (a check that raises says it may be)."""
+        try:
+            return bool(self.device.device_seen())
+        except Exception:
+            return True
+
 
 class Backend:
     """A selected backend: the four interfaces, ready for parallel and model code."""
@@ -55,7 +62,8 @@ class Backend:
         self.plugin = plugin
         self.name = spec.name
         # Set by automatic selection when it chose this backend over accelerator plugins
-        # that could not serve (each line names the plugin and why); the trainer prints it.
+        # that could not serve although their device is plausibly here, or that conflict or
+        # are broken (each line names the plugin and why); the trainer prints it.
         self.selection_notes: tuple[str, ...] = ()
         self.device = spec.device
         self.collective = spec.collective

@@ -1,5 +1,5 @@
 """Convert between mtcore checkpoints and HuggingFace directories (Llama, Mistral,
-Qwen2, Mixtral, BERT, T5).
+Qwen2, Mixtral, BERT, T5, LLaVA: every family's ``hf`` adapter).
 
   mtcore convert to-hf CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--force]
                        [--max-shard-size SIZE]
@@ -21,6 +21,9 @@ Qwen2, Mixtral, BERT, T5).
       mixtral: gpt; bert: bert).
       A NaN or inf weight is refused, naming the tensor.
 
+  mtcore convert from-megatron / to-megatron: Megatron-LM checkpoints
+      (``mtcore.cli.convert_megatron``).
+
 What a family's adapter cannot map is refused with an error that names the
 setting. transformers is not needed.
 """
@@ -28,11 +31,18 @@ setting. transformers is not needed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import sys
 from pathlib import Path
 
+from mtcore.cli import convert_megatron
+
 DEFAULT_SHARD_SIZE = "5GB"  # the hub's Llama, Mistral and Qwen releases use 5 GB shards
-HELP = "convert checkpoints to and from HuggingFace format: Llama, BERT, ... (to-hf, from-hf)"
+HELP = (
+    "convert checkpoints to and from HuggingFace (to-hf, from-hf) and Megatron-LM "
+    "(from-megatron, to-megatron)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,18 +75,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="model.seq_len of the checkpoint (default: max_position_embeddings)",
     )
+    convert_megatron.add_arguments(directions)
 
 
 def run(args: argparse.Namespace) -> int:
     from mtcore.training.checkpoint import CheckpointError
 
     try:
-        out = _to_hf(args) if args.direction == "to-hf" else _from_hf(args)
+        out = DIRECTIONS[args.direction](args)
     except (FileNotFoundError, CheckpointError, ValueError) as e:  # HFInteropError too
         print(f"mtcore convert {args.direction}: error: {e}", file=sys.stderr)
         return 2  # bad input: nothing was written
-    except OSError as e:  # writing failed (disk full, permissions)
-        print(f"mtcore convert {args.direction}: error: {e}", file=sys.stderr)
+    except OSError as e:  # writing failed (a full disk): named by the directory asked for
+        asked = getattr(args, "out_dir", None) or getattr(args, "out_root", args.direction)
+        print(
+            f"mtcore convert {args.direction}: error: cannot write {asked}: {e.strerror or e}; "
+            "it is as it was before the command",
+            file=sys.stderr,
+        )
         return 1
     print(out)
     return 0
@@ -113,7 +129,10 @@ def _to_hf(args: argparse.Namespace):
     shard_option = _shard_option(adapter, family_of(config).name, max_shard, args.max_shard_size)
     # Written beside OUT_DIR first: a refused or failed export leaves OUT_DIR as it was.
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
+    with (
+        _disk_full_as_os_error(),
+        tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging,
+    ):
         adapter.export_dir(
             config,
             weights,
@@ -128,6 +147,22 @@ def _to_hf(args: argparse.Namespace):
         for new in Path(staging).iterdir():
             new.replace(out / new.name)
     return out
+
+
+@contextlib.contextmanager
+def _disk_full_as_os_error():
+    """safetensors reports a full disk as its own error type: an OSError like any other."""
+    from mtcore.training.checkpoint.checkpointer import disk_full
+
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        what = disk_full(e)
+        if what is None:
+            raise
+        raise OSError(errno.ENOSPC, what) from e
 
 
 def parse_size(text: str) -> int:
@@ -165,9 +200,13 @@ def _model_files(directory: Path) -> list[Path]:
 
 
 def _check_out_dir(out: Path, force: bool) -> None:
-    """Refuse an OUT_DIR that is a file, or that holds a model and ``force`` is off."""
+    """Refuse an OUT_DIR that is a file, that cannot be written (a read-only mount, a path
+    under a file), or that holds a model and ``force`` is off."""
+    from mtcore.training.writable import check_writable
+
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file, not a directory")
+    check_writable("OUT_DIR", out)  # a ConfigError (a ValueError) names it
     found = [p.name for p in _model_files(out)] if out.is_dir() else []
     if found and not force:
         raise ValueError(
@@ -205,13 +244,16 @@ def _from_hf(args: argparse.Namespace):
 
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
+    from mtcore.training.writable import check_writable
+
+    check_writable("OUT_ROOT", args.out_root)  # before the model is read
     if has_checkpoint(args.out_root):
         # The import would become the root's latest: a resumed run there would silently
         # restart from these weights at step 0.
         raise ValueError(f"{args.out_root} already holds checkpoints; convert into a new directory")
     family = _hf_family(args.hf_dir)
     config, weights = _adapter(family).import_dir(args.hf_dir, seq_len=args.seq_len)
-    _check_finite(weights, args.hf_dir)
+    check_finite(weights, args.hf_dir)
     tokenizer = None
     path = Path(args.hf_dir) / TOKENIZER
     if path.is_file():
@@ -222,11 +264,11 @@ def _from_hf(args: argparse.Namespace):
         except DataError as e:  # the weights are still worth converting
             print(f"mtcore convert from-hf: warning: tokenizer not carried: {e}", file=sys.stderr)
     directory = write_model_weights(args.out_root, weights, config, step=0, tokenizer=tokenizer)
-    print(_training_hint(config, directory, tokenizer is not None), file=sys.stderr)
+    print(training_hint(config, directory, tokenizer is not None), file=sys.stderr)
     return directory
 
 
-def _check_finite(weights, hf_dir: str) -> None:
+def check_finite(weights, hf_dir: str) -> None:
     """Refuse NaN or inf weights: they would train to NaN at the first step, or
     silently where the tensor is rarely used (an embedding row)."""
     import torch
@@ -241,7 +283,7 @@ def _check_finite(weights, hf_dir: str) -> None:
                 )
 
 
-def _training_hint(config, directory, has_tokenizer: bool) -> str:
+def training_hint(config, directory, has_tokenizer: bool) -> str:
     """The config sections that train from the new checkpoint: the trainer builds the
     model its config describes, so it must be this one."""
     import yaml
@@ -253,3 +295,12 @@ def _training_hint(config, directory, has_tokenizer: bool) -> str:
         sections["data"] = {"tokenizer": str(directory / "tokenizer.json")}
     text = yaml.safe_dump(sections, sort_keys=False).rstrip()
     return f"To train from it, use these settings in the training config:\n{text}"
+
+
+DIRECTIONS = {
+    "to-hf": _to_hf,
+    "from-hf": _from_hf,
+    "from-megatron": convert_megatron.from_megatron,
+    "to-megatron": convert_megatron.to_megatron,
+    "megatron-args": convert_megatron.megatron_args,
+}

@@ -10,6 +10,11 @@ input files already done are skipped; run it again on the same inputs and it doe
 nothing. Train on the result with
 `mtcore train CONFIG --data.paths PREFIX --data.tokenizer FILE` (docs/training.md).
 Parquet and `datasets` directories need the optional extra `mtcore[datasets]`.
+
+Exit status: 0 done; 2 bad input, nothing written (a missing, unreadable or non-UTF-8
+input, named with its line; an output whose directory does not exist or cannot be
+written; a bad tokenizer); 1 writing failed (a full disk), the finished input files
+kept for the next run.
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    problem = _output_problem(args.output)
+    if problem is not None:
+        print(f"mtcore data prepare: error: --output {args.output}: {problem}", file=sys.stderr)
+        return 2
     report_to(sys.stderr)
     try:
         done = prepare_data(
@@ -72,8 +81,16 @@ def run(args: argparse.Namespace) -> int:
             txt_separator=separator,
             workers=args.workers,
         )
-    except DataError as e:
+    except DataError as e:  # the inputs or the tokenizer: nothing was written
         print(f"mtcore data prepare: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # writing failed (a full disk): the finished input files are kept
+        print(
+            f"mtcore data prepare: error: writing {args.output}: {e.strerror or e} "
+            f"({e.filename or 'output'}); run the same command again to go on from the "
+            "input files already done",
+            file=sys.stderr,
+        )
         return 1
     finally:
         report_to(None)
@@ -86,6 +103,31 @@ def run(args: argparse.Namespace) -> int:
         f"train on it: mtcore train CONFIG --data.paths {done.prefix} --data.tokenizer {args.tokenizer}"
     )
     return 0
+
+
+def _output_problem(output: str) -> str | None:
+    """Why ``--output PREFIX`` cannot be written (its directory must exist), or None."""
+    from pathlib import Path
+
+    from mtcore.training.config import ConfigError
+    from mtcore.training.writable import check_writable
+
+    prefix = Path(output).expanduser()
+    if prefix.is_dir():
+        return f"is a directory; give a file prefix inside it, e.g. {prefix / 'corpus'}"
+    directory = prefix.parent
+    above = directory
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        return f"is under {above}, which is a file"
+    if above != directory:
+        return f"its directory {directory} does not exist; create it first"
+    try:
+        check_writable("its directory", directory)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def _unescape(text: str) -> str:

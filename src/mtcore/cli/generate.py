@@ -14,7 +14,6 @@ answer alone is printed.
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import sys
 
@@ -60,12 +59,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtcore generate: error: {e}", file=sys.stderr)
         return 2
     family = family_of(model.config)
-    if family.generate is None:
+    if not family.capabilities.generates:
         print(f"mtcore generate: error: the {family.name} family does not generate text", file=sys.stderr)
         return 2
     prompt, extra = args.prompt if args.text is None else args.text, {}
     if args.image is not None:
-        if "image" not in inspect.signature(family.generate).parameters:
+        if not family.capabilities.reads_images:
             print(f"mtcore generate: error: the {family.name} family does not read images (--image)", file=sys.stderr)
             return 2
         extra["image"], *rest = args.image

@@ -14,9 +14,11 @@ Exit status: 0 success, 1 the command failed (the message says why),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
+import warnings
 
 from mtcore import __version__
 
@@ -87,5 +89,35 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
 
+def console() -> int:
+    """The `mtcore` program (its console script): ``main`` with warnings as one line each."""
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+    with one_line_warnings(command):
+        return main()
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str):
+    """While a command runs, a Python warning is one line, ``mtcore COMMAND: warning: ...``,
+    printed once however often it is raised (not the file, line and source of where it was
+    raised: that is for the developer, not the user). Restored afterwards."""
+    seen: set[str] = set()
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text not in seen:
+            seen.add(text)
+            prefix = f"mtcore {command}" if command in COMMANDS else "mtcore"
+            print(f"{prefix}: warning: {text}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = shown
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -12,8 +12,11 @@ checks; `--compare A B ...` prints layouts (`tp=2,pp=2,mb=2,sp,zero1`) or config
 files side by side. `--backend NAME|auto` builds that backend (as `mtcore doctor
 --backend` does) and takes what its capability table knows (the device name, its
 memory, the dtypes it computes in and any peak figures) over the `--hardware`
-description, which gives the rest. The model and its two fitted constants:
-docs/plan.md.
+description, which gives the rest. The software a layout is assumed to run on is
+set by `--zero 0-3`, `--flash-attention on|off`, `--comm-overlap tp,pp`,
+`--grad-reduce-dtype`, `--dp-overlap` and `--cross-node` (and per column in
+`--compare`: `zero=3,flash=off,overlap=tp+pp,grad_dtype=bf16`); every report says what
+it assumed. The model and its two fitted constants: docs/plan.md.
 """
 
 from __future__ import annotations
@@ -23,12 +26,24 @@ import json
 import sys
 
 HELP = "predict per-rank memory and step time of a layout; search or compare layouts"
-_VALUED = ("--gpus", "--hardware", "--backend", "--top", "--dp-overlap")
+_VALUED = (
+    "--gpus",
+    "--hardware",
+    "--backend",
+    "--top",
+    "--dp-overlap",
+    "--zero",
+    "--flash-attention",
+    "--comm-overlap",
+    "--grad-reduce-dtype",
+)
 DEFAULT_HARDWARE = "H100-SXM"
-_FLAGS = ("--json", "--search")
+_FLAGS = ("--json", "--search", "--cross-node")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mtcore.plan.hardware import describe_names
+
     parser.add_argument(
         "config", nargs="?", help="YAML or TOML training config (default: built-in)"
     )
@@ -37,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hardware",
         metavar="NAME|FILE",
         default=None,
-        help="a shipped description (A100-80GB, H100-SXM, H200, B200, MTT-S4000, "
-        f"cpu-host) or a .toml file (default {DEFAULT_HARDWARE}; required with --backend)",
+        help=f"a shipped description, by name or alias in any case: {describe_names()}; "
+        f"or a .toml file (default {DEFAULT_HARDWARE}; required with --backend)",
     )
     parser.add_argument(
         "--backend",
@@ -62,6 +77,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("mtcore", "none", "full"),
         help="how the dp reduction meets backward (default: as mtcore does it)",
     )
+    parser.add_argument(
+        "--zero",
+        metavar="0-3",
+        default=None,
+        help="ZeRO stage (default: parallel.zero1); 2 and 3 (FSDP) are planned only",
+    )
+    parser.add_argument(
+        "--flash-attention",
+        metavar="on|off",
+        default=None,
+        help="a fused (flash) attention kernel (default: the hardware file's)",
+    )
+    parser.add_argument(
+        "--comm-overlap",
+        metavar="AXES",
+        default="none",
+        help="axes whose communication overlaps compute: tp,pp,cp,ep or none (default)",
+    )
+    parser.add_argument(
+        "--grad-reduce-dtype",
+        metavar="DTYPE",
+        default="fp32",
+        help="gradient buffers and their reduction: fp32 (mtcore, default), bf16, fp16",
+    )
+    parser.add_argument(
+        "--cross-node",
+        action="store_true",
+        help="let tp (and ep x tp) groups span nodes, priced on the network",
+    )
     parser.epilog = "overrides: --section.key VALUE, as in mtcore train\n" + (parser.epilog or "")
     parser.parse_known_args = lambda args=None, namespace=None: (_parse(parser, args), [])
 
@@ -71,6 +115,7 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     argv = list(sys.argv[2:] if argv is None else argv)
     ns, _ = argparse.ArgumentParser.parse_known_args(parser, ["--gpus", "0"])
     ns.gpus, ns.overrides, ns.compare = None, [], None
+    ns.cross_node = False
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -87,7 +132,7 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
                 parser.error(f"{name} needs a value")
             setattr(ns, name[2:].replace("-", "_"), value)
         elif arg in _FLAGS:
-            setattr(ns, arg[2:], True)
+            setattr(ns, arg[2:].replace("-", "_"), True)
         elif arg == "--compare":
             ns.compare = []
             while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
@@ -111,24 +156,43 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
         value = getattr(ns, name)
         if value is None:
             parser.error(f"--{name} N is required")
-        if not str(value).isdigit() or int(value) < 1:
-            parser.error(f"--{name} needs a positive number, got {value!r}")
+        if not (str(value).isascii() and str(value).isdigit()) or int(value) < 1:
+            parser.exit(
+                2, f"mtcore plan: error: --{name} needs a whole number >= 1, got {value!r}\n"
+            )
         setattr(ns, name, int(value))
-    if ns.dp_overlap not in ("mtcore", "none", "full"):
-        parser.error(f"--dp-overlap must be mtcore, none or full, not {ns.dp_overlap!r}")
     return ns
 
 
+def options_from(args: argparse.Namespace):
+    """The planner ``Options`` the command line asks for (``OptionsError`` or
+    ``LayoutStringError`` naming a bad value)."""
+    from mtcore.plan import Options
+    from mtcore.plan.layouts import option_value
+
+    fields = {"dp_overlap": args.dp_overlap, "cross_node": args.cross_node}
+    fields["grad_reduce_dtype"] = args.grad_reduce_dtype
+    fields["overlapped"] = option_value("overlap", args.comm_overlap)
+    if args.zero is not None:
+        fields["zero"] = option_value("zero", args.zero)
+    if args.flash_attention is not None:
+        fields["fused_attention"] = option_value("flash", args.flash_attention)
+    return Options(**fields)
+
+
 def run(args: argparse.Namespace) -> int:
-    from mtcore.plan import HardwareError, NotModelled, Options, plan
-    from mtcore.plan.layouts import LayoutStringError, layout_overrides
+    from dataclasses import replace
+
+    from mtcore.plan import HardwareError, NotModelled, plan
+    from mtcore.plan.layouts import LayoutStringError, parse_layout
+    from mtcore.plan.options import OptionsError
     from mtcore.plan.render import describe, side_by_side, size
     from mtcore.plan.search import search
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config
 
-    options = Options(dp_overlap=args.dp_overlap)
     try:
+        options = options_from(args)
         hardware, fill = _hardware(args.hardware, args.backend)
         if fill is not None:  # on stderr under --json: stdout stays one JSON document
             print(fill.summary(), file=sys.stderr if args.json else sys.stdout)
@@ -137,11 +201,12 @@ def run(args: argparse.Namespace) -> int:
             for item in args.compare:
                 is_file = item.endswith((".yaml", ".yml", ".toml"))
                 path = item if is_file else args.config
-                extra = [] if is_file else layout_overrides(item)
+                extra, updates = ([], {}) if is_file else parse_layout(item)
                 config = load_config(path, [*args.overrides, *extra])
                 names.append(item)
+                column = replace(options, **updates)
                 try:
-                    plans.append(plan(config, args.gpus, hardware, options))
+                    plans.append(plan(config, args.gpus, hardware, column))
                 except NotModelled:
                     raise
                 except ValueError as e:  # the trainer's refusal, in its words
@@ -176,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             return 0
         result = plan(config, args.gpus, hardware, options)
-    except (ConfigError, HardwareError, NotModelled, LayoutStringError) as e:
+    except (ConfigError, HardwareError, NotModelled, LayoutStringError, OptionsError) as e:
         print(f"mtcore plan: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # LayoutError / SplitError: the message `mtcore train` prints
@@ -196,7 +261,7 @@ def _hardware(name: str | None, backend: str | None):
     """(the hardware description, the ``BackendFill`` or None): ``name`` loaded, with
     what ``backend`` knows filled in when one is named."""
     from mtcore.plan import HardwareError, load_hardware
-    from mtcore.plan.hardware import NOT_FROM_BACKEND, builtin_names, fill_from_backend
+    from mtcore.plan.hardware import NOT_FROM_BACKEND, describe_names, fill_from_backend
 
     if backend is None:
         return load_hardware(name or DEFAULT_HARDWARE), None
@@ -204,7 +269,7 @@ def _hardware(name: str | None, backend: str | None):
         raise HardwareError(
             f"--backend {backend} gives the device name, memory and peaks, but no backend "
             f"knows {', '.join(NOT_FROM_BACKEND)}: name a description for them with "
-            f"--hardware NAME|FILE (shipped: {', '.join(builtin_names())})"
+            f"--hardware NAME|FILE (shipped: {describe_names()})"
         )
     hardware, built = load_hardware(name), _build_backend(backend)
     try:

@@ -70,6 +70,7 @@ from mtcore.backend import (
     DeviceModuleSpec,
     TorchModuleDevice,
     fp8_fallback_everywhere,
+    gloo_capabilities,
     hookimpl,
 )
 
@@ -90,6 +91,10 @@ DEVICE_MODULE = DeviceModuleSpec(
     # TODO: the variable that restricts visible devices; its value is shown when no
     # device is visible.
     visible_devices_env=None,
+    # TODO: glob patterns of files your driver creates (device nodes such as
+    # "/dev/myaccel*"): when one exists but the backend cannot run, automatic selection
+    # warns as it falls back to the CPU; with none it passes the backend over quietly.
+    device_files=(),
     # TODO: the (major, minor) capability from which bfloat16 is native.
     bf16_min_capability=(0, 0),
     # TODO: (device name, capability) -> {"bfloat16": TFLOP/s, ...}, dense figures
@@ -164,22 +169,25 @@ class ${class_prefix}Device(TorchModuleDevice):
         return Device.capabilities(self)
 
 
+def collective_capabilities() -> CollectiveCapabilities:
+    if C10D_BACKEND == "gloo":  # the skeleton's stand-in: what gloo does on this torch
+        return gloo_capabilities()
+    return CollectiveCapabilities(
+        # TODO: the FP8 dtypes travel as bytes and reduce in float32 unless
+        # your library carries them: drop them per op only once it does.
+        fallback_dtypes=fp8_fallback_everywhere(),
+        # Does the library implement ReduceOp.AVG? False: sum, then divide.
+        avg_supported=True,
+    )
+
+
 @hookimpl
 def mtcore_backends():
     return [
         BackendSpec(
             name=BACKEND,
             device=${class_prefix}Device(DEVICE_MODULE),
-            collective=Collective(
-                C10D_BACKEND,
-                CollectiveCapabilities(
-                    # TODO: the FP8 dtypes travel as bytes and reduce in float32 unless
-                    # your library carries them: drop them per op only once it does.
-                    fallback_dtypes=fp8_fallback_everywhere(),
-                    # Does the library implement ReduceOp.AVG? False: sum, then divide.
-                    avg_supported=True,
-                ),
-            ),
+            collective=Collective(C10D_BACKEND, collective_capabilities()),
             # TODO: the granularity pairs torch._scaled_mm runs natively on your
             # device, e.g. FP8(native_granularities=frozenset({("tensor", "tensor")}));
             # FP8() declares none, so every scaled matmul dequantizes first.
@@ -315,7 +323,8 @@ Each place is marked `TODO` in the code.
 
 1. **The device** (`plugin.py`, `DEVICE_MODULE`): `import_name`, the module that
    registers the device type `${device_type}` with torch (your torch extension);
-   `visible_devices_env`; `bf16_min_capability`; `peak_tflops`, dense figures
+   `visible_devices_env`; `device_files`, your driver's device nodes;
+   `bf16_min_capability`; `peak_tflops`, dense figures
    from the data sheet only.
 2. **The device's gaps** (`${class_prefix}Device`): where your device module lacks a
    function of torch's accelerator modules (memory statistics, RNG state, device
@@ -324,9 +333,10 @@ Each place is marked `TODO` in the code.
 3. **The collective**: `C10D_BACKEND` is the name your collective library
    registers with `torch.distributed.Backend.register_backend`, in the module
    `import_name` imports (every rank selects the backend, and so imports it,
-   before it creates a process group). Keep the FP8 dtypes in `fallback_dtypes`
-   until the library carries them, and set `avg_supported` to whether it
-   implements `ReduceOp.AVG`.
+   before it creates a process group). In `collective_capabilities`, keep the FP8
+   dtypes in `fallback_dtypes` until the library carries them, and set
+   `avg_supported` to whether it implements `ReduceOp.AVG` (while `C10D_BACKEND` is
+   `gloo`, the skeleton uses gloo's own capabilities on the installed torch).
 4. **FP8**: declare natively only the granularity pairs `torch._scaled_mm` runs on
    your device; `FP8()` declares none (every scaled matmul dequantizes first).
 5. **Kernels** (`kernels.py`): `swiglu` is a stand-in written with torch ops.

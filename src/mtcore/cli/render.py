@@ -30,6 +30,9 @@ def doctor_text(data: dict, verbose: bool = False) -> str:
     out += _plugins(data, verbose)
     out += _families(data)
     out += _backends(data, verbose)
+    if data.get("rendezvous") is not None:
+        out += _rendezvous(data["rendezvous"])
+    out += _self_checks(data.get("self_checks", []))
     for backend in data["backends"]:
         if backend["details"] is not None:
             out += _details(backend)
@@ -165,6 +168,28 @@ def _capabilities(c: dict) -> list[str]:
     ]
 
 
+def _self_checks(checks: list[dict]) -> list[str]:
+    """The last self-check `mtcore train` ran per backend and dtype on this machine."""
+    lines = ["self-checks by mtcore train here (training.self_check; newest first):"]
+    if not checks:
+        return [*lines, "  none yet: the first job on a backend runs one before step 1", ""]
+    for c in checks:
+        state = "passed" if not c["failures"] else f"FAILED: {'; '.join(c['failures'])}"
+        lines.append(
+            f"  {c['backend']} {c['dtype']} at {c['when']}: {len(c['checked'])} kernel(s), {state}"
+        )
+    return [*lines, ""]
+
+
+def _rendezvous(r: dict) -> list[str]:
+    lines = [f"multi-node: this node {r['hostname']}, rendezvous {r['endpoint']} ({r['source']})"]
+    lines.append(f"  route: {r['route']}")
+    lines.append(f"  rendezvous port: {r['listening']}")
+    lines += [f"  ranks: {binding}" for binding in r["binds"]]
+    lines += [f"  PROBLEM: {problem}" for problem in r["problems"]]
+    return [*lines, ""]
+
+
 def _collective(c: dict) -> list[str]:
     avg = "native" if c["avg_native"] else "emulated (sum, then divide)"
     lines = [f"collective: c10d backend {c['c10d_backend']!r}; ReduceOp.AVG {avg}"]
@@ -172,6 +197,8 @@ def _collective(c: dict) -> list[str]:
         lines.append(
             f"  tensor-parallel groups of one host through shared memory: {c['shared_memory']}"
         )
+    for binding in c.get("between_nodes", []):
+        lines.append(f"  between nodes: {binding}")
     ops = c["ops"]
     labels = list(next(iter(ops.values()))) if ops else []
     width = max(len(op) for op in ops) if ops else 0
@@ -192,9 +219,16 @@ def _fp8(f: dict) -> list[str]:
     formats = ", ".join(f"{k} ({v})" for k, v in f["formats"].items())
     lines = [f"fp8: {state}; formats {formats}"]
     width = max(len(g) for g in f["granularities"])
-    lines += [f"  {g.ljust(width)}  {path}" for g, path in f["granularities"].items()]
+    why = f.get("why", {})
+    for g, path in f["granularities"].items():
+        text = f"{path}: {why[g]}" if g in why else path
+        lines += wrap(text, f"  {g.ljust(width)}  ", " " * (width + 4))
+    for source in f.get("path_sources", []):
+        lines += wrap(f"paths {source}", "  ", "    ")
     pairs = ", ".join(f"{a} x {b}" for a, b in f["native_pairs"]) or "none"
     lines.append(f"  native scaled-matmul pairs (a x b): {pairs}")
+    if "mixed_formats_native" in f and not f["mixed_formats_native"] and f["native_pairs"]:
+        lines.append("  e5m2 x e4m3 (hybrid's gradient GEMMs): fallback (matmul in higher precision)")
     for recipe, gemms in f.get("recipes", {}).items():  # precision.fp8_recipe
         by_path: dict[str, list[str]] = {}
         for gemm, path in gemms.items():

@@ -8,6 +8,7 @@ crash of the command.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import sys
@@ -25,6 +26,7 @@ from mtcore.backend import (
     KernelQuery,
     PluginRegistry,
     PluginWarning,
+    network,
     plugin_registry,
     select_backend,
 )
@@ -106,7 +108,8 @@ def family_facts() -> dict:
                 "source": "built-in" if name in BUILTIN_FAMILIES else "plugin",
                 "description": family.description,
                 "hf": list(family.hf.model_types) if family.hf is not None else [],
-                "generates": family.generate is not None,
+                "generates": family.capabilities.generates,
+                "capabilities": dataclasses.asdict(family.capabilities),
             }
         )
     return {"families": families, "error": None}
@@ -330,6 +333,7 @@ def collective_facts(backend: Backend) -> dict:
         "avg_native": collective.capabilities.avg_supported,
         "ops": ops,
         "shared_memory": shared_memory_facts(collective),
+        "between_nodes": [b.describe() for b in network.bindings(collective.interface_variables)],
     }
 
 
@@ -355,9 +359,14 @@ def fp8_facts(backend: Backend) -> dict:
         "reason": "" if availability else availability.reason,
         "formats": {name: dtype_name(dtype) for name, dtype in fp8.formats.items()},
         "granularities": fp8.describe(),
+        "why": fp8.why(),
+        "path_sources": fp8.path_sources(),
         "native_pairs": sorted([a, b] for a, b in fp8.native_granularities),
-        # The GEMMs of an FP8 linear under each recipe (precision.fp8_recipe).
+        # e5m2 x e4m3 operands (precision.fp8 hybrid's gradient GEMMs) on a native pair.
+        "mixed_formats_native": fp8.mixed_formats_native,
+        # The GEMMs of an FP8 linear under each recipe (precision.fp8_recipe), e4m3 and hybrid.
         "recipes": {s: FP8Recipe(scaling=s).paths(fp8) for s in SCALINGS},
+        "hybrid_recipes": {s: FP8Recipe(format="hybrid", scaling=s).paths(fp8) for s in SCALINGS},
     }
 
 

@@ -13,6 +13,7 @@ the framework's own ~350 MB (docs/plan.md, "Calibrating with `mtcore sweep`").
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 HELP = "train layouts for a few steps here and print measured vs predicted step time and memory"
@@ -25,7 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", nargs="+", metavar="LAYOUT", help="e.g. tp=2 pp=2 tp=2,pp=2")
     parser.add_argument("--nproc", metavar="N", default="4", help="local ranks (default 4)")
     parser.add_argument("--steps", metavar="S", default="4", help="steps per layout (default 4)")
-    parser.add_argument("--hardware", default="cpu-host", help="description to predict for")
+    parser.add_argument(
+        "--hardware",
+        default="cpu-host",
+        help="description to predict for: a name or alias as mtcore plan --help lists them, "
+        "or a .toml file (default cpu-host)",
+    )
     parser.epilog = "overrides: --section.key VALUE, as in mtcore train\n" + (parser.epilog or "")
     parser.parse_known_args = lambda args=None, namespace=None: (_parse(parser, args), [])
 
@@ -65,7 +71,7 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
         parser.error("--layouts needs one or more layouts (e.g. tp=2 pp=2)")
     for name in ("nproc", "steps"):
         value = getattr(ns, name)
-        if not str(value).isdigit() or int(value) < 1:
+        if not re.fullmatch(r"[0-9]+", str(value)) or int(value) < 1:  # not "²": isdigit's
             parser.error(f"--{name} needs a positive number, got {value!r}")
         setattr(ns, name, int(value))
     return ns
@@ -75,20 +81,23 @@ def run(args: argparse.Namespace) -> int:
     from mtcore.backend import BackendError
     from mtcore.plan import HardwareError, NotModelled, constants, load_hardware, plan
     from mtcore.plan.layouts import LayoutStringError, layout_overrides
-    from mtcore.plan.sweep import measure, options_here
+    from mtcore.plan.sweep import measure, options_here, shared_host
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config
 
     bad_input = (ConfigError, BackendError, HardwareError, NotModelled, LayoutStringError)
     try:
-        hardware = load_hardware(args.hardware)
+        hardware, shared = shared_host(load_hardware(args.hardware), args.nproc)
         predictions = []
         for layout in args.layouts:  # every layout is checked before any is trained
             config = load_config(args.config, [*args.overrides, *layout_overrides(layout)])
+            _check_data(config)
             predictions.append(plan(config, args.nproc, hardware, options_here(config)))
     except (*bad_input, ValueError) as e:
         print(f"mtcore sweep: error: {e}", file=sys.stderr)
         return 2
+    if shared:
+        print(shared)
     print(
         f"{'layout':24s} {'step s':>9s} {'planned':>9s} {'ratio':>6s} "
         f"{'peak MB':>9s} {'planned':>9s} {'ratio':>6s}",
@@ -113,3 +122,19 @@ def run(args: argparse.Namespace) -> int:
         f"hardware {hardware.name} ({hardware.path})"
     )
     return 1 if failed else 0
+
+
+def _check_data(config) -> None:
+    """ConfigError for a data path or tokenizer that is not there: said before any layout
+    trains, not as each layout's failed run."""
+    from pathlib import Path
+
+    from mtcore.training.config import ConfigError
+
+    data = config.data
+    for path in data.paths or []:
+        given = Path(str(path)).expanduser()
+        if not (given.exists() or given.with_name(given.name + ".idx").is_file()):  # or a prefix
+            raise ConfigError(f"data path does not exist: {given}")
+    if data.tokenizer is not None and not Path(data.tokenizer).expanduser().is_file():
+        raise ConfigError(f"data.tokenizer does not exist: {data.tokenizer}")

@@ -3,24 +3,25 @@
 CONFIG is a YAML or TOML file (an empty one trains the built-in defaults); each
 `--section.key VALUE` (or `--section.key=VALUE`) overrides one setting, for
 example `--parallel.tp 2 --training.steps 50`. Everything that can be checked
-is checked here, before any rank starts: unknown keys, the layout against N
-processes, the batch sizes, the data paths and the tokenizer's vocabulary.
-The data is prepared once here (tokenizer, token index: cached), then N local
-ranks start through torch.distributed.run (the elastic launcher behind
-torchrun), each with OMP_NUM_THREADS=1 unless set. `--nproc 1` trains in this
-process. `--max-restarts N` has the agent restart all ranks, up to N times, when
-one dies; they resume from checkpoint.dir's latest commit. On a cluster, run
-`torchrun ... -m mtcore.train CONFIG` on every node (docs/training.md).
+is checked here, before any rank starts: unknown keys, the layout against the
+number of ranks (at every node count `--nnodes MIN:MAX` allows), the batch
+sizes, the data paths and the tokenizer's vocabulary. The data is prepared once
+here (tokenizer, token index: cached), then N local ranks start through
+torch.distributed.run (the elastic launcher behind torchrun), each with
+OMP_NUM_THREADS=1 unless set. `--nproc 1` trains in this process.
+`--max-restarts N` has the agent restart all ranks, up to N times, when one
+dies; they resume from checkpoint.dir's latest commit. On a cluster, run the
+same `mtcore train ... --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID` on
+every node (or `torchrun ... -m mtcore.train CONFIG`; docs/training.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import signal
 import sys
 import warnings
+
+from mtcore.cli.launch import DEFAULT_PORT, ENVIRONMENT, LaunchError, read_launch
 
 HELP = "train a model (any family: gpt, bert, ...) from a YAML/TOML config on local ranks"
 EPILOG = """\
@@ -39,14 +40,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config", nargs="?", help="YAML or TOML config file, e.g. configs/default.yaml"
     )
-    parser.add_argument("--nproc", type=int, default=1, metavar="N", help="local ranks (default 1)")
+    parser.add_argument(
+        "--nproc",
+        metavar="N",
+        help="ranks on this node (default 1; auto: one per accelerator, else per CPU core; "
+        "PET_NPROC_PER_NODE)",
+    )
     parser.add_argument(
         "--max-restarts",
-        type=int,
-        default=0,
         metavar="N",
         help="restart all ranks up to N times when one dies; they resume from "
-        "checkpoint.dir's latest commit (default 0)",
+        "checkpoint.dir's latest commit (default 0; PET_MAX_RESTARTS)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        metavar="N|MIN:MAX",
+        help="nodes in the job (default 1); MIN:MAX: elastic, the job goes on with fewer "
+        "nodes (dp shrinks) when one is lost (PET_NNODES)",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST[:PORT]",
+        help=f"the c10d rendezvous every node's agent joins (port {DEFAULT_PORT} by default; "
+        "PET_RDZV_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--rdzv-id", metavar="ID", help="the job's id, the same on every node (PET_RDZV_ID)"
+    )
+    parser.add_argument(
+        "--rdzv-backend",
+        metavar="NAME",
+        help="the rendezvous: c10d (default; hosted by the endpoint's node), etcd, etcd-v2 or "
+        "static (PET_RDZV_BACKEND)",
+    )
+    parser.add_argument(
+        "--rdzv-conf",
+        metavar="KEY=VALUE,...",
+        help="rendezvous settings, e.g. last_call_timeout=10,join_timeout=600 (PET_RDZV_CONF)",
     )
     parser.epilog = EPILOG + "\n" + (parser.epilog or "")
     # Overrides are free-form (--any.config.key VALUE), which argparse cannot declare;
@@ -57,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     argv = list(sys.argv[2:] if argv is None else argv)
     ns, _ = argparse.ArgumentParser.parse_known_args(parser, [])  # the defaults (and run=)
-    ns.overrides = []
+    ns.overrides, flags = [], {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -65,16 +95,11 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
             parser.print_help()
             parser.exit()
         name = arg.partition("=")[0]
-        if name in ("--nproc", "--max-restarts"):
-            value = (
-                arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            )
+        if name in ENVIRONMENT:
+            if "=" not in arg and i + 1 >= len(argv):
+                parser.error(f"{name} needs a value")
+            flags[name] = arg.partition("=")[2] if "=" in arg else argv[i + 1]
             i += 0 if "=" in arg else 1
-            least = 1 if name == "--nproc" else 0
-            if not value.isdigit() or int(value) < least:
-                kind = "a positive" if least else "a non-negative"
-                parser.error(f"{name} needs {kind} number, got {value!r}")
-            setattr(ns, name[2:].replace("-", "_"), int(value))
         elif arg.startswith("--"):
             ns.overrides.append(arg)
             if "=" not in arg and i + 1 < len(argv):
@@ -87,12 +112,17 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
                 f"unexpected argument {arg!r} (one CONFIG; overrides are --section.key VALUE)"
             )
         i += 1
+    try:
+        ns.launch = read_launch(flags)
+    except LaunchError as e:
+        parser.error(str(e))
     return ns
 
 
 def run(args: argparse.Namespace) -> int:
     from mtcore.backend import BackendError, PluginWarning, select_backend
     from mtcore.data.progress import report_to
+    from mtcore.plan.memory_fit import check_memory
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config, read_file
     from mtcore.training.trainer import prepare
@@ -108,28 +138,56 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = load_config(args.config, args.overrides)
-        if args.max_restarts and config.checkpoint.dir is None:
+        plan = args.launch
+        if plan.max_restarts and config.checkpoint.dir is None:
             raise ConfigError("--max-restarts needs a checkpoint.dir to resume from")
         if args.config and not read_file(args.config):  # an empty file: say what runs
             note = f"{args.config} holds no settings; training with the defaults"
             print(f"mtcore train: note: {note}", file=sys.stderr)
         with warnings.catch_warnings():  # the trainer's first lines say it, once
             warnings.simplefilter("ignore", PluginWarning)
-            select_backend(config.training.backend)
+            backend = select_backend(config.training.backend)
         report_to(sys.stderr)  # a first run tokenizes the corpus: show how far it is
         try:
-            prep = prepare(config, args.nproc)
+            prep = prepare(config, max(plan.world_sizes()))
         finally:
             report_to(None)
+        check_node_counts(config, prep.model, plan)
         check_checkpoint_model(config, prep.model)
+        # The fewest nodes an elastic job may run on hold the most per rank.
+        sized = config.model_copy(update={"model": prep.model})
+        check_memory(sized, min(plan.world_sizes()), plan.nproc, backend)
     except (ConfigError, BackendError) as e:
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 2
-    if args.nproc == 1 and not args.max_restarts:  # restarts need the elastic agent
+    if plan.in_process:  # restarts and other nodes need the elastic agent
         from mtcore.train import run_rank
 
         return run_rank(lambda: config)  # the same exit statuses and messages as a rank's
-    return launch(args.nproc, args.config, args.overrides, args.max_restarts)
+    from mtcore.cli.launch import launch
+
+    # A node cut off from the rest stops once its ranks would have (their collectives
+    # time out): its agent alone would wait on a dead connection for TCP's own limit.
+    return launch(plan, args.config, args.overrides, config.training.collective_timeout_s)
+
+
+def check_node_counts(config, model, plan) -> None:
+    """ConfigError unless the job can run at every world size ``plan`` allows (an elastic
+    job that loses a node continues with fewer ranks: dp shrinks, tp/pp/cp stay)."""
+    from mtcore.distributed import LayoutError
+    from mtcore.parallel.pipeline import SplitError
+    from mtcore.training.config import ConfigError
+
+    for world in plan.world_sizes()[:-1]:  # the largest was prepared already
+        try:
+            spec, _ = config.check(world)
+            model.check_layout(spec)
+        except (ConfigError, LayoutError, SplitError, ValueError) as e:
+            nodes = world // plan.nproc
+            fixed = " (leave parallel.dp unset so dp can shrink)" if config.parallel.dp else ""
+            raise ConfigError(
+                f"{plan.describe()}: the job cannot run on {nodes} node(s), {world} ranks{fixed}: {e}"
+            ) from None
 
 
 def check_checkpoint_model(config, model) -> None:
@@ -155,52 +213,3 @@ def check_checkpoint_model(config, model) -> None:
         check_model_matches(read_manifest(directory).get("model_config"), model, directory)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-
-
-def launch(nproc: int, config: str | None, overrides: list[str], max_restarts: int = 0) -> int:
-    """Start ``nproc`` local ranks of ``python -m mtcore.train`` through the elastic launcher;
-    when one dies, it restarts all of them up to ``max_restarts`` times (they resume)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as elastic_run
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
-    # The ranks' parent is this process (the elastic agent runs in it): each rank arms a
-    # parent-death signal and checks this pid, so no rank outlives a killed launcher.
-    os.environ["MTCORE_LAUNCHER_PID"] = str(os.getpid())
-    argv = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
-    argv += ["-m", "mtcore.train"]
-    if max_restarts:
-        # The agent's shared store outlives a restart, and restarted gloo ranks would read
-        # the dead ranks' addresses from it: a fresh store for every round instead.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    argv += ([config] if config else []) + list(overrides)
-    # The agent logs a failed rank, a signal, each rank it stops; one line says it instead
-    # (the rank's own, or the one below). Only the agent logs in this process.
-    quiet = logging.root.manager.disable
-    logging.disable(logging.ERROR)
-    try:
-        elastic_run(get_args_parser().parse_args(argv))
-    except ChildFailedError as e:
-        return _failed(e.failures)
-    except SignalException as e:  # Ctrl-C (or a kill) of the launcher: the ranks got it too
-        if e.sigval == signal.SIGINT:
-            print("mtcore train: interrupted", file=sys.stderr)
-            return 128 + signal.SIGINT
-        print(f"mtcore train: stopped by {e.sigval.name}", file=sys.stderr)
-        return 128 + e.sigval
-    finally:
-        logging.disable(quiet)
-    return 0
-
-
-def _failed(failures: dict) -> int:
-    """The exit status for ranks that failed: 2 when they stopped on bad input (exit 2,
-    its line printed by the rank; the others only stopped by the agent), else 1 and a line."""
-    codes = {rank: failure.exitcode for rank, failure in sorted(failures.items())}
-    if 2 in codes.values() and all(code == 2 or code < 0 for code in codes.values()):
-        return 2
-    failed = ", ".join(f"rank {rank} (exit {code})" for rank, code in codes.items())
-    print(f"mtcore train: error: {failed} failed; the rank's message is above", file=sys.stderr)
-    return 1

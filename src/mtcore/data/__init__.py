@@ -1,14 +1,16 @@
-"""Training data: tokenizer, memory-mapped token index, packed samples, blending, loader.
+"""Training data that every family shares: tokenizer, memory-mapped token index, packed
+samples, blending, samplers, loaders, and ``mtcore data prepare``.
 
-The trainer needs two calls::
+A next-token language model needs two calls::
 
     tok, train, valid = build_datasets(DataConfig(seq_len=model.seq_len))
-    loader = TokenLoader(train, micro_batch_size=4, global_batch_size=32,
-                         dp_rank=dp_rank, dp_size=dp_size, seed=config.seed)
-    tokens, targets = next(loader)          # int64 [micro_batch_size, seq_len] each
+    loader = LMLoader(train, micro_batch_size=4, global_batch_size=32,
+                      dp_rank=dp_rank, dp_size=dp_size, seed=config.seed)
+    batch = next(loader)                    # {"tokens", "labels"}: int64 [micro_batch, seq_len]
     state = loader.state_dict()             # into the checkpoint; load_state_dict() to resume
 
-BERT jobs use ``build_pair_data`` and ``PairLoader`` instead (see ``pairs.py``).
+What one family alone reads lives in its folder (``models/<family>/data.py``: BERT's
+sentence pairs, T5's span corruption, LLaVA's images and records), built from these.
 
 Everything expensive (tokenizer training, tokenization) happens once and is
 cached on disk, keyed by its inputs; later starts only map files. Size the model's
@@ -26,49 +28,30 @@ from mtcore.data.cache import DataError
 from mtcore.data.config import DataConfig, default_cache_dir
 from mtcore.data.corpus import DEFAULT_CORPUS_BYTES
 from mtcore.data.indexed import IndexedDataset
-from mtcore.data.loader import EpochSampler, TokenLoader, check_batch_sizes
-from mtcore.data.pair_loader import PairLoader, mask_sequence
-from mtcore.data.pairs import (
-    BERT_SPECIAL_TOKENS,
-    PAIR_TASKS,
-    PairBlend,
-    PairData,
-    PairDataset,
-    PairSample,
-    PairVocab,
-    build_pair_data,
-)
+from mtcore.data.loader import EpochSampler, LMLoader, TokenLoader, check_batch_sizes, lm_batches
 from mtcore.data.samples import SequenceDataset
 from mtcore.data.splits import config_sources, train_and_valid
 from mtcore.data.tokenizer import EOD_TOKEN, Tokenizer, get_tokenizer, load_tokenizer
 
 __all__ = [
-    "BERT_SPECIAL_TOKENS",
     "DEFAULT_CORPUS_BYTES",
     "EOD_TOKEN",
-    "PAIR_TASKS",
     "BlendedDataset",
     "DataConfig",
     "DataError",
     "Datasets",
     "EpochSampler",
     "IndexedDataset",
-    "PairBlend",
-    "PairData",
-    "PairDataset",
-    "PairLoader",
-    "PairSample",
-    "PairVocab",
+    "LMLoader",
     "SequenceDataset",
     "TokenLoader",
     "Tokenizer",
     "blending_indices",
     "build_datasets",
-    "build_pair_data",
     "check_batch_sizes",
     "default_cache_dir",
+    "lm_batches",
     "load_tokenizer",
-    "mask_sequence",
 ]
 
 log = logging.getLogger(__name__)

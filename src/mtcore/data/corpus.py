@@ -174,16 +174,44 @@ def iter_documents(
 
             yield from table_documents(path, text_key)
         else:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            text = _utf8(read_bytes(path), path)
             if path.suffix == ".txt":
                 yield from split_text(text, txt_separator)
             elif text:
                 yield text
 
 
+def read_bytes(path: Path) -> bytes:
+    """``path``'s bytes, or a DataError naming it (unreadable: permissions, a directory,
+    an I/O error)."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _utf8(data: bytes, path: Path, first_line: int = 1) -> str:
+    """``data`` decoded, or a DataError naming the file, the line and the byte: a corpus is
+    UTF-8, and text replaced by U+FFFD would train silently on garbage."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data[: e.start].count(b"\n")
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(
+            f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at column {column}); "
+            "convert the file, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
 def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (closed below; an open failure is named)
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8(raw, path, lineno)
             if not line.strip():
                 continue
             try:

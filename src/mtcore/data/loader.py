@@ -19,12 +19,39 @@ when a job resumes with a different data-parallel size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from mtcore.data.cache import DataError
+
+
+@dataclass(frozen=True)
+class SampleGroup:
+    """The ranks that read the same samples: one model replica (its tp x pp ranks).
+    ``any(flags)``: a bool tensor, True where any of them holds True (a collective: every
+    member calls it at the same point); ``speaks``: this rank reports what they found.
+    A loader that reads files as it draws samples uses it so that all of them drop the
+    same samples when a file changes under the job."""
+
+    any: Callable[[torch.Tensor], torch.Tensor]
+    speaks: bool
+
+
+ALONE = SampleGroup(lambda flags: flags, True)
+"""The group of one rank."""
+
+
+class SamplesLost(DataError):
+    """Training cannot go on: too many samples became unreadable under the job.
+    ``said``: this rank is the one of its ``SampleGroup`` that reports it."""
+
+    def __init__(self, message: str, said: bool):
+        super().__init__(message)
+        self.said = said
 
 
 class EpochSampler:
@@ -151,3 +178,30 @@ class TokenLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
+
+
+class LMLoader:
+    """Packed next-token micro-batches ``{"tokens", "labels"}`` from a ``TokenLoader``: what
+    any next-token language model family reads (GPT's, the example family's)."""
+
+    def __init__(self, dataset, **kwargs):
+        self.tokens = TokenLoader(dataset, **kwargs)
+
+    def __iter__(self) -> LMLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        tokens, labels = next(self.tokens)
+        return {"tokens": tokens, "labels": labels}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.tokens.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tokens.load_state_dict(state)
+
+
+def lm_batches(tokens, labels) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches ``{"tokens", "labels"}`` from matching lists of tensors (for tests and
+    benchmarks that build their own token batches)."""
+    return [{"tokens": x, "labels": y} for x, y in zip(tokens, labels, strict=True)]

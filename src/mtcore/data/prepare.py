@@ -100,10 +100,15 @@ def prepare_data(
             for i, path in enumerate(files):
                 part = parts / f"part-{i:06d}"
                 if _with(part, ".idx").is_file():  # finished by an earlier, interrupted run
-                    offsets, _ = _part_index(part)
-                    progress.update(len(offsets) - 1, int(offsets[-1]), _size([path]))
-                    reused += 1
-                    continue
+                    damage = _damage(part, tok)
+                    if damage is None:
+                        offsets, _ = _part_index(part)
+                        progress.update(len(offsets) - 1, int(offsets[-1]), _size([path]))
+                        reused += 1
+                        continue
+                    say(f"{part}: {damage}; tokenizing {path} again")
+                    for suffix in (".idx", ".bin"):
+                        _with(part, suffix).unlink(missing_ok=True)
                 _tokenize_file(path, part, tok, encode, text_key, txt_separator, progress)
         if reused:
             say(f"{prefix}: resumed; {reused} of {len(files)} input file(s) were already done")
@@ -168,6 +173,23 @@ def _part_index(part: Path) -> tuple[np.ndarray, int]:
     if len(offsets) != count + 1:
         raise DataError(f"{idx}: truncated; delete {part.parent}")
     return offsets, max_id
+
+
+def _damage(part: Path, tok: Tokenizer) -> str | None:
+    """What is wrong with a part an earlier run finished (None: it can be reused): its
+    index unreadable, or its tokens not the size the index says (a disk that lost them)."""
+    try:
+        offsets, _ = _part_index(part)
+    except (DataError, OSError) as e:
+        return f"damaged ({e})"
+    expected = int(offsets[-1]) * np.dtype(token_dtype(tok.vocab_size)).itemsize
+    try:
+        size = _with(part, ".bin").stat().st_size
+    except OSError:
+        return "its tokens are missing"
+    if size != expected:
+        return f"its tokens hold {size} bytes, its index says {expected}"
+    return None
 
 
 def _join(parts: list[Path], prefix: Path, tok: Tokenizer) -> IndexedDataset:

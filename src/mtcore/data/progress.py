@@ -52,13 +52,17 @@ class Progress:
             self._write(self.line(), final=False)
 
     def line(self) -> str:
+        """``task: 42.0% | documents, tokens | MB/s, tokens/s | elapsed, ETA``."""
         s = max(self.seconds, 1e-9)
-        done = ""
+        done = eta = ""
         if self.total_bytes:
             done = f"{min(100.0, 100 * self.bytes / self.total_bytes):5.1f}% | "
+            left = max(self.total_bytes - self.bytes, 0)
+            eta = f", ETA {_duration(left * s / self.bytes)}" if self.bytes else ", ETA ?"
         return (
             f"{self.task}: {done}{self.docs:,} documents, {self.tokens:,} tokens | "
-            f"{self.bytes / s / 1e6:.1f} MB/s | {s:.0f} s"
+            f"{self.bytes / s / 1e6:.1f} MB/s, {self.tokens / s:,.0f} tokens/s | "
+            f"{_duration(s)}{eta}"
         )
 
     def summary(self) -> str:
@@ -79,6 +83,16 @@ class Progress:
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3m05s`` or ``2h07m``."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def say(text: str) -> None:

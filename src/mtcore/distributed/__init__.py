@@ -1,5 +1,5 @@
 """Parallel layout and process groups, built on the collective interface."""
 
-from mtcore.distributed.layout import LayoutError, LayoutSpec, ParallelLayout
+from mtcore.distributed.layout import Axis, GroupView, LayoutError, LayoutSpec, ParallelLayout
 
-__all__ = ["LayoutError", "LayoutSpec", "ParallelLayout"]
+__all__ = ["Axis", "GroupView", "LayoutError", "LayoutSpec", "ParallelLayout"]

@@ -14,6 +14,7 @@ and the ranks holding the same experts form the expert-data-parallel group.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import types
 import typing
@@ -23,7 +24,25 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-AXES = ("tp", "cp", "dp", "pp")
+
+class Axis(str, enum.Enum):
+    """The process groups of a layout, one name each (a member equals its string)."""
+
+    TP = "tp"  # tensor parallel
+    CP = "cp"  # context parallel
+    DP = "dp"  # data parallel
+    PP = "pp"  # pipeline parallel
+    DP_CP = "dp_cp"  # the data replicas: dp x cp ranks hold the same weights
+    EP = "ep"  # expert parallel: consecutive ranks of one dp_cp block
+    EDP = "edp"  # expert data parallel: the ranks that hold the same experts
+    MP = "mp"  # model parallel: tp x pp, one model replica
+    EMBED = "embed"  # the first and last pipeline stage (a tied embedding's two halves)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AXES = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)  # the rank order's axes, tp fastest
 
 
 class LayoutError(ValueError):
@@ -71,11 +90,31 @@ class LayoutSpec(BaseModel):
         "head sharding (Ulysses)",
     )
 
+    first_stage_layers: int | None = Field(
+        None,
+        ge=0,
+        description="layers on the first pipeline rank (Megatron's "
+        "--decoder-first-pipeline-num-layers); None: an even share",
+    )
+    last_stage_layers: int | None = Field(
+        None,
+        ge=0,
+        description="layers on the last pipeline rank (Megatron's "
+        "--decoder-last-pipeline-num-layers); None: an even share",
+    )
+
     @model_validator(mode="after")
     def _sp_needs_tp(self) -> LayoutSpec:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1 (it shards activations over tp)")
+        if self.pp == 1 and self.uneven:
+            raise ValueError("first_stage_layers / last_stage_layers need pp > 1")
         return self
+
+    @property
+    def uneven(self) -> bool:
+        """The first or last pipeline rank holds its own number of layers."""
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
 
     def resolve(self, world_size: int) -> LayoutSpec:
         """A copy with ``dp`` filled in and every product checked against ``world_size``."""
@@ -136,6 +175,21 @@ class LayoutSpec(BaseModel):
                     )
 
 
+@dataclass(frozen=True)
+class GroupView:
+    """One group of this rank: the process group (None in a single process), its
+    members and this rank's index among them."""
+
+    axis: Axis
+    group: object
+    ranks: tuple[int, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
 @dataclass
 class ParallelLayout:
     """A resolved layout for one rank, with its groups.
@@ -151,29 +205,29 @@ class ParallelLayout:
     spec: LayoutSpec
     rank: int
     world_size: int
-    groups: dict[str, object] = field(default_factory=dict)
-    ranks_of: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    groups: dict[Axis, object] = field(default_factory=dict)
+    ranks_of: dict[Axis, tuple[int, ...]] = field(default_factory=dict)
 
     # -- construction --------------------------------------------------------------
     @classmethod
     def single(cls, spec: LayoutSpec | None = None) -> ParallelLayout:
         spec = (spec or LayoutSpec()).resolve(1)
-        return cls(spec, 0, 1, {}, {name: (0,) for name in _GROUP_NAMES})
+        return cls(spec, 0, 1, {}, {axis: (0,) for axis in Axis if axis is not Axis.EMBED})
 
     @classmethod
     def build(cls, spec: LayoutSpec, collective, rank: int, world_size: int) -> ParallelLayout:
         """Create every group. All ranks must call this with the same spec."""
         spec = spec.resolve(world_size)
         layout = cls(spec, rank, world_size)
-        for name, members in _all_groups(spec):
+        for axis, members in _all_groups(spec):
             group = (
-                collective.new_group(members, latency_bound=name == "tp")
+                collective.new_group(members, latency_bound=axis is Axis.TP)
                 if world_size > 1
                 else None
             )
             if rank in members:
-                layout.groups[name] = group
-                layout.ranks_of[name] = tuple(members)
+                layout.groups[axis] = group
+                layout.ranks_of[axis] = tuple(members)
         return layout
 
     # -- sizes and coordinates -----------------------------------------------------
@@ -197,21 +251,43 @@ class ParallelLayout:
     def ep(self) -> int:
         return self.spec.ep
 
-    def coordinate(self, axis: str) -> int:
-        """This rank's index along ``axis`` (tp, cp, dp, pp, ep, edp)."""
-        return self.ranks_of[axis].index(self.rank)
+    def coordinate(self, axis: Axis) -> int:
+        """This rank's index along ``axis``."""
+        return self.ranks_of[Axis(axis)].index(self.rank)
 
     @property
     def tp_rank(self) -> int:
-        return self.coordinate("tp")
+        return self.coordinate(Axis.TP)
 
     @property
     def dp_rank(self) -> int:
-        return self.coordinate("dp")
+        return self.coordinate(Axis.DP)
 
     @property
     def pp_rank(self) -> int:
-        return self.coordinate("pp")
+        return self.coordinate(Axis.PP)
+
+    def along(self, axis: Axis) -> GroupView:
+        """This rank's group of kind ``axis``: process group, members, index."""
+        return GroupView(
+            Axis(axis), self.group(axis), self.ranks_of[Axis(axis)], self.coordinate(axis)
+        )
+
+    @property
+    def dp_cp(self) -> GroupView:
+        """The data replicas (dp x cp): gradients, loss counts and FP8 histories are
+        reduced over them."""
+        return self.along(Axis.DP_CP)
+
+    @property
+    def edp(self) -> GroupView:
+        """The ranks that hold the same experts (expert gradients are reduced over them)."""
+        return self.along(Axis.EDP)
+
+    @property
+    def mp(self) -> GroupView:
+        """One model replica: the tp x pp ranks (a gradient norm is summed over them)."""
+        return self.along(Axis.MP)
 
     @property
     def is_first_stage(self) -> bool:
@@ -221,19 +297,17 @@ class ParallelLayout:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    def group(self, name: str):
-        """The process group ``name``: tp, cp, dp, pp, dp_cp, ep, edp, mp (tp x pp), and
-        embed (first + last pipeline stage; only on those stages, only when pp > 1)."""
-        if name not in self.ranks_of:
+    def group(self, axis: Axis):
+        """The process group of kind ``axis`` (``Axis.EMBED`` only on the first and last
+        pipeline stage, only when pp > 1)."""
+        axis = Axis(axis)
+        if axis not in self.ranks_of:
             # Returning None here would let a caller reduce over the whole world by mistake.
-            raise KeyError(f"rank {self.rank} belongs to no {name!r} group in this layout")
-        return self.groups.get(name)
+            raise KeyError(f"rank {self.rank} belongs to no {axis.value!r} group in this layout")
+        return self.groups.get(axis)
 
-    def size(self, name: str) -> int:
-        return len(self.ranks_of[name])
-
-
-_GROUP_NAMES = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp", "mp")
+    def size(self, axis: Axis) -> int:
+        return len(self.ranks_of[Axis(axis)])
 
 
 def _rank(spec: LayoutSpec, tp: int, cp: int, dp: int, pp: int) -> int:
@@ -243,21 +317,23 @@ def _rank(spec: LayoutSpec, tp: int, cp: int, dp: int, pp: int) -> int:
 def _all_groups(spec: LayoutSpec):
     """Every group of every kind, in one fixed order (all ranks create all groups)."""
     t, c, d, p = spec.tp, spec.cp, spec.dp, spec.pp
-    sizes = {"tp": t, "cp": c, "dp": d, "pp": p}
+    sizes = {Axis.TP: t, Axis.CP: c, Axis.DP: d, Axis.PP: p}
     for axis in AXES:
         others = [a for a in AXES if a != axis]
         for fixed in itertools.product(*(range(sizes[a]) for a in others)):
-            coords = dict(zip(others, fixed, strict=True))
-            yield axis, [_rank(spec, **{**coords, axis: i}) for i in range(sizes[axis])]
+            coords = {a.value: i for a, i in zip(others, fixed, strict=True)}
+            yield axis, [_rank(spec, **{**coords, axis.value: i}) for i in range(sizes[axis])]
     for tp_i, pp_i in itertools.product(range(t), range(p)):
         block = [_rank(spec, tp_i, cp_i, dp_i, pp_i) for dp_i in range(d) for cp_i in range(c)]
-        yield "dp_cp", block
+        yield Axis.DP_CP, block
         for start in range(0, len(block), spec.ep):
-            yield "ep", block[start : start + spec.ep]
+            yield Axis.EP, block[start : start + spec.ep]
         for offset in range(spec.ep):
-            yield "edp", block[offset :: spec.ep]
+            yield Axis.EDP, block[offset :: spec.ep]
     for cp_i, dp_i in itertools.product(range(c), range(d)):
-        yield "mp", [_rank(spec, tp_i, cp_i, dp_i, pp_i) for pp_i in range(p) for tp_i in range(t)]
+        members = [_rank(spec, tp_i, cp_i, dp_i, pp_i) for pp_i in range(p) for tp_i in range(t)]
+        yield Axis.MP, members
     if p > 1:  # first and last stage of each pipeline: the two copies of a tied embedding
         for cp_i, dp_i, tp_i in itertools.product(range(c), range(d), range(t)):
-            yield "embed", [_rank(spec, tp_i, cp_i, dp_i, 0), _rank(spec, tp_i, cp_i, dp_i, p - 1)]
+            ends = [_rank(spec, tp_i, cp_i, dp_i, 0), _rank(spec, tp_i, cp_i, dp_i, p - 1)]
+            yield Axis.EMBED, ends

@@ -1,28 +1,33 @@
-"""Models: the family seam and its registry; one folder per family (``gpt``, ``bert``).
+"""Models: the family seam and its registry; one folder per family (``gpt``, ``bert``, ``t5``,
+``vlm``), and what the families share (``common``).
 
-The trainer, checkpoints and CLI use only what this package exports: a family is
-found by name (``get_family``) or from a config (``family_of``), and a model
-section is parsed into its family's config class by ``parse_model_config``.
+The trainer, checkpoints, planner and CLI use only what this package exports: a
+family is found by name (``get_family``) or from a config (``family_of``), and a
+model section is parsed into its family's config class by ``parse_model_config``.
 Concrete models are imported from their family's folder (``mtcore.models.gpt``).
 """
 
 from mtcore.models.family import (
     Batch,
     BuiltModel,
+    Capabilities,
     FamilyConfig,
     FamilyData,
+    FamilyError,
     HFAdapter,
     Loader,
+    MegatronAdapter,
     MessageSpecs,
     ModelFamily,
+    PipelineStage,
     TensorSpec,
+    check_family,
 )
 from mtcore.models.registry import (
     BUILTIN as BUILTIN_FAMILIES,
 )
 from mtcore.models.registry import (
     DEFAULT_FAMILY,
-    FamilyError,
     families_by_plugin,
     family_names,
     family_of,
@@ -30,20 +35,27 @@ from mtcore.models.registry import (
     parse_model_config,
     reset_plugin_families,
 )
+from mtcore.models.shape import ModelShape, NotModelled
 
 __all__ = [
     "BUILTIN_FAMILIES",
     "DEFAULT_FAMILY",
     "Batch",
     "BuiltModel",
+    "Capabilities",
     "FamilyConfig",
     "FamilyData",
     "FamilyError",
     "HFAdapter",
     "Loader",
+    "MegatronAdapter",
     "MessageSpecs",
     "ModelFamily",
+    "ModelShape",
+    "NotModelled",
+    "PipelineStage",
     "TensorSpec",
+    "check_family",
     "families_by_plugin",
     "family_names",
     "family_of",

@@ -1,52 +1,44 @@
-"""The model-family seam: what a family supplies, and what the engine and trainer consume.
+"""The model-family seam: the contracts a family implements, and what the engine consumes.
 
-The engine, trainer, metrics, checkpoints, HF conversion, ``mtcore generate`` and
-``mtcore doctor`` know a model only through its ``ModelFamily``; none of them
-imports a concrete model. A family is a frozen record of a config class and a few
-functions (torchtitan's ``ModelSpec`` is the idea)::
+The engine, trainer, metrics, checkpoints, HF conversion, the planner, ``mtcore
+generate`` and ``mtcore doctor`` know a model only through its ``ModelFamily``; none
+of them imports a concrete model (torchtitan's ``ModelSpec`` is the idea)::
 
     family = family_of(config)                        # config.family selects it
-    built = family.build(config, layout, backend, seed, fp8)   # this rank's chunks
+    built = family.build(config, layout, backend, seed, fp8)   # this rank's chunks, checked
     specs = family.messages(config, layout, micro_batch_size, dtype)
     counts = family.loss_counts(config, batch)        # before the step, from the batch
 
-The chunk contract (each element of ``built.chunks``, an ``nn.Module``):
+Three contracts, each checked where it is met, with a one-line ``FamilyError`` that
+names the family and the member:
 
-``chunk.first`` / ``chunk.last``
-    whether it is virtual stage 0 / the last virtual stage.
-``chunk.tp``
-    its tensor-parallel group (``mtcore.parallel.tensor.TPGroup``): the engine
-    unshards the chunk's weights over it (``full_state_dict``).
-``chunk.stage(inputs, batch) -> outputs``
-    ``inputs``: the named tensors received from the previous stage (``{}`` on
-    stage 0); ``batch``: the whole micro-batch (every stage may read its side
-    inputs, e.g. a padding mask). It returns the named tensors for the next stage,
-    exactly ``specs(boundary)`` in shape and dtype, or, on the last stage, the head
-    outputs that ``loss`` takes.
-``chunk.loss(outputs, batch) -> {term: (sum, count)}``
-    last stage only. Each term is a sum over its elements and their number (the
-    count equals ``loss_counts(config, batch)[term]``). The training loss is the sum
-    over terms of ``global sum / global count``: token-weighted over micro-batches,
-    dp and cp, so it equals one process whatever the split.
-``chunk.metrics(outputs, batch) -> {name: (sum, count)}``
-    last stage only, evaluation: e.g. accuracies. May return ``{}``.
-``chunk.tied_copies()``
-    its halves of parameters tied across pipeline stages (their gradients are summed).
-``chunk.own_parameter_names()``
-    the parameters that belong in a checkpoint (not the tied copies, whose names
-    ``ModelFamily.checkpoint_aliases`` maps to the twin they load from).
+``FamilyConfig``
+    the ``model`` section of one family (abstract: ``check_layout``, ``num_params``,
+    ``flops_per_step``).
+``ModelFamily``
+    the family itself (abstract: ``build_chunks``, ``one_process``, ``messages``,
+    ``loss_counts``, ``data``), with what varies by family declared as data
+    (``capabilities``); checked when the registry hands it out (``check_family``).
+``PipelineStage``
+    each chunk ``build`` returns; checked on every ``build``.
 """
 
 from __future__ import annotations
 
+import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor, nn
 
 from mtcore.distributed.layout import reject_bool_numbers
+from mtcore.models.shape import ModelShape, NotModelled
+from mtcore.parallel.moe import MoESpec
 from mtcore.parallel.pipeline import TensorSpec
 
 Batch = dict[str, Tensor]
@@ -58,11 +50,20 @@ MessageSpecs = Callable[[int], dict[str, TensorSpec]]
 ``boundary + 1`` (known before the step; it may differ from boundary to boundary)."""
 
 
+class FamilyError(ValueError):
+    """An unknown family, a family that breaks the contract, a family plugin that clashes
+    or is broken, or a model section its family's config class rejects; the message
+    names the family and the member or key."""
+
+
 class FamilyConfig(BaseModel):
     """The ``model`` section of one family: its sizes and switches, validated up front.
 
     Every family config has ``family`` (the discriminator), ``vocab_size`` (None:
     the tokenizer's, padded to ``vocab_multiple``), ``seq_len`` and ``num_layers``.
+    A subclass must answer ``check_layout``, ``num_params`` and ``flops_per_step``
+    (pydantic's model class is an ``ABCMeta``: a config class without them cannot be
+    instantiated).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -95,20 +96,20 @@ class FamilyConfig(BaseModel):
         return self
 
     # -- what every family answers -----------------------------------------------------
+    @abstractmethod
     def check_layout(self, spec) -> None:
         """Raise ``LayoutError`` for a layout (``LayoutSpec``) this model cannot be split by,
         naming the numbers."""
-        raise NotImplementedError
 
+    @abstractmethod
     def num_params(self, active: bool = False) -> int:
         """Parameters of the whole model (a tied weight counted once); ``active``: only what
         one token goes through (mixture of experts)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def flops_per_step(self, global_batch: int) -> float:
         """Model FLOPs of one optimizer step (forward + backward, no recompute), for
         TFLOP/s and MFU."""
-        raise NotImplementedError
 
     def describe(self) -> str:
         """One line for the trainer's banner, e.g. ``GPT (llama) 1.2M params, 4 layers``."""
@@ -130,6 +131,17 @@ class FamilyConfig(BaseModel):
         period for a GPT with ``moe_layer_freq``; 1 for a uniform stack)."""
         return 1
 
+    @property
+    def experts(self) -> MoESpec | None:
+        """The mixture-of-experts layers' settings, None for a dense model (a family
+        whose configs can have them declares ``capabilities.mixture_of_experts``)."""
+        return None
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many layers are mixture-of-experts layers (0 for a dense model)."""
+        return 0
+
 
 @dataclass
 class BuiltModel:
@@ -138,6 +150,54 @@ class BuiltModel:
 
     chunks: list[nn.Module]
     rng_tracker: Any
+
+
+class PipelineStage(Protocol):
+    """A pipeline chunk, as ``ModelFamily.build`` returns it (an ``nn.Module``).
+
+    ``first`` / ``last``: whether it is virtual stage 0 / the last virtual stage;
+    ``tp``: its tensor-parallel group (``mtcore.parallel.tensor.TPGroup``), over which
+    the engine unshards the chunk's weights (``full_state_dict``).
+    """
+
+    first: bool
+    last: bool
+    tp: Any
+
+    def stage(self, inputs: dict[str, Tensor], batch: Batch) -> dict[str, Tensor]:
+        """``inputs``: the named tensors received from the previous stage (``{}`` on
+        stage 0); ``batch``: the whole micro-batch (every stage may read its side inputs,
+        e.g. a padding mask). Returns the named tensors for the next stage, exactly
+        ``specs(boundary)`` in shape and dtype, or on the last stage the head outputs
+        that ``loss`` takes."""
+        ...
+
+    def loss(self, outputs: dict[str, Tensor], batch: Batch) -> dict[str, tuple[Tensor, Tensor]]:
+        """Last stage only: ``{term: (sum, count)}``, each term a sum over its elements and
+        their number (the count equals ``loss_counts(config, batch)[term]``). The
+        training loss is the sum over terms of ``global sum / global count``:
+        token-weighted over micro-batches, dp and cp, so it equals one process whatever
+        the split."""
+        ...
+
+    def metrics(self, outputs: dict[str, Tensor], batch: Batch) -> dict[str, tuple[Tensor, Tensor]]:
+        """Last stage only, evaluation: ``{name: (sum, count)}`` (accuracies); may be ``{}``."""
+        ...
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """This chunk's halves of parameters tied across pipeline stages (their gradients
+        are summed)."""
+        ...
+
+    def own_parameter_names(self) -> list[str]:
+        """The parameters that belong in a checkpoint (not the tied copies, whose names
+        ``ModelFamily.checkpoint_aliases`` maps to the twin they load from)."""
+        ...
+
+
+STAGE_MEMBERS = ("first", "last", "tp", "stage", "loss", "metrics", "tied_copies",
+                 "own_parameter_names")  # fmt: skip
+"""Every member of ``PipelineStage``, in the order a missing one is reported."""
 
 
 class Loader(Protocol):
@@ -153,12 +213,16 @@ class Loader(Protocol):
 class FamilyData:
     """What a family's data pipeline gives the trainer. ``loader(dataset, *,
     micro_batch_size, global_batch_size, dp_rank, dp_size, seed)`` makes a
-    ``Loader`` over ``train`` or ``valid``."""
+    ``Loader`` over ``train`` or ``valid``. ``loader_takes_group``: it also takes
+    ``group=`` (``mtcore.data.loader.SampleGroup``, the ranks of one model replica), for
+    decisions its ranks must share (a loader that reads files as it draws samples drops
+    the same ones on every rank when a file changes under the job)."""
 
     tokenizer: Any
     train: Any
     valid: Any | None
     loader: Callable[..., Loader]
+    loader_takes_group: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,37 +240,169 @@ class HFAdapter:
 
 
 @dataclass(frozen=True)
-class ModelFamily:
-    """Everything the engine, trainer, checkpoints and CLI need to know about a family.
+class MegatronAdapter:
+    """A family's Megatron-LM / Megatron-Core interop (``mtcore convert from-megatron``):
+    ``config_from_args(args, vocab_size)`` (Megatron-LM's argument names);
+    ``args_for(config, tp, pp)``, the arguments that load an export; ``from_dist(config,
+    stacked)``, a torch_dist checkpoint's tensors, and ``from_ranks(config, args,
+    ranks)``, legacy per-rank state dicts (``{(tp, pp, ep): [chunk state dicts]}``), as
+    full weights; ``to_ranks(config, weights, tp, pp)`` the reverse of ``from_ranks``.
+    ``model_arguments``: the argument names ``config_from_args`` reads."""
+
+    config_from_args: Callable[..., FamilyConfig]
+    args_for: Callable[..., dict]
+    from_dist: Callable[..., dict[str, Tensor]]
+    from_ranks: Callable[..., dict[str, Tensor]]
+    to_ranks: Callable[..., dict]
+    model_arguments: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What varies by family, declared (never probed from code):
+
+    generates: ``generate`` continues a prompt (``mtcore generate``, the trainer's sample);
+    reads_images: ``generate`` takes ``image=`` and its batches carry pixels;
+    mixture_of_experts: its configs may have MoE layers (``FamilyConfig.experts``);
+    context_parallel: it trains under cp > 1 (its ``check_layout`` refuses cp otherwise).
+    """
+
+    generates: bool = False
+    reads_images: bool = False
+    mixture_of_experts: bool = False
+    context_parallel: bool = False
+
+
+class ModelFamily(ABC):
+    """Everything the engine, trainer, checkpoints, planner and CLI need to know about a
+    family. A family is a subclass with the class attributes below and the abstract
+    methods implemented, registered as an instance (``FAMILY = MyFamily()``).
 
     name: the ``model.family`` value that selects it.
     config: its ``FamilyConfig`` subclass (``family: Literal[name]``).
-    build(config, layout, backend, seed, fp8) -> BuiltModel: this rank's chunks.
-    one_process(config, backend) -> nn.Module: the whole model in one process (tp=1,
-        pp=1), named as every layout's chunks are; its ``state_dict`` is the
-        family's "full weights".
-    messages(config, layout, micro_batch_size, dtype) -> MessageSpecs.
-    loss_counts(config, batch) -> {term: count}: computed on every rank before the
-        step, so each micro-batch's loss can be weighted by its share of the global
-        count before its backward.
-    data(data_config, model_config) -> FamilyData.
+    capabilities: what it can do (``Capabilities``).
     checkpoint_aliases: a tied copy's name -> the name of the twin it loads from.
-    hf: its HuggingFace adapter, or None.
-    metric_names(config) -> names of what ``chunk.metrics`` returns (evaluation).
-    generate(model, tokenizer, prompt, max_new_tokens, top_k, temperature, generator)
-        -> text, or None when the family does not generate (the trainer then skips
-        the sample).
+    hf: its HuggingFace adapter, or None; megatron: its Megatron adapter, or None.
+    description: one line for ``mtcore doctor``.
     """
 
-    name: str
-    config: type[FamilyConfig]
-    build: Callable[..., BuiltModel]
-    one_process: Callable[..., nn.Module]
-    messages: Callable[..., MessageSpecs]
-    loss_counts: Callable[[FamilyConfig, Batch], dict[str, Tensor]]
-    data: Callable[..., FamilyData]
-    checkpoint_aliases: Mapping[str, str] = field(default_factory=dict)
-    metric_names: Callable[[FamilyConfig], tuple[str, ...]] = lambda config: ()
-    hf: HFAdapter | None = None
-    generate: Callable[..., str] | None = None
-    description: str = ""
+    name: ClassVar[str]
+    config: ClassVar[type[FamilyConfig]]
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    checkpoint_aliases: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    hf: ClassVar[HFAdapter | None] = None
+    megatron: ClassVar[MegatronAdapter | None] = None
+    description: ClassVar[str] = ""
+
+    # -- what a family implements ------------------------------------------------------
+    @abstractmethod
+    def build_chunks(self, config, layout, backend, seed: int = 0, fp8=None) -> BuiltModel:
+        """This rank's pipeline chunks (each a ``PipelineStage``), chunk 0 first, and the
+        RNG tracker they share. Called through ``build``, which checks them."""
+
+    @abstractmethod
+    def one_process(self, config, backend=None) -> nn.Module:
+        """The whole model in one process (tp=1, pp=1), named as every layout's chunks
+        are; its ``state_dict`` is the family's "full weights"."""
+
+    @abstractmethod
+    def messages(self, config, layout, micro_batch_size: int, dtype: torch.dtype) -> MessageSpecs:
+        """What crosses each pipeline boundary, known before the step."""
+
+    @abstractmethod
+    def loss_counts(self, config, batch: Batch) -> dict[str, Tensor]:
+        """``{term: count}`` of a micro-batch, computed on every rank before the step, so
+        each micro-batch's loss can be weighted by its share of the global count."""
+
+    @abstractmethod
+    def data(self, data_config, model_config) -> FamilyData:
+        """The family's data pipeline (``models/<family>/data.py``)."""
+
+    def metric_names(self, config) -> tuple[str, ...]:
+        """Names of what ``chunk.metrics`` returns (evaluation)."""
+        return ()
+
+    def shape(self, config) -> ModelShape:
+        """The planner's view of ``config`` (``mtcore plan``); a family without one is
+        refused in one line."""
+        raise NotModelled(
+            f"the planner does not model the {self.name!r} family: it provides no shape "
+            "(ModelFamily.shape), so its memory and step time are not predicted"
+        )
+
+    def generate(self, model, tokenizer, prompt: str, max_new_tokens: int, top_k=None,
+                 temperature: float = 1.0, generator=None, image=None) -> str:  # fmt: skip
+        """The prompt's continuation by the one-process ``model`` (greedy, or top-k
+        sampling with ``generator``); ``image``: a path, for a family that reads images.
+        Only for a family that declares ``capabilities.generates``."""
+        raise FamilyError(f"the {self.name} family does not generate text")
+
+    # -- what the seam adds ------------------------------------------------------------
+    def build(self, config, layout, backend, seed: int = 0, fp8=None) -> BuiltModel:
+        """``build_chunks``, with every chunk checked against ``PipelineStage`` and a
+        config with MoE layers checked against ``capabilities``."""
+        if config.experts is not None and not self.capabilities.mixture_of_experts:
+            raise FamilyError(
+                f"model family {self.name!r}: the config has mixture-of-experts layers but "
+                "the family does not declare capabilities.mixture_of_experts"
+            )
+        built = self.build_chunks(config, layout, backend, seed, fp8)
+        for index, chunk in enumerate(built.chunks):
+            missing = next((m for m in STAGE_MEMBERS if not hasattr(chunk, m)), None)
+            if missing is not None:
+                raise FamilyError(
+                    f"model family {self.name!r}: chunk {index} ({type(chunk).__name__}) "
+                    f"has no {missing!r} (mtcore.models.PipelineStage)"
+                )
+        return built
+
+
+# The arguments each member is called with: a family's method must accept them.
+_CALLS: dict[str, tuple[tuple, dict]] = {
+    "build_chunks": (("config", "layout", "backend", 0, None), {}),
+    "one_process": (("config", "backend"), {}),
+    "messages": (("config", "layout", 1, torch.float32), {}),
+    "loss_counts": (("config", {}), {}),
+    "data": (("data_config", "model_config"), {}),
+    "metric_names": (("config",), {}),
+    "shape": (("config",), {}),
+    "generate": (("model", "tokenizer", "prompt", 1, None, 1.0, None), {"image": None}),
+}
+
+
+def check_family(family: object, source: str = "") -> ModelFamily:
+    """``family`` if it keeps the contract, else a one-line ``FamilyError`` naming it
+    (and ``source``, e.g. the plugin) and the member at fault."""
+    where = f" ({source})" if source else ""
+    if not isinstance(family, ModelFamily):
+        raise FamilyError(f"{type(family).__name__}{where} is not a mtcore.models.ModelFamily")
+    name = getattr(family, "name", None)
+    label = f"model family {name!r}{where}"
+    if not isinstance(name, str) or not name:
+        raise FamilyError(f"{type(family).__name__}{where}: ModelFamily.name must be a string")
+    config = getattr(family, "config", None)
+    field = config.model_fields.get("family") if isinstance(config, type) and issubclass(
+        config, FamilyConfig) else None  # fmt: skip
+    if field is None or field.default != name:
+        raise FamilyError(
+            f"{label}: config must be a FamilyConfig subclass with family: Literal[{name!r}] "
+            f"= {name!r}"
+        )
+    caps = family.capabilities
+    if not isinstance(caps, Capabilities):
+        raise FamilyError(f"{label}: capabilities must be a mtcore.models.Capabilities")
+    overrides_generate = type(family).generate is not ModelFamily.generate
+    if caps.generates != overrides_generate or (caps.reads_images and not caps.generates):
+        raise FamilyError(
+            f"{label}: capabilities.generates={caps.generates} (reads_images="
+            f"{caps.reads_images}) but the family {'defines' if overrides_generate else 'lacks'} "
+            "generate(...)"
+        )
+    if family.hf is not None and not isinstance(family.hf, HFAdapter):
+        raise FamilyError(f"{label}: hf must be a mtcore.models.HFAdapter or None")
+    for member, (args, kwargs) in _CALLS.items():
+        try:
+            inspect.signature(getattr(family, member)).bind(*args, **kwargs)
+        except TypeError as e:
+            raise FamilyError(f"{label}: {member}(...) breaks the contract: {e}") from None
+    return family

@@ -9,12 +9,13 @@ hook of an ``mtcore.plugins`` entry point, like backends.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
 from pydantic import ValidationError
 
-from mtcore.models.family import FamilyConfig, ModelFamily
+from mtcore.models.family import FamilyConfig, FamilyError, ModelFamily, check_family
 
 DEFAULT_FAMILY = "gpt"
 # Built-in families, imported on first use (a GPT job never imports BERT's code).
@@ -24,11 +25,6 @@ BUILTIN = {
     "t5": "mtcore.models.t5.family",
     "llava": "mtcore.models.vlm.family",
 }
-
-
-class FamilyError(ValueError):
-    """An unknown family, a family plugin that clashes or is broken, or a model section
-    its family's config class rejects; the message names the family or the key."""
 
 
 _plugin_families: dict[str, tuple[ModelFamily, str, str]] | None = None
@@ -43,11 +39,7 @@ def _from_plugins() -> dict[str, tuple[ModelFamily, str, str]]:
         found: dict[str, tuple[ModelFamily, str, str]] = {}
         for info, families in plugin_registry().collect("mtcore_model_families"):
             for family in families:
-                if not isinstance(family, ModelFamily):
-                    raise FamilyError(
-                        f"plugin {info.label}: mtcore_model_families returned "
-                        f"{type(family).__name__}, not mtcore.models.ModelFamily"
-                    )
+                check_family(family, f"plugin {info.label}")
                 clash = "a built-in family" if family.name in BUILTIN else None
                 if family.name in found:
                     clash = f"plugin {found[family.name][1]}"
@@ -81,10 +73,15 @@ def family_names() -> list[str]:
     return [*BUILTIN, *sorted(_from_plugins())]
 
 
+@functools.cache
+def _builtin(name: str) -> ModelFamily:
+    return check_family(importlib.import_module(BUILTIN[name]).FAMILY, "built-in")
+
+
 def get_family(name: str) -> ModelFamily:
     """The family called ``name``; FamilyError names the known ones otherwise."""
     if name in BUILTIN:
-        return importlib.import_module(BUILTIN[name]).FAMILY
+        return _builtin(name)
     plugins = _from_plugins()
     if name in plugins:
         return plugins[name][0]

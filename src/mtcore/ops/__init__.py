@@ -19,6 +19,7 @@ from mtcore.ops.fp8 import (
     fp8_dequantize,
     fp8_quantize,
     fp8_quantize_transpose,
+    fp8_widen,
 )
 from mtcore.ops.loss import cross_entropy
 from mtcore.ops.moe import grouped_mm
@@ -51,6 +52,7 @@ __all__ = [
     "fp8_dequantize",
     "fp8_quantize",
     "fp8_quantize_transpose",
+    "fp8_widen",
     "grouped_mm",
     "layer_norm",
     "merge_attention",

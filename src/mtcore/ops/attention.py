@@ -7,8 +7,17 @@ import math
 import torch
 from torch import Tensor
 
+from mtcore.ops.attention_dropout import check_dropout, keep_mask
 
-def _check(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
+
+def _check(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    causal: bool = True,
+    window: int | None = None,
+) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got {list(t.shape)}")
@@ -31,6 +40,38 @@ def _check(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> 
             f"key_padding_mask must be bool [{b}, {sk}] (batch, key seq), got "
             f"{key_padding_mask.dtype} {list(key_padding_mask.shape)}"
         )
+    if window is not None and (not causal or isinstance(window, bool) or window < 1):
+        raise ValueError(
+            f"window must be a positive int with causal=True, got window={window!r}, "
+            f"causal={causal}"
+        )
+
+
+def allowed_keys(
+    sq: int,
+    sk: int,
+    causal: bool,
+    window: int | None,
+    key_padding_mask: Tensor | None,
+    device: torch.device,
+) -> Tensor:
+    """Bool ``[1 or batch, 1, sq, sk]``: True where query ``i`` may attend key ``j``.
+
+    Causal masks are aligned to the bottom-right corner (query ``i`` sits at key
+    position ``i + sk - sq``); ``window`` keeps the ``window`` keys up to and
+    including that position (``0 <= i + sk - sq - j < window``).
+    """
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        distance = torch.arange(sq, device=device)[:, None] + (sk - sq)
+        distance = distance - torch.arange(sk, device=device)[None, :]
+        allowed = distance >= 0
+        if window is not None:
+            allowed = allowed & (distance < window)
+    allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.to(device)[:, None, None, :]
+    return allowed
 
 
 def attention(
@@ -40,6 +81,9 @@ def attention(
     causal: bool = True,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    dropout_p: float = 0.0,
+    dropout_seeds: Tensor | None = None,
 ) -> Tensor:
     """``softmax(q @ k^T * scale + mask) @ v`` over grouped-query heads.
 
@@ -56,6 +100,16 @@ def attention(
             that may be attended, ``False`` a padding key. Combined with the
             causal mask by logical AND.
         scale: multiplier of the logits; ``None`` means ``1 / sqrt(d)``.
+        window: sliding-window attention (Mistral's; causal only): query ``i``
+            attends only the ``window`` keys ending at its own position, i.e. key
+            ``j`` iff ``0 <= i + (sk - sq) - j < window``. ``None``: no window.
+        dropout_p: attention-probability dropout: each probability is zeroed with
+            this chance and the kept ones scaled by ``1 / (1 - dropout_p)``.
+        dropout_seeds: int64 ``[hq]``, one seed per query head (needed when
+            ``dropout_p > 0``). The mask is a function of (seed of the head, batch row,
+            query position counted from the bottom-right corner, key position) only
+            (``mtcore.ops.attention_dropout``), so any split of heads over ranks that
+            passes each head its seed draws one process's masks.
 
     Returns:
         ``[batch, hq, sq, d]`` in ``q.dtype``. Logits, softmax and the product
@@ -63,8 +117,9 @@ def attention(
         keys are all masked outputs exactly 0 and passes zero gradient (not NaN,
         as a naive ``-inf`` softmax would): padded rows must not poison the loss.
     """
-    _check(q, k, v, key_padding_mask)
-    _, hq, sq, d = q.shape
+    _check(q, k, v, key_padding_mask, causal, window)
+    b, hq, sq, d = q.shape
+    check_dropout(dropout_p, dropout_seeds, hq)
     hkv, sk = k.shape[1], k.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
@@ -76,14 +131,7 @@ def attention(
     vf = v.to(acc).repeat_interleave(group, dim=1)
     logits = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale  # [b, hq, sq, sk]
 
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        allowed = j <= i + (sk - sq)
-    allowed = allowed[None, None]  # [1, 1, sq, sk]
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask.to(q.device)[:, None, None, :]
+    allowed = allowed_keys(sq, sk, causal, window, key_padding_mask, q.device)
 
     # Rows with no allowed key get finite logits, so no NaN appears even in
     # intermediates (softmax of all -inf is NaN, and anomaly detection or NaN
@@ -92,4 +140,7 @@ def attention(
     logits = logits.masked_fill(~allowed, float("-inf"))
     logits = logits.masked_fill(~has_key, 0.0)
     probs = torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
+    if dropout_p > 0:
+        keep = keep_mask(dropout_seeds, b, sq, sk, dropout_p)
+        probs = probs.masked_fill(~keep, 0.0) * (1.0 / (1.0 - dropout_p))
     return torch.matmul(probs, vf).to(q.dtype)

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from mtcore.ops.attention import _check
+from mtcore.ops.attention import _check, allowed_keys
 
 
 def attention_lse(
@@ -32,12 +32,14 @@ def attention_lse(
     causal: bool = True,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``mtcore.ops.attention`` that also returns the log-sum-exp of each query's logits.
 
     Args: as ``mtcore.ops.attention`` (grouped-query heads; ``causal`` aligned to the
         bottom-right corner, so a block of queries that ends where its keys end sees
-        them causally; ``key_padding_mask`` bool ``[batch, sk]``, True = may attend).
+        them causally; ``key_padding_mask`` bool ``[batch, sk]``, True = may attend;
+        ``window`` the sliding window, counted from the same corner).
 
     Returns:
         ``(out, lse)``: ``out`` ``[batch, hq, sq, d]`` in ``q.dtype``, exactly what
@@ -46,7 +48,7 @@ def attention_lse(
         may attend, ``-inf`` where it may attend none. Both outputs are
         differentiable (a merge of blocks backpropagates through the LSE).
     """
-    _check(q, k, v, key_padding_mask)
+    _check(q, k, v, key_padding_mask, causal, window)
     _, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if scale is None:
@@ -57,14 +59,7 @@ def attention_lse(
     vf = v.to(acc).repeat_interleave(group, dim=1)
     logits = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale  # [b, hq, sq, sk]
 
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        allowed = j <= i + (sk - sq)
-    allowed = allowed[None, None]
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask.to(q.device)[:, None, None, :]
+    allowed = allowed_keys(sq, sk, causal, window, key_padding_mask, q.device)
     has_key = allowed.any(dim=-1, keepdim=True)
     # Finite logits in rows without a key (as in ``attention``): no NaN even in
     # intermediates; the row's output and LSE are then set by ``has_key``.

@@ -9,32 +9,48 @@ exactly the parameter names of the reference op it implements.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from mtcore.ops.attention import _check, allowed_keys
 from mtcore.ops.loss import check_cross_entropy_args
 from mtcore.ops.rope import rope
 
 
-def sdpa_attention(q, k, v, causal=True, key_padding_mask=None, scale=None):
-    """``mtcore.ops.attention`` through ``F.scaled_dot_product_attention``."""
+def sdpa_attention(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
+    dropout_seeds=None,
+):  # fmt: skip
+    """``mtcore.ops.attention`` through ``F.scaled_dot_product_attention``; a sliding
+    ``window`` becomes a banded bool mask (SDPA takes no window of its own). SDPA's
+    dropout draws from the device's generator, not the op's coordinate-hashed mask, so
+    each registration guards it with ``without_dropout`` (the reference serves
+    ``dropout_p > 0``)."""
+    if dropout_p > 0:
+        raise ValueError("sdpa_attention has no coordinate-hashed dropout: see without_dropout")
     hq, hkv = q.shape[1], k.shape[1]
     sq, sk = q.shape[2], k.shape[2]
-    if key_padding_mask is None and (not causal or sq == sk):
+    if causal and sq == 1 and (window is None or window >= sk):
+        causal, window = False, None  # one query in the last position sees every key (decode)
+    if key_padding_mask is None and window is None and (not causal or sq == sk):
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=hq != hkv
         )
-    mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        mask = torch.tril(mask, diagonal=sk - sq)
+    _check(q, k, v, key_padding_mask, causal, window)
+    mask = allowed_keys(sq, sk, causal, window, key_padding_mask, q.device)
     mask = mask.expand(q.shape[0], 1, sq, sk)
-    if key_padding_mask is not None:
-        mask = mask & key_padding_mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     # The contract gives 0 (not NaN) for queries that may attend no key.
     return out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+
+
+def without_dropout(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
+    dropout_seeds=None,
+) -> bool:  # fmt: skip
+    """``fallback_ok`` of attention kernels without the op's dropout: the reference
+    serves calls with ``dropout_p > 0``."""
+    return dropout_p == 0
 
 
 def fused_adamw_step(
@@ -84,94 +100,6 @@ def silu_glu(x):
     """``mtcore.ops.swiglu`` through ``F.silu`` (one fused activation, no fp32 round trip)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-class _CPUFlashLSE(torch.autograd.Function):
-    """torch's CPU flash attention with a differentiable log-sum-exp.
-
-    torch's kernel returns the LSE but does not differentiate it. Its backward gets
-    ``dS = P * (dO V^T - rowsum(dO * out))``; the LSE's gradient adds ``P * g_lse``.
-    Extra head-dim columns provide it: ``v' = [v, 1]``, ``dO' = [dO, g_lse]`` add
-    ``g_lse`` to every ``dO V^T`` entry, and ``out' = [out, 0]`` leaves the rowsum as
-    it was; q and k get zero columns (their scores do not change; the scale is
-    passed explicitly). The extra columns of each gradient are dropped.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal: bool, mask, scale: float):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        if grad_lse is None:
-            grad_lse = torch.zeros_like(lse)
-        # Half-precision inputs: the backward runs in float32. In bf16 the kernel rounds
-        # dO V^T + g_lse before it subtracts rowsum(dO * out), and the LSE term's
-        # cancellation then biases dQ (the conformance kit's bias check sees it).
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        pad = lambda t, col: torch.cat([t.to(dtype), col.to(dtype)], dim=-1)  # noqa: E731
-        zero = lambda t: t.new_zeros((*t.shape[:-1], 1))  # noqa: E731
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            pad(grad_out.contiguous(), grad_lse[..., None]),
-            pad(q, zero(q)),
-            pad(k, zero(k)),
-            pad(v, v.new_ones((*v.shape[:-1], 1))),
-            pad(out, zero(out)),
-            lse,
-            0.0,
-            ctx.is_causal,
-            attn_mask=None if mask is None else mask.to(dtype),
-            scale=ctx.scale,
-        )
-        dq, dk, dv = (g[..., :-1].to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
-        return dq, dk, dv, None, None, None
-
-
-def cpu_flash_attention_lse(q, k, v, causal=True, key_padding_mask=None, scale=None):
-    """``mtcore.ops.attention_lse`` through torch's CPU flash-attention kernel
-    (``aten._scaled_dot_product_flash_attention_for_cpu``), both outputs differentiable.
-
-    Grouped-query heads are expanded (their gradients sum back through autograd); a
-    causal block with fewer queries than keys, or a padding mask, becomes an explicit
-    additive mask aligned to the bottom-right corner, as the op's contract says. A row
-    with no key to attend gets (0, -inf) and no gradient, as the reference's.
-    """
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    sq, sk = q.shape[2], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
-    if key_padding_mask is None and (not causal or sq == sk):
-        return _CPUFlashLSE.apply(q, k, v, causal, None, scale)
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = torch.tril(allowed, diagonal=sk - sq)
-    allowed = allowed.expand(q.shape[0], 1, sq, sk)
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :]
-    has_key = allowed.any(dim=-1)  # [b, 1, sq]
-    # A row without a key attends everything in the kernel (finite numbers), then is
-    # zeroed: its output, its LSE (-inf) and, through the where, its gradients.
-    allowed = allowed | ~has_key[..., None]
-    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-    mask = mask.masked_fill(~allowed, float("-inf"))
-    out, lse = _CPUFlashLSE.apply(q, k, v, False, mask, scale)
-    out = torch.where(has_key[..., None], out, torch.zeros_like(out))
-    lse = torch.where(has_key, lse, torch.full_like(lse, float("-inf")))
-    return out, lse
-
-
-def cpu_flash_attention_lse_available() -> bool:
-    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def fused_layer_norm_fp32(x, weight, bias, eps=1e-5):

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from mtcore.distributed import Axis
+
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
@@ -143,9 +145,9 @@ def clip_grad_norm_(
     counted = [(p, g) for p, g in pairs if counts_for_norm(p, layout.tp_rank)]
     dense = [g for p, g in counted if not is_expert_parallel(p)]
     experts = [g for p, g in counted if is_expert_parallel(p)]
-    groups = [layout.group("dp_cp")] if sharded_over_dp else []
-    groups.append(layout.group("mp"))
-    expert_groups = [layout.group("ep")] if layout.ep > 1 and not sharded_over_dp else []
+    groups = [layout.dp_cp.group] if sharded_over_dp else []
+    groups.append(layout.mp.group)
+    expert_groups = [layout.group(Axis.EP)] if layout.ep > 1 and not sharded_over_dp else []
     total = global_norm(
         dense, collective, groups, norm_type, expert_grads=experts, expert_groups=expert_groups
     )

@@ -3,7 +3,9 @@
 The shipped files live in ``mtcore/plan/hardware/`` and name the source of each
 number (or say it is an estimate) in their ``[sources]`` table. A user adds an
 accelerator by writing a file of the same shape and passing its path
-(``mtcore plan --hardware my.toml``). Bandwidths are per accelerator and per
+(``mtcore plan --hardware my.toml``). A shipped file is found by its name, its file
+name or one of its ``aliases`` (``h100`` for ``H100-SXM``), whatever the case and
+punctuation (``find_description``). Bandwidths are per accelerator and per
 direction, in GB/s (1e9 bytes); peaks are dense (no structured sparsity) TFLOP/s.
 
 A running backend's capability table (``Device.capabilities()``, what ``mtcore
@@ -12,6 +14,7 @@ doctor`` prints) fills in what it knows over a description: ``fill_from_backend`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,7 +38,15 @@ class HardwareError(ValueError):
 
 @dataclass(frozen=True)
 class Hardware:
-    """One accelerator and the links around it (what the planner needs, nothing more)."""
+    """One accelerator and the links around it (what the planner needs, nothing more).
+
+    The network is a hierarchy: ``gpus_per_node`` accelerators on the intra-node link,
+    nodes on the network (``inter_node_gbs`` per accelerator's port), and, when
+    ``nodes_per_pod`` is given, pods of that many nodes joined by a slower (oversubscribed)
+    layer, ``inter_pod_gbs`` per accelerator (``mtcore.plan.network`` prices each
+    collective kind on it). ``gemm_efficiency``: per dtype, a measured table of matrix
+    product shapes (``"MxKxN"``) to the achieved fraction of that dtype's peak
+    (``mtcore.plan.gemm``)."""
 
     name: str
     memory_gb: float
@@ -46,14 +57,27 @@ class Hardware:
     peak_tflops: dict[str, float]
     intra_node_latency_us: float = 5.0
     inter_node_latency_us: float = 10.0
+    nodes_per_pod: int | None = None
+    inter_pod_gbs: float | None = None
+    inter_pod_latency_us: float | None = None
     fused_attention: bool = True
     matmul_tflops: float | None = None  # measured max achievable dense bf16 matmul, if published
+    gemm_efficiency: dict[str, dict[str, float]] | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()  # other names a user may give for a shipped file (h100)
     path: str = ""
+
+    def __post_init__(self):
+        check_fields(self)
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gb * 1e9
+
+    @property
+    def pod_size(self) -> int | None:
+        """Accelerators in one pod (None: no level above the nodes)."""
+        return self.gpus_per_node * self.nodes_per_pod if self.nodes_per_pod else None
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for matrix products in ``dtype`` (bf16, fp16, fp32, fp8)."""
@@ -62,43 +86,117 @@ class Hardware:
             raise HardwareError(f"{self.name} gives no peak for {dtype} (it has: {known})")
         return self.peak_tflops[dtype] * 1e12
 
-    def link(self, ranks: int, stride: int) -> tuple[float, float]:
-        """(bytes/s per rank, latency s) of a collective over ``ranks`` ranks placed
-        ``stride`` ranks apart (nodes hold ``gpus_per_node`` consecutive ranks).
 
-        Inside one node: the intra-node link. Across nodes, a ring crosses the
-        network; the group's members on one node drive their own network ports in
-        parallel rings (as NCCL-style libraries do), so the bandwidth is the
-        per-accelerator network bandwidth times the members per node, at most the
-        intra-node link's.
-        """
-        if ranks * stride <= self.gpus_per_node:
-            return self.intra_node_gbs * 1e9, self.intra_node_latency_us * 1e-6
-        per_node = max(1, self.gpus_per_node // stride)
-        bandwidth = min(self.intra_node_gbs, self.inter_node_gbs * per_node)
-        return bandwidth * 1e9, self.inter_node_latency_us * 1e-6
+_POSITIVE = ("memory_gb", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs")
+_OPTIONAL_POSITIVE = ("matmul_tflops", "inter_pod_gbs")
+_LATENCIES = ("intra_node_latency_us", "inter_node_latency_us", "inter_pod_latency_us")
+_COUNTS = ("gpus_per_node", "nodes_per_pod")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_fields(hardware: Hardware) -> None:
+    """Raise ``TypeError`` naming the first field that is not of its kind: bandwidths,
+    memory, peaks and GEMM fractions finite and positive (fractions at most 1),
+    latencies finite and not negative, ``gpus_per_node`` / ``nodes_per_pod`` whole
+    numbers of at least 1, ``fused_attention`` a boolean, ``name``, aliases and sources
+    text."""
+    numbers = {k: getattr(hardware, k) for k in _POSITIVE}
+    numbers |= {
+        k: getattr(hardware, k) for k in _OPTIONAL_POSITIVE if getattr(hardware, k) is not None
+    }
+    if not isinstance(hardware.peak_tflops, dict) or not hardware.peak_tflops:
+        raise TypeError("peak_tflops must be a table of dtype = TFLOP/s")
+    numbers |= {f"peak_tflops.{k}": v for k, v in hardware.peak_tflops.items()}
+    for key, value in numbers.items():
+        if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            raise TypeError(f"{key} must be a finite positive number, not {value!r}")
+    for key in _LATENCIES:
+        value = getattr(hardware, key)
+        if value is not None and (not _is_number(value) or not math.isfinite(value) or value < 0):
+            raise TypeError(f"{key} must be a finite number of microseconds >= 0, not {value!r}")
+    for key in _COUNTS:
+        value = getattr(hardware, key)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise TypeError(f"{key} must be a whole number >= 1, not {value!r}")
+    if (hardware.nodes_per_pod is None) != (hardware.inter_pod_gbs is None):
+        raise TypeError("nodes_per_pod and inter_pod_gbs go together (a pod level needs both)")
+    if not isinstance(hardware.fused_attention, bool):
+        raise TypeError(f"fused_attention must be true or false, not {hardware.fused_attention!r}")
+    if not isinstance(hardware.name, str) or not hardware.name:
+        raise TypeError(f"name must be text, not {hardware.name!r}")
+    if not isinstance(hardware.aliases, (list, tuple)) or not all(
+        isinstance(alias, str) and _key(alias) for alias in hardware.aliases
+    ):
+        raise TypeError(f"aliases must be a list of names, not {hardware.aliases!r}")
+    if not isinstance(hardware.sources, dict) or not all(
+        isinstance(v, str) for v in hardware.sources.values()
+    ):
+        raise TypeError("sources must be a table of text")
+    from mtcore.plan.gemm import check_table
+
+    if hardware.gemm_efficiency is not None:
+        check_table(hardware.gemm_efficiency, hardware.peak_tflops)
+
+
+def builtin_descriptions() -> list[Hardware]:
+    """The shipped descriptions, by name."""
+    return sorted((_read(path) for path in HARDWARE_DIR.glob("*.toml")), key=lambda hw: hw.name)
 
 
 def builtin_names() -> list[str]:
     """The shipped descriptions' names (``A100-80GB``, ``H100-SXM``, ...)."""
-    return sorted(_read(path).name for path in HARDWARE_DIR.glob("*.toml"))
+    return [hardware.name for hardware in builtin_descriptions()]
+
+
+def describe_names(descriptions: list[Hardware] | None = None) -> str:
+    """``A100-80GB (a100, ...), B200, ...``: each name with its aliases, for help and errors."""
+    return ", ".join(
+        f"{hw.name} ({', '.join(hw.aliases)})" if hw.aliases else hw.name
+        for hw in descriptions or builtin_descriptions()
+    )
 
 
 def load_hardware(name_or_path: str) -> Hardware:
-    """A shipped description by name (case-insensitive) or a TOML file by path."""
+    """A shipped description by name or alias (``find_description``) or a TOML file by path."""
     path = Path(name_or_path).expanduser()
     if path.suffix == ".toml" or path.is_file():
         if not path.is_file():
             raise HardwareError(f"hardware file not found: {path}")
         return _read(path)
-    for candidate in sorted(HARDWARE_DIR.glob("*.toml")):
-        hardware = _read(candidate)
-        if name_or_path.lower() in (hardware.name.lower(), candidate.stem.lower()):
-            return hardware
+    return find_description(name_or_path, builtin_descriptions())
+
+
+def find_description(query: str, descriptions: list[Hardware]) -> Hardware:
+    """The one description whose name, file name or alias is ``query``, compared without
+    case or punctuation (``h100``, ``H100 SXM`` and ``h100-sxm`` name ``H100-SXM``). A
+    query that several descriptions claim is refused, naming them."""
+    wanted = _key(query)
+    found = [
+        hw
+        for hw in descriptions
+        if wanted and wanted in {_key(hw.name), _key(Path(hw.path).stem), *map(_key, hw.aliases)}
+    ]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise HardwareError(
+            f"hardware name {query!r} is ambiguous: it could be {describe_names(found)}; "
+            "give one of those names"
+        )
     raise HardwareError(
-        f"no hardware description named {name_or_path!r}; shipped: "
-        f"{', '.join(builtin_names())}, or give a .toml file (docs/plan.md)"
+        f"no hardware description named {query!r}; shipped: {describe_names(descriptions)}; "
+        "or give a .toml file (docs/plan.md)"
     )
+
+
+def _key(name: str) -> str:
+    """``name`` lower-cased, letters and digits only: what name matching compares."""
+    return "".join(char for char in name.lower() if char.isalnum())
 
 
 def _read(path: Path) -> Hardware:
@@ -113,16 +211,10 @@ def _read(path: Path) -> Hardware:
     unknown = sorted(set(data) - known)
     if unknown:
         raise HardwareError(f"hardware file {path}: unknown keys {', '.join(unknown)}")
+    if isinstance(data.get("aliases"), list):
+        data["aliases"] = tuple(data["aliases"])
     try:
         hardware = Hardware(**data, path=str(path))
-        numbers = [hardware.memory_gb, hardware.memory_bandwidth_gbs, hardware.intra_node_gbs]
-        numbers += [hardware.inter_node_gbs, hardware.gpus_per_node]
-        numbers += list(hardware.peak_tflops.values())
-        numbers += [hardware.matmul_tflops] if hardware.matmul_tflops is not None else []
-        if not all(
-            isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0 for n in numbers
-        ):
-            raise TypeError("memory, bandwidths, gpus_per_node and peaks must be positive numbers")
     except TypeError as e:
         raise HardwareError(f"hardware file {path}: {e}") from None
     return hardware
@@ -140,8 +232,12 @@ NOT_FROM_BACKEND = (
     "inter_node_gbs",
     "intra_node_latency_us",
     "inter_node_latency_us",
+    "nodes_per_pod",
+    "inter_pod_gbs",
+    "inter_pod_latency_us",
     "fused_attention",
     "matmul_tflops",
+    "gemm_efficiency",
 )
 """The fields no capability table gives: they always come from a description."""
 

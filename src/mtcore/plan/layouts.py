@@ -2,7 +2,11 @@
 
 ``mtcore plan --compare`` and ``mtcore sweep --layouts`` take layouts in this form;
 each key is one ``--section.key VALUE`` override of the training config, so a
-layout is checked by exactly the validators ``mtcore train`` runs.
+layout is checked by exactly the validators ``mtcore train`` runs. ``mtcore plan
+--compare`` also takes the planner's software assumptions (``OPTION_KEYS``: the
+``Options`` of ``mtcore.plan.options``), which no training run has: ``zero=3``,
+``flash=off``, ``overlap=tp+pp``, ``grad_dtype=bf16``, ``dp_overlap=full``,
+``cross_node``.
 """
 
 from __future__ import annotations
@@ -18,23 +22,52 @@ KEYS = {
     "zero1": "parallel.zero1",
     "schedule": "parallel.schedule",
     "cp_method": "parallel.cp_method",
+    "first": "parallel.first_stage_layers",
+    "last": "parallel.last_stage_layers",
     "mb": "training.micro_batch_size",
     "gb": "training.global_batch_size",
     "recompute": "model.recompute",
     "dtype": "precision.dtype",
 }
-FLAGS = {"sp", "zero1"}  # given bare, they mean true
+OPTION_KEYS = {
+    "zero": "zero",
+    "flash": "fused_attention",
+    "overlap": "overlapped",
+    "grad_dtype": "grad_reduce_dtype",
+    "dp_overlap": "dp_overlap",
+    "cross_node": "cross_node",
+}
+FLAGS = {"sp", "zero1", "cross_node"}  # given bare, they mean true
+_ON = {"on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 
 
 class LayoutStringError(ValueError):
     """A layout string with an unknown key or a missing value."""
 
 
-def layout_overrides(text: str) -> list[str]:
-    """``"tp=2,pp=2,sp"`` -> ``["--parallel.tp", "2", "--parallel.pp", "2",
-    "--parallel.sequence_parallel", "true"]``; ``x`` is accepted for ``=``-less sizes
+def option_value(key: str, value: str):
+    """A planner option's value from its text: ``zero`` a stage number, ``flash`` and
+    ``cross_node`` on/off, ``overlap`` axes joined by ``+`` (or ``none``)."""
+    field = OPTION_KEYS[key]
+    if field == "zero":
+        if not (value.isascii() and value.isdigit()):
+            raise LayoutStringError(f"zero={value!r}: give a ZeRO stage 0, 1, 2 or 3")
+        return int(value)
+    if field in ("fused_attention", "cross_node"):
+        if value.lower() not in _ON:
+            raise LayoutStringError(f"{key}={value!r}: give on or off")
+        return _ON[value.lower()]
+    if field == "overlapped":
+        return () if value == "none" else tuple(filter(None, value.replace("+", ",").split(",")))
+    return value
+
+
+def parse_layout(text: str) -> tuple[list[str], dict]:
+    """``"tp=2,pp=2,sp,zero=3"`` -> (config overrides ``["--parallel.tp", "2", ...]``,
+    planner option updates ``{"zero": 3}``); ``x`` is accepted for ``=``-less sizes
     (``tp2``)."""
     out: list[str] = []
+    options: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep:
@@ -45,13 +78,27 @@ def layout_overrides(text: str) -> list[str]:
                 key, value = stripped, key[len(stripped) :]
             else:
                 raise LayoutStringError(_unknown(part))
-        if key not in KEYS:
+        if key in OPTION_KEYS:
+            options[OPTION_KEYS[key]] = option_value(key, value)
+        elif key in KEYS:
+            out += [f"--{KEYS[key]}", value]
+        else:
             raise LayoutStringError(_unknown(part))
-        out += [f"--{KEYS[key]}", value]
-    return out
+    return out, options
+
+
+def layout_overrides(text: str) -> list[str]:
+    """The config overrides of a layout that ``mtcore train`` runs (no planner options)."""
+    overrides, options = parse_layout(text)
+    if options:
+        names = ", ".join(k for k, v in OPTION_KEYS.items() if v in options)
+        raise LayoutStringError(
+            f"layout {text!r}: {names} is a planner assumption (mtcore plan --compare), "
+            "not a setting mtcore train runs"
+        )
+    return overrides
 
 
 def _unknown(part: str) -> str:
-    return (
-        f"layout {part!r}: use key=value with keys {', '.join(KEYS)} (e.g. tp=2,pp=2,mb=2,sp,zero1)"
-    )
+    keys = ", ".join([*KEYS, *OPTION_KEYS])
+    return f"layout {part!r}: use key=value with keys {keys} (e.g. tp=2,pp=2,mb=2,sp,zero1)"

@@ -3,8 +3,10 @@
 Weights and optimizer state follow mtcore's mixed precision: parameters in the
 compute dtype, fp32 gradient buffers, fp32 master weights (none when the dtype is
 fp32 itself) and fp32 AdamW moments; ZeRO-1 shards master weights and moments over
-the data-parallel ranks. In bf16 that is 18 bytes per parameter, 6 + 12/d under
-ZeRO-1 (Megatron-Core's distributed optimizer, Rajbhandari et al. 2020).
+the data-parallel ranks, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters too.
+In bf16 that is 18 bytes per parameter, 6 + 12/d under ZeRO-1 (Megatron-Core's
+distributed optimizer), 2 + 16/d under ZeRO-2 and 18/d under ZeRO-3 (Rajbhandari et
+al. 2020).
 
 Activations follow Korthikanti et al. 2022 (arXiv 2205.05198), generalised to
 grouped-query attention, gated MLPs, mixture of experts and context parallelism;
@@ -37,13 +39,25 @@ def dtype_bytes(dtype: str) -> int:
     return {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
 
 
-def state_bytes_per_param(dtype: str, zero1: bool, shards: int) -> dict[str, float]:
-    """Bytes per parameter: ``params``, ``grads`` (fp32 buffer), ``master`` and
-    ``optimizer`` (AdamW moments), the last two divided by ``shards`` under ZeRO-1."""
+def state_bytes_per_param(
+    dtype: str, zero: int, shards: int, grad_bytes: int = 4
+) -> dict[str, float]:
+    """Bytes per parameter: ``params``, ``grads`` (the gradient buffer, ``grad_bytes`` an
+    element: mtcore's is fp32), ``master`` and ``optimizer`` (AdamW moments), sharded
+    over ``shards`` ranks by ZeRO stage ``zero``: 1 the master weights and moments, 2
+    also the gradients, 3 also the parameters (FSDP's full sharding)."""
     p = dtype_bytes(dtype)
     master = 0.0 if p == 4 else 4.0
-    divide = shards if zero1 else 1
-    return {"params": float(p), "grads": 4.0, "master": master / divide, "optimizer": 8.0 / divide}
+
+    def part(stage: int) -> int:
+        return shards if zero >= stage else 1
+
+    return {
+        "params": p / part(3),
+        "grads": grad_bytes / part(2),
+        "master": master / part(1),
+        "optimizer": 8.0 / part(1),
+    }
 
 
 def layer_activation_bytes(
@@ -66,7 +80,12 @@ def layer_activation_bytes(
     # Outside the tensor-parallel region: two norm inputs, the QKV and MLP inputs, masks.
     outside = s * b * h * (4 * e + masks)
     # Inside it (sharded over tp): Q, K, V, the projection's input, the MLP intermediates.
-    inside = e * s * b * (2 * block.q_width + 2 * block.kv_width)
+    if block.latent is not None:
+        latent_outside, latent_whole, inside = _latent_bytes(block, s * b, e, recompute)
+        outside += latent_outside
+        outside_whole = latent_whole
+    else:
+        inside, outside_whole = e * s * b * (2 * block.q_width + 2 * block.kv_width), 0.0
     inside += _mlp_bytes(block, s * b, e)
     scores = 0.0
     if block.cross_seq:  # a second attention over the encoder tokens (T5's decoder)
@@ -76,7 +95,32 @@ def layer_activation_bytes(
         )
     if recompute != "selective":
         scores = _score_bytes(block, s, b, e, fused_attention)
-    return outside / outside_div + (inside + scores) / tp
+    return outside / outside_div + outside_whole + (inside + scores) / tp
+
+
+def _latent_bytes(block: Block, tokens: float, e: int, recompute: str):
+    """Multi-head latent attention's kept tensors (what mtcore's ``LatentAttention``
+    saves, ``tests/unit/plan/test_latent_plan.py`` measures them): ``(outside,
+    whole, inside)`` bytes. Outside the tp region (sharded by sequence parallel): each
+    latent norm's input and normalised input (the key/value down-projection's output
+    includes the rope key), and the rope tables (fp32 cos and sin); whole on every tp
+    rank: the up-projections' inputs (gathered under sequence parallel); inside (over
+    tp): the attention kernel's Q, K, V and output, padded to its head size, and the
+    output projection's input (the output and its fp32 log-sum-exp, ``scores``, are
+    recomputed under selective recompute)."""
+    lat = block.latent
+    outside = e * tokens * (2 * lat.q_rank + 2 * lat.kv_rank + lat.rope) + 4 * tokens * lat.rope
+    whole = e * tokens * ((lat.q_rank or 0) + lat.kv_rank)
+    kernel = 3 if recompute == "selective" else 4
+    inside = e * tokens * (kernel * block.q_width + block.heads * lat.v_dim)
+    return outside, whole, inside
+
+
+def kv_cache_bytes_per_token(blocks, act_bytes: int) -> float:
+    """Bytes a generation cache keeps per token and sequence over ``blocks``: every
+    key/value head's key and value, or latent attention's latent and rope key
+    (``Block.cache_values_per_token``), in the compute dtype, one process (tp=1)."""
+    return act_bytes * sum(bl.cache_values_per_token() for bl in blocks)
 
 
 def _mlp_bytes(block: Block, tokens: float, e: int) -> float:
@@ -113,16 +157,23 @@ def in_flight(schedule: str, pp: int, vpp: int, rank: int, microbatches: int) ->
     micro-batches' worth (Korthikanti et al. 2022, sec. 4.2.3). With as many
     micro-batches as stages the interleaved schedule runs every forward before the
     first backward (mtcore's ``interleaved_1f1b``, as Megatron-Core's), so every rank
-    holds all of them. GPipe: all of them.
+    holds all of them. GPipe: all of them. ZB-H1: stage r holds back r weight-gradient
+    passes (their inputs and output gradients), so every stage holds up to stage 0's
+    ``p``; counted as whole micro-batches, an upper bound. ``interleaved_zb`` likewise
+    holds up to interleaving's stage-0 count on every stage.
     """
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(microbatches)
+    if schedule == "zb_h1":
+        return float(min(pp, microbatches))
     if vpp == 1:
         return float(min(pp - rank, microbatches))
     if microbatches == pp:
         return float(microbatches)
+    if schedule == "interleaved_zb":  # rank r holds r chunks more: up to rank 0's count
+        rank = 0
     chunks = min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
     return chunks / vpp
 

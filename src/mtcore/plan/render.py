@@ -21,10 +21,13 @@ def _layout_line(p: Plan) -> str:
         parts.append(f"vpp{lay['vpp']}")
     if lay["ep"] > 1:
         parts.append(f"ep{lay['ep']}")
+    if lay.get("first_stage_layers") is not None or lay.get("last_stage_layers") is not None:
+        parts.append(f"layers {p.assumed.get('stage layers', '?').replace(' ', '')}")
     if lay["sequence_parallel"]:
         parts.append("sp")
-    if lay["zero1"]:
-        parts.append("zero1")
+    zero = lay.get("zero", int(lay["zero1"]))
+    if zero:
+        parts.append(f"zero{zero}")
     parts.append(f"mb{lay['micro_batch']}")
     parts.append(f"recompute={lay['recompute']}")
     return " ".join(parts)
@@ -41,9 +44,9 @@ def describe(p: Plan) -> str:
         f"memory per rank (pipeline stage {r.stage}, the fullest of {len(p.ranks)}):",
         f"  parameters       {r.params / 1e6:12.1f} M dense  {r.expert_params / 1e6:10.1f} M experts",
         f"  weights          {size(r.weights)}",
-        f"  gradients        {size(r.grads)}  (fp32 buffers)",
+        f"  gradients        {size(r.grads)}  ({p.assumed.get('grad reduce dtype', 'fp32')} buffers)",
         f"  master weights   {size(r.master)}",
-        f"  optimizer state  {size(r.optimizer)}  (AdamW moments{', ZeRO-1' if p.layout['zero1'] else ''})",
+        f"  optimizer state  {size(r.optimizer)}  (AdamW moments{_zero(p)})",
         f"  activations      {size(r.activations)}  ({r.in_flight:g} micro-batches in flight)",
         f"  transient        {size(r.transient)}  (backward start, loss and head, recompute)",
         f"  peak             {size(r.peak)}  of {size(p.memory_limit).strip()}: {fit}",
@@ -59,6 +62,7 @@ def describe(p: Plan) -> str:
         ("pp p2p", t.pp_comm),
         ("pipeline bubble", t.bubble),
         (f"dp reduction (exposed of {t.dp_comm * 1e3:.1f} ms)", t.dp_exposed),
+        ("tied embedding grad", t.tied_comm),
         ("optimizer step", t.optimizer),
     ]
     for name, seconds in rows:
@@ -68,8 +72,14 @@ def describe(p: Plan) -> str:
         f"tokens/s {p.tokens_per_s:,.0f}   TFLOP/s per accelerator {p.tflops_per_gpu:.4g} "
         f"(model {p.model_tflops_per_gpu:.4g})   MFU {p.mfu:.1%}",
     ]
+    lines.append("assumed: " + ", ".join(f"{k} {v}" for k, v in p.assumed.items()))
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+def _zero(p: Plan) -> str:
+    zero = p.layout.get("zero", int(p.layout["zero1"]))
+    return f", ZeRO-{zero}" if zero else ""
 
 
 def side_by_side(names: list[str], plans: list[Plan | str]) -> str:
@@ -80,11 +90,12 @@ def side_by_side(names: list[str], plans: list[Plan | str]) -> str:
         ("activations", lambda p: size(p.peak_rank.activations).strip()),
         ("step ms", lambda p: f"{p.time.total * 1e3:.1f}"),
         ("bubble ms", lambda p: f"{p.time.bubble * 1e3:.1f}"),
-        ("exposed comm ms", lambda p: f"{_comm(p) * 1e3:.1f}"),
+        ("exposed comm ms", lambda p: f"{p.time.exposed_comm * 1e3:.1f}"),
         ("recompute ms", lambda p: f"{p.time.recompute * 1e3:.1f}"),
         ("tokens/s", lambda p: f"{p.tokens_per_s:,.0f}"),
         ("TFLOP/s per accel", lambda p: f"{p.tflops_per_gpu:.4g}"),
         ("MFU", lambda p: f"{p.mfu:.1%}"),
+        *((f"assumed {key}", _assumed(key)) for key in _ASSUMED),
     ]
     table = [["", *names]]
     for label, cell in rows:
@@ -99,6 +110,8 @@ def side_by_side(names: list[str], plans: list[Plan | str]) -> str:
     return "\n".join([text, *refusals])
 
 
-def _comm(p: Plan) -> float:
-    t = p.time
-    return t.tp_comm + t.cp_comm + t.ep_comm + t.pp_comm + t.dp_exposed
+_ASSUMED = ("flash attention", "comm overlap", "dp overlap", "grad reduce dtype", "zero")
+
+
+def _assumed(key: str):
+    return lambda p: p.assumed.get(key, "-")

@@ -1,8 +1,9 @@
 """``search``: the layouts of a job that the trainer accepts and that fit memory, best first.
 
-Candidates vary tp (up to one node), cp, pp, vpp, ep, the micro-batch size, sequence
-parallel, ZeRO-1 and the model's recompute setting, keeping the world size and the
-global batch. Each is checked with ``TrainConfig.check`` (the trainer's validators);
+Candidates vary tp (dividing a node), cp, pp (with one fewer layer on the first and last
+stage where the layers do not divide), vpp, ep (ep x tp dividing a node), the
+micro-batch size, sequence parallel, ZeRO-1 and the model's recompute setting, keeping
+the world size and the global batch. Each is checked with ``TrainConfig.check`` (the trainer's validators);
 the ones reported are validated once more as a whole config, so no layout the trainer
 would reject is ever listed.
 """
@@ -13,6 +14,7 @@ import itertools
 from dataclasses import dataclass
 
 from mtcore.plan.hardware import Hardware
+from mtcore.plan.network import fits
 from mtcore.plan.planner import Options, Plan, _plan, with_data_vocab
 from mtcore.plan.shapes import model_shape
 
@@ -24,35 +26,58 @@ class Ranked:
     why: str = ""
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, limit: int) -> list[int]:
+    """Divisors of ``n`` up to ``limit``: the work is bounded by ``limit``, not ``n``."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def candidates(config, gpus: int, hardware: Hardware, max_micro_batch: int = 16):
-    """Yield candidate configs (not yet checked)."""
+def _balanced_ends(layers: int, pp: int) -> int | None:
+    """Layers for the first and last stage when ``pp`` does not divide ``layers``: the
+    middle stages take ``ceil(layers / pp)`` each and the two ends share what is left
+    equally (Llama 3's 126 layers on 16 stages: 7 + 14 x 8 + 7); None when that does
+    not work out."""
+    if pp < 3 or layers % pp == 0:
+        return None
+    share = -(-layers // pp)
+    ends, odd = divmod(layers - share * (pp - 2), 2)
+    return ends if not odd and 0 < ends < share else None
+
+
+def candidates(config, gpus: int, hardware: Hardware, max_micro_batch: int = 16, options=None):
+    """Yield candidate configs (not yet checked). tp and ep x tp divide a node unless
+    ``options.cross_node``; every size is searched up to a bound that does not grow with
+    ``gpus`` (tp up to a node, cp up to 16, pp up to the layers, the micro-batch up to
+    ``max_micro_batch``), so an absurd accelerator count costs no more than a large one."""
+    options = options or Options()
     model, tr = config.model, config.training
     layers = model.num_layers
     recomputes = (
         ("none", "selective", "full") if "recompute" in type(model).model_fields else (None,)
     )
-    experts = getattr(getattr(model, "moe", None), "num_experts", 0)
-    zero1s = (False,) if config.optimizer.name == "onebit_adam" else (False, True)
-    for tp in _divisors(gpus):
-        if tp > hardware.gpus_per_node:
-            break
+    experts = model.experts.num_experts if model.experts is not None else 0
+    zero1s = (False,) if config.optimizer.name == "onebit_adam" or options.zero else (False, True)
+    node = hardware.gpus_per_node
+    for tp in _divisors(gpus, node if not options.cross_node else 64):
+        if not options.cross_node and not fits(tp, 1, node):
+            continue
         rest = gpus // tp
         for cp in (c for c in (1, 2, 4, 8, 16) if rest % c == 0):
-            for pp in (p for p in _divisors(rest // cp) if p <= layers):
+            for pp in _divisors(rest // cp, layers):
                 dp = rest // (cp * pp)
                 if tr.global_batch_size % dp:
                     continue
                 per_rank = tr.global_batch_size // dp
-                mbs = [b for b in _divisors(per_rank) if b <= max_micro_batch]
+                mbs = _divisors(per_rank, max_micro_batch)
                 vpps = [1] if pp == 1 else [v for v in (1, 2, 3, 4, 6, 8) if layers % (pp * v) == 0]
-                eps = [e for e in _divisors(dp * cp) if experts and experts % e == 0] or [1]
+                ends = _balanced_ends(layers, pp)
+                splits = [(None, None)] + ([(ends, ends)] if ends is not None else [])
+                vpps = vpps or ([1] if ends is not None else [])
+                eps = [e for e in _divisors(dp * cp, experts) if experts and experts % e == 0]
+                if not options.cross_node:
+                    eps = [e for e in eps if fits(e * tp, 1, node)]
                 sps = (False, True) if tp > 1 else (False,)
-                for vpp, ep, mb, sp, zero1, rc in itertools.product(
-                    vpps, eps, mbs, sps, zero1s, recomputes
+                for vpp, split, ep, mb, sp, zero1, rc in itertools.product(
+                    vpps, splits, eps or [1], mbs, sps, zero1s, recomputes
                 ):
                     yield dict(
                         tp=tp,
@@ -60,12 +85,23 @@ def candidates(config, gpus: int, hardware: Hardware, max_micro_batch: int = 16)
                         pp=pp,
                         dp=dp,
                         vpp=vpp,
+                        first=split[0],
+                        last=split[1],
                         ep=ep,
                         mb=mb,
                         sp=sp,
                         zero1=zero1,
                         recompute=rc,
                     )
+
+
+def _schedule(asked: str, vpp: int) -> str:
+    """The asked schedule, in the form the layout's vpp runs (zero bubble stays zero
+    bubble; GPipe has no interleaved form)."""
+    zero_bubble = asked in ("zb_h1", "interleaved_zb")
+    if vpp > 1:
+        return "interleaved_zb" if zero_bubble else "1f1b"
+    return "zb_h1" if zero_bubble else "1f1b" if asked == "interleaved_1f1b" else asked
 
 
 def _with_layout(config, c: dict):
@@ -81,7 +117,9 @@ def _with_layout(config, c: dict):
         ep=c["ep"],
         sequence_parallel=c["sp"],
         zero1=c["zero1"],
-        schedule="1f1b" if parallel["schedule"] != "gpipe" or c["vpp"] > 1 else "gpipe",
+        first_stage_layers=c["first"],
+        last_stage_layers=c["last"],
+        schedule=_schedule(parallel["schedule"], c["vpp"]),
     )
     update = {
         "parallel": ParallelConfig(**parallel),
@@ -99,7 +137,7 @@ def search(config, gpus: int, hardware: Hardware, options: Options | None = None
     config = with_data_vocab(config)
     shapes = {}
     found: list[tuple[float, Plan, object]] = []
-    for c in candidates(config, gpus, hardware):
+    for c in candidates(config, gpus, hardware, options=options):
         try:
             candidate = _with_layout(config, c)
             spec, m = candidate.check(gpus)
@@ -128,7 +166,7 @@ def search(config, gpus: int, hardware: Hardware, options: Options | None = None
 def overheads(result: Plan) -> dict[str, float]:
     """Shares of the step: bubble, exposed communication, recompute, memory-bound work."""
     t = result.time
-    comm = t.tp_comm + t.cp_comm + t.ep_comm + t.pp_comm + t.dp_exposed
+    comm = t.exposed_comm
     return {
         "bubble": t.bubble / t.total,
         "exposed comm": comm / t.total,

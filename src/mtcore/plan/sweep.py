@@ -131,13 +131,40 @@ def compare(config_path, layout, nproc, steps, overrides, hardware):
     from mtcore.training.overrides import load_config
 
     config = load_config(config_path, [*overrides, *layout_overrides(layout)])
-    predicted = plan(config, nproc, hardware, options_here(config))
+    predicted = plan(config, nproc, shared_host(hardware, nproc)[0], options_here(config))
     return measure(config_path, layout, nproc, steps, overrides), predicted
+
+
+def shared_host(hardware, nproc: int, cores: int | None = None):
+    """(``hardware`` as ``nproc`` ranks on this host's ``cores`` see it, a line saying so
+    or None): with more ranks than cores, each rank gets ``cores / nproc`` of a core's
+    compute and memory bandwidth (its peaks and ``memory_bandwidth_gbs`` scaled; a
+    GEMM-shape table's fractions stay). The planner's accelerators run side by side;
+    ranks time-sharing cores do not."""
+    from dataclasses import replace
+
+    cores = cores or len(os.sched_getaffinity(0))
+    if nproc <= cores:
+        return hardware, None
+    share = cores / nproc
+    peaks = {dtype: tflops * share for dtype, tflops in hardware.peak_tflops.items()}
+    shared = replace(
+        hardware,
+        peak_tflops=peaks,
+        memory_bandwidth_gbs=hardware.memory_bandwidth_gbs * share,
+        matmul_tflops=None if hardware.matmul_tflops is None else hardware.matmul_tflops * share,
+    )
+    line = (
+        f"{nproc} ranks on {cores} cores: each planned with {cores}/{nproc} of a core's "
+        "compute and memory bandwidth"
+    )
+    return shared, line
 
 
 def options_here(config):
     """Planner ``Options`` for what this machine's backend runs: a fused attention
-    (a log-sum-exp per query kept, no score matrix) unless the reference serves it."""
+    (a log-sum-exp per query kept, no score matrix) unless the reference serves it; and
+    any tp group allowed, since every rank of a sweep runs on this one host."""
     import torch
 
     from mtcore.backend import select_backend
@@ -150,7 +177,7 @@ def options_here(config):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     query = KernelQuery(backend.device.type, dtype[config.precision.dtype])
     attention = backend.kernels.table(query)["attention"][0]
-    return Options(fused_attention=attention.name != REFERENCE)
+    return Options(fused_attention=attention.name != REFERENCE, cross_node=True)
 
 
 @contextlib.contextmanager

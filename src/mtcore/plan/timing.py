@@ -1,21 +1,18 @@
-"""Predicted step time of one rank's work: compute, memory-bound work, communication.
+"""Predicted time of one rank's compute and memory-bound work (collectives: ``network``).
 
-Matrix products run at ``GEMM_EFFICIENCY`` of the accelerator's peak (scaled by its
-published maximum achievable matmul share relative to the fit accelerator's); everything
-that moves bytes (element-wise kernels through memory, collectives over links)
-at ``LINK_EFFICIENCY`` of the published bandwidth. Collectives are ring
-algorithms: an all-reduce moves ``2 (n-1)/n`` of its buffer per rank, an
-all-gather, reduce-scatter or all-to-all ``(n-1)/n``; each step pays the link's
-latency. Tensor-, context- and expert-parallel communication is exposed (mtcore
-runs it on the compute stream, between the products that need it). The loss over
-the vocabulary is counted op by op, in fp32 (``cross_entropy_bytes``).
+Matrix products run at the fraction of the dtype's peak that the hardware file's
+measured GEMM-shape table gives for their shape (``gemm``), or, without a table, at
+``GEMM_EFFICIENCY`` of the peak (scaled by the accelerator's published maximum
+achievable matmul share relative to the fit accelerator's); element-wise kernels
+through memory at ``LINK_EFFICIENCY`` of the memory bandwidth. The loss over the
+vocabulary is counted op by op, in fp32 (``cross_entropy_bytes``).
 """
 
 from __future__ import annotations
 
 from functools import cache
 
-from mtcore.plan import constants
+from mtcore.plan import constants, gemm
 from mtcore.plan.hardware import Hardware, load_hardware
 
 ELEMENTWISE_PASSES = 5
@@ -46,6 +43,50 @@ def matmul_share(hardware: Hardware) -> float | None:
     return hardware.matmul_tflops / hardware.peak_tflops["bf16"]
 
 
+class Products:
+    """Seconds of matrix products in ``dtype`` on ``hardware``, one shape at a time; the
+    transformer blocks' weight products in ``block_dtype`` (fp8 when ``precision.fp8``
+    is set and the file has an fp8 peak, else ``dtype``)."""
+
+    def __init__(self, hardware: Hardware, dtype: str, block_dtype: str | None = None):
+        self.hardware = hardware
+        self.dtype, self.block_dtype = dtype, block_dtype or dtype
+
+    def seconds(self, shape: tuple[float, float, float], calls: float = 1.0, block=False) -> float:
+        """``calls`` products ``[M, K] @ [K, N]`` (``shape``), forward."""
+        m, k, n = shape
+        return self.flops_seconds(calls * 2.0 * m * k * n, 2.0 * m * k * n, shape, block)
+
+    def flops_seconds(self, flops: float, one: float, shape=None, block=False) -> float:
+        """``flops`` of products of ``one`` FLOPs each (their shape unknown, or ``shape``)."""
+        dtype = self.block_dtype if block else self.dtype
+        peak = self.hardware.peak_flops(dtype)
+        table = (self.hardware.gemm_efficiency or {}).get(dtype)
+        if table is None:
+            return flops / gemm_flops(self.hardware, peak)
+        whole = tuple(round(d) for d in shape) if shape is not None else None
+        return flops / (peak * gemm.efficiency(table, one, whole))
+
+    def note(self) -> str:
+        """Which efficiency the products were credited, for the report."""
+        dtypes = sorted({self.dtype, self.block_dtype})
+        parts = []
+        for dtype in dtypes:
+            table = (self.hardware.gemm_efficiency or {}).get(dtype)
+            if table is None:
+                share = gemm_flops(self.hardware, 1.0)
+                parts.append(
+                    f"{dtype} products at the single constant {share:.3f} of peak "
+                    f"(no {dtype} GEMM-shape table in the {self.hardware.name} file)"
+                )
+            else:
+                parts.append(
+                    f"{dtype} products at the {self.hardware.name} file's measured GEMM-shape "
+                    f"table ({len(table)} shapes, interpolated by size)"
+                )
+        return "; ".join(parts)
+
+
 @cache
 def _fit_hardware() -> Hardware:
     return load_hardware(constants.FIT_HARDWARE)
@@ -68,32 +109,6 @@ def cross_entropy_bytes(e: int) -> float:
     forward = e + (e + 4) + 4 + 8 + 8 + 4 + 8
     backward = 8 + (4 + e)
     return forward + backward
-
-
-def all_reduce(hardware: Hardware, size_bytes: float, ranks: int, stride: int) -> float:
-    """``ranks`` ranks ``stride`` apart all-reduce a buffer of ``size_bytes``."""
-    return _ring(hardware, 2 * size_bytes, ranks, stride, steps=2 * (ranks - 1))
-
-
-def all_gather(hardware: Hardware, size_bytes: float, ranks: int, stride: int) -> float:
-    """Also a reduce-scatter or an all-to-all: ``size_bytes`` is the whole buffer."""
-    return _ring(hardware, size_bytes, ranks, stride, steps=ranks - 1)
-
-
-def _ring(hardware: Hardware, size_bytes: float, ranks: int, stride: int, steps: int) -> float:
-    if ranks <= 1:
-        return 0.0
-    bandwidth, latency = hardware.link(ranks, stride)
-    moved = size_bytes * (ranks - 1) / ranks
-    return moved / (bandwidth * constants.LINK_EFFICIENCY) + steps * latency
-
-
-def p2p(hardware: Hardware, size_bytes: float, stride: int) -> float:
-    """One rank sends ``size_bytes`` to the rank ``stride`` away (each uses its own port)."""
-    bandwidth, latency = hardware.link(2, stride)
-    if stride >= hardware.gpus_per_node:
-        bandwidth = hardware.inter_node_gbs * 1e9
-    return size_bytes / (bandwidth * constants.LINK_EFFICIENCY) + latency
 
 
 def memory_bound(hardware: Hardware, size_bytes: float) -> float:

@@ -59,8 +59,10 @@ class ParallelConfig(LayoutSpec):
     """The layout (``LayoutSpec``: tp, dp, pp, vpp, sequence_parallel; ``dp=None`` takes
     what the world leaves) and how the trainer runs it."""
 
-    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
-        "1f1b", description="pipeline schedule; 1f1b with vpp > 1 is the interleaved one"
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "interleaved_zb"] = Field(
+        "1f1b",
+        description="pipeline schedule; 1f1b with vpp > 1 is the interleaved one; zb_h1 "
+        "(vpp 1) and interleaved_zb (vpp > 1): zero bubble (weight gradients fill the drain)",
     )
     zero1: bool = Field(False, description="shard the optimizer state over dp (ZeRO-1)")
     bucket_size: int = Field(DEFAULT_BUCKET_SIZE, ge=1, description="gradient bucket, elements")
@@ -71,6 +73,10 @@ class ParallelConfig(LayoutSpec):
             raise ValueError(f"vpp={self.vpp} (interleaving) needs pp > 1")
         if self.schedule == "interleaved_1f1b" and self.vpp == 1:
             raise ValueError("schedule interleaved_1f1b needs vpp > 1 (chunks per pipeline rank)")
+        if self.schedule == "zb_h1" and self.vpp > 1:
+            raise ValueError("schedule zb_h1 runs one chunk per rank (vpp=1); use interleaved_zb")
+        if self.schedule == "interleaved_zb" and self.vpp == 1:
+            raise ValueError("schedule interleaved_zb needs vpp > 1 (chunks per pipeline rank)")
         if self.schedule == "gpipe" and self.vpp > 1:
             raise ValueError("schedule gpipe has no interleaved form; use 1f1b with vpp > 1")
         return self
@@ -200,14 +206,25 @@ class TrainingConfig(Section):
     steps: int = Field(1000, ge=1)
     global_batch_size: int = Field(32, ge=1)
     micro_batch_size: int = Field(4, ge=1)
-    seed: int = Field(1234, ge=0, description="weights, dropout and sample order")
+    # Below 2**63: the sample order's generator takes a signed 64-bit seed.
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="weights, dropout and sample order")
     backend: str | None = Field(None, description="None: MTCORE_BACKEND, else the best one")
     eval_interval: int = Field(100, ge=0, description="0: evaluate only at the end")
     eval_batches: int = Field(4, ge=1, description="global batches per evaluation")
     max_bad_steps: int = Field(5, ge=1, description="stop after this many NaN/inf steps in a row")
+    # Only a peer that hangs runs into it: one that exits is seen at once (the agent, a closed
+    # connection, the shared-memory channel's pid check). 5 minutes (torch's default is 10,
+    # torchtitan's 5 at start-up): a hung rank costs minutes, while what one rank does alone
+    # as the others wait (rank 0 checksumming a commit at ~1 GB/s, a slow first step) fits.
+    # At least 5 s: setting up the process group, and a rank a few seconds behind, need that.
     collective_timeout_s: float = Field(
-        600.0, gt=0, description="a collective or transfer a peer does not answer in this long "
+        300.0, ge=5, description="a collective or transfer a peer does not answer in this long "
         "ends the job, naming the call and its ranks"
+    )
+    self_check: bool = Field(
+        True,
+        description="before step 1, check the backend's non-reference kernels against the "
+        "reference ops (cached per machine) and its collectives; false: skip",
     )
     sample_prompt: str | None = Field("def ", description="printed continuation at the end")
     sample_tokens: int = Field(64, ge=0)
@@ -310,7 +327,7 @@ class TrainConfig(BaseModel, extra="forbid"):
                 "optimizer.name onebit_adam cannot run with parallel.zero1: every rank "
                 "compresses its whole local momentum, so the momentum cannot be sharded"
             )
-        if self.optimizer.name == "onebit_adam" and getattr(self.model, "moe", None) is not None:
+        if self.optimizer.name == "onebit_adam" and self.model.experts is not None:
             raise ValueError(
                 "optimizer.name onebit_adam compresses the dense data-parallel reduction only; "
                 "a mixture-of-experts model (model.moe) is not supported"
@@ -324,6 +341,13 @@ class TrainConfig(BaseModel, extra="forbid"):
         self.model.check_layout(spec)
         t = self.training
         microbatches = validate_pipeline(
-            t.global_batch_size, t.micro_batch_size, spec.dp, spec.pp, self.model.num_layers, spec.vpp
+            t.global_batch_size,
+            t.micro_batch_size,
+            spec.dp,
+            spec.pp,
+            self.model.num_layers,
+            spec.vpp,
+            first=spec.first_stage_layers,
+            last=spec.last_stage_layers,
         )
         return spec, microbatches

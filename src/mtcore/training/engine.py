@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from mtcore.backend.collective import P2P
+from mtcore.distributed import Axis
 from mtcore.models import Batch, FamilyConfig, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
 from mtcore.parallel.data import DataParallel, DataParallelConfig
@@ -74,6 +75,7 @@ class StepOutcome:
     loss_scale: float | None
     moe: dict[str, float] | None = None  # load statistics (``MoEStep.finish``); MoE models only
     terms: dict[str, float] | None = None  # each loss term's global mean (sum of them: loss)
+    stop: bool = False  # some rank asked to stop after this step (``train_step(stop=True)``)
 
 
 class Engine:
@@ -131,11 +133,10 @@ class Engine:
             max_grad_norm=self.max_grad_norm if scaler is not None else None,  # else step 4
         )
         self.groups = PipelineGroups.build(layout, self.collective)
-        moe = getattr(config, "moe", None)
-        experts = moe.num_experts if moe is not None else 0
+        experts = config.experts.num_experts if config.experts is not None else 0
         self.moe = MoEStep(self.chunks, layout, self.collective, self.ddp.device, experts)
         self.pp, self.m = layout.pp, num_microbatches
-        self.dp = layout.size("dp_cp")
+        self.dp_cp_size = layout.dp_cp.size  # data replicas: the loss is their mean
         name = "no_pipelining" if self.pp == 1 else schedule
         sched = build_schedule(name, self.pp, num_microbatches, layout.spec.vpp)
         self.messages = self.family.messages(config, layout, micro_batch_size, self.dtype)
@@ -163,8 +164,8 @@ class Engine:
                 per_term[name] = per_term.get(name, 0) + count.to(torch.float64)
         names = sorted(per_term)
         counts = torch.stack([per_term[n] for n in names]).to(self.ddp.device)
-        if self.dp > 1:
-            self.collective.all_reduce(counts, group=self.layout.group("dp_cp"))
+        if self.dp_cp_size > 1:
+            self.collective.all_reduce(counts, group=self.layout.dp_cp.group)
         return dict(zip(names, counts, strict=True))
 
     def _loss(self, outputs: dict[str, Tensor], batch: Batch) -> Tensor:
@@ -176,27 +177,29 @@ class Engine:
         total = None
         for name, (loss_sum, count) in self.chunks[-1].loss(outputs, batch).items():
             count = count.clamp(min=1)
-            weight = self._counts[name].clamp(min=1) / (self.dp * count)
+            weight = self._counts[name].clamp(min=1) / (self.dp_cp_size * count)
             term = (loss_sum / count) / weight.to(loss_sum.dtype)
             self._terms.setdefault(name, []).append(term.detach())
             total = term if total is None else total + term
         return self.optimizer.scale_loss(total)
 
     # -- training ------------------------------------------------------------------
-    def train_step(self, batches: list[Batch]) -> StepOutcome:
+    def train_step(self, batches: list[Batch], stop: bool = False) -> StepOutcome:
         """One optimizer step on the ``num_microbatches`` micro-batches of this dp rank
-        (each a family batch: named tensors)."""
+        (each a family batch: named tensors). ``stop``: this rank asks the job to stop
+        after this step; the outcome's ``stop`` is whether any rank did (carried by the
+        loss reduction, so every rank learns it at this step at no extra collective)."""
         if len(batches) != self.m:
             raise ValueError(f"train_step needs {self.m} micro-batches, got {len(batches)}")
         scaler = self.optimizer.loss_scaler
         # Aux losses get the main loss's factor: 1/micro-batches, times the loss scale.
         self.moe.set_aux_loss_scale((scaler.scale if scaler is not None else 1.0) / self.m)
-        out = self._step(batches)
-        if getattr(self.config, "moe", None) is None:
+        out = self._step(batches, stop)
+        if self.config.experts is None:
             return out
         return dataclasses.replace(out, moe=self.moe.finish(stepped=not out.skipped))
 
-    def _step(self, batches: list[Batch]) -> StepOutcome:
+    def _step(self, batches: list[Batch], stop: bool) -> StepOutcome:
         self.optimizer.zero_grad()
         scaler = self.optimizer.loss_scaler
         scale = scaler.scale if scaler is not None else 1.0
@@ -206,9 +209,9 @@ class Engine:
         if self.tied:
             allreduce_tied_grads(self.tied, self.groups, self.collective)
         self.ddp.finish_grad_sync()
-        terms = self._agree_terms(scale)
+        terms, stop = self._agree_terms(scale, stop)
         loss = sum(terms.values()) if terms else math.nan
-        outcome = functools.partial(StepOutcome, terms=terms)
+        outcome = functools.partial(StepOutcome, terms=terms, stop=stop)
         if not math.isfinite(loss):
             return outcome(loss, "loss", None, scale if scaler else None)
         if scaler is not None:
@@ -223,29 +226,44 @@ class Engine:
         self.optimizer.step()
         return outcome(loss, "", norm_value, None)
 
-    def _agree_terms(self, scale: float) -> dict[str, float]:
-        """Each term's global mean on every rank: the last stage's weighted micro-batch
-        losses, summed over micro-batches, pp and dp, divided by dp."""
+    def _agree_terms(self, scale: float, stop: bool) -> tuple[dict[str, float], bool]:
+        """Each term's global mean on every rank (the last stage's weighted micro-batch
+        losses, summed over micro-batches, pp and dp, divided by dp), and whether any
+        rank asked to stop."""
         names = sorted(self._counts)
         local = [
             torch.stack(self._terms[n]).sum().item() / scale if n in self._terms else 0.0
             for n in names
         ]
-        return dict(zip(names, self.agree_sums(local), strict=True))
+        *sums, stops = self.agree_sums(local, flag=stop)
+        return dict(zip(names, sums, strict=True)), stops > 0
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def agree_sums(self, local: list[float], mean_over_dp: bool = True) -> list[float]:
+    def agree_sums(
+        self, local: list[float], mean_over_dp: bool = True, flag: bool | None = None
+    ) -> list[float]:
         """Numbers the last stage holds (zeros elsewhere), summed over pp and dp on every
-        rank; divided by dp when ``mean_over_dp``."""
-        t = torch.tensor(local, dtype=torch.float32, device=self.ddp.device)
-        if self.pp > 1:
-            self.collective.all_reduce(t, group=self.layout.group("pp"))
-        if self.dp > 1:
-            self.collective.all_reduce(t, group=self.layout.group("dp_cp"))
-        return [value / self.dp if mean_over_dp else value for value in t.tolist()]
+        rank; divided by dp when ``mean_over_dp``. With ``flag``, one more number at the
+        end: how many ranks of the whole world passed ``flag=True``.
+
+        The tp ranks of a stage hold equal numbers: tp rank 0's are summed, and the sum
+        over tp x pp (the ``mp`` group; ``pp`` itself when tp is 1, ``tp`` when pp is 1)
+        reaches every rank with the flag (the world is mp x dp_cp): an extra collective
+        only when pp is 1 and tp is not, a tiny one on the tp group's own channel."""
+        flags = [] if flag is None else [float(flag)]
+        over_mp = self.pp > 1 or (flags and self.layout.size(Axis.TP) > 1)
+        values = local if not over_mp or self.layout.tp_rank == 0 else [0.0] * len(local)
+        t = torch.tensor(values + flags, dtype=torch.float32, device=self.ddp.device)
+        if over_mp:  # with pp 1, mp is the tp group: its own (a same-host channel's) object
+            group = self.layout.mp.group if self.pp > 1 else self.layout.group(Axis.TP)
+            self.collective.all_reduce(t, group=group)
+        if self.dp_cp_size > 1:
+            self.collective.all_reduce(t, group=self.layout.dp_cp.group)
+        sums = [value / self.dp_cp_size if mean_over_dp else value for value in t[: len(local)].tolist()]
+        return sums + t[len(local) :].tolist()
 
     # -- evaluation ----------------------------------------------------------------
     @torch.no_grad()
@@ -262,7 +280,10 @@ class Engine:
                 if out is None:
                     continue
                 last = self.chunks[-1]
-                for name, (total, count) in {**last.loss(out, batch), **last.metrics(out, batch)}.items():
+                for name, (total, count) in {
+                    **last.loss(out, batch),
+                    **last.metrics(out, batch),
+                }.items():
                     entry = sums.setdefault(name, [0.0, 0.0])
                     entry[0] += total.item()
                     entry[1] += count.item()
@@ -316,7 +337,7 @@ class Engine:
         rank 0 then sends each stage's tensors to rank 0 (p2p). Persistent buffers
         (a MoE router's expert bias, equal on every rank) come along.
         """
-        if self.layout.size("edp") > 1 and self.layout.coordinate("edp") != 0:
+        if self.layout.edp.size > 1 and self.layout.edp.rank != 0:
             return None
         full: dict[str, Tensor] = {}
         for chunk in self.chunks:
@@ -325,7 +346,7 @@ class Engine:
             full.update({name: tensors[name].float() for name in keep})
             saved = set(chunk.state_dict()) - {n for n, _ in chunk.named_parameters()}
             full.update({n: b.float().clone() for n, b in chunk.named_buffers() if n in saved})
-        if self.layout.tp_rank != 0 or self.layout.coordinate("dp_cp") != 0:
+        if self.layout.tp_rank != 0 or self.layout.dp_cp.rank != 0:
             return None
         if self.pp == 1:
             return full
@@ -342,7 +363,9 @@ class Engine:
         flat = torch.cat([t.reshape(-1) for t in tensors.values()]) if tensors else torch.zeros(0)
         sizes = torch.tensor([len(header), flat.numel()], dtype=torch.int64)
         self._p2p("send", sizes.to(self.ddp.device), dst)
-        self._p2p("send", torch.tensor(list(header), dtype=torch.uint8, device=self.ddp.device), dst)
+        self._p2p(
+            "send", torch.tensor(list(header), dtype=torch.uint8, device=self.ddp.device), dst
+        )
         self._p2p("send", flat.to(self.ddp.device), dst)
 
     def _recv_tensors(self, src: int) -> dict[str, Tensor]:

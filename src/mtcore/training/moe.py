@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mtcore.distributed import Axis
 from mtcore.parallel.moe import MoELayer, named_expert_parameters
 
 
@@ -70,9 +71,9 @@ class MoEStep:
             row[:e] = s.tokens_per_expert.double()
             row[e:] = torch.tensor([float(s.dropped), s.aux_loss * per, s.z_loss * per])
         table = table.to(self.device)
-        dp = self.layout.size("dp_cp")
+        dp = self.layout.dp_cp.size
         if dp > 1 and self.layers:
-            self.collective.all_reduce(table, group=self.layout.group("dp_cp"))
+            self.collective.all_reduce(table, group=self.layout.dp_cp.group)
             # losses: mean over dp of (mean over cp of the contributions = the loss)
             table[:, e + 1 :] /= dp
         tokens = table[:, :e]
@@ -98,8 +99,8 @@ class MoEStep:
         if len(share):
             extremes = torch.stack([share.max(), -share.min()])
         if self.layout.pp > 1:
-            self.collective.all_reduce(sums, group=self.layout.group("pp"))
-            self.collective.all_reduce(extremes, op="max", group=self.layout.group("pp"))
+            self.collective.all_reduce(sums, group=self.layout.group(Axis.PP))
+            self.collective.all_reduce(extremes, op="max", group=self.layout.group(Axis.PP))
         layers = max(float(sums[0]), 1.0)
         out = {
             "load_max": float(extremes[0]),
@@ -119,7 +120,7 @@ def gather_experts(chunk: nn.Module, tensors: dict[str, Tensor], layout, collect
     tp, keyed by ``chunk``'s names) by all experts, gathered over ep. Collective over ep."""
     if layout.ep == 1:
         return
-    group = layout.group("ep")
+    group = layout.group(Axis.EP)
     for name, _, (dim, _) in named_expert_parameters(chunk):
         mine = tensors[name].contiguous()
         out = torch.empty((layout.ep, *mine.shape), dtype=mine.dtype, device=mine.device)

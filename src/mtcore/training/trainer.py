@@ -23,16 +23,19 @@ import torch
 import yaml
 
 from mtcore.data import DataError
-from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
+from mtcore.data.loader import ALONE, SampleGroup
+from mtcore.distributed import Axis, LayoutError, LayoutSpec, ParallelLayout
 from mtcore.models import FamilyConfig, FamilyData, family_of
 from mtcore.parallel.context import check_backend_serves, shard_batch
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
+from mtcore.training.backend_check import verify_backend
 from mtcore.training.checkpoint import CheckpointError
 from mtcore.training.checkpoint.manifest import has_checkpoint, resolve_checkpoint, step_dir_name
 from mtcore.training.checkpoint.owner import claim as claim_checkpoint_dir
 from mtcore.training.checkpoint.trainer_io import TrainerCheckpoints
 from mtcore.training.config import ConfigError, TrainConfig
+from mtcore.training.elastic import ElasticRun, describe_nodes
 from mtcore.training.engine import Engine, StepOutcome
 from mtcore.training.metrics import (
     Progress,
@@ -43,6 +46,7 @@ from mtcore.training.metrics import (
     peak_tflops,
     perplexity,
 )
+from mtcore.training.preemption import Preempted, StopSignal
 from mtcore.training.writable import check_output_dirs
 
 
@@ -84,7 +88,9 @@ def wandb_settings(config: TrainConfig) -> dict:
     log = config.logging
     base = log.tensorboard_dir or config.checkpoint.dir or f"runs/{log.run_name}/tensorboard"
     directory = Path(base).expanduser().parent / "wandb"
-    return dict(project=log.wandb_project, name=log.run_name, mode=log.wandb_mode, dir=str(directory))
+    return dict(
+        project=log.wandb_project, name=log.run_name, mode=log.wandb_mode, dir=str(directory)
+    )
 
 
 def check_wandb(config: TrainConfig) -> None:
@@ -112,7 +118,9 @@ def check_run_directory(config: TrainConfig) -> None:
         saved = yaml.safe_load((latest / "config.yaml").read_text())
     except (CheckpointError, OSError, yaml.YAMLError):
         return  # unreadable: the save or the resume path reports it
-    other = ((saved or {}).get("logging") or {}).get("run_name") if isinstance(saved, dict) else None
+    other = (
+        ((saved or {}).get("logging") or {}).get("run_name") if isinstance(saved, dict) else None
+    )
     if isinstance(other, str) and other != config.logging.run_name:
         raise ConfigError(
             f"checkpoint.dir {root} holds the checkpoints of run {other!r} (latest "
@@ -152,7 +160,9 @@ class BadStepGuard:
         if backs_off and out.loss_scale is not None and out.loss_scale > self.scaler.min_scale:
             return f"step {step}: fp16 gradient overflow, loss scale {out.loss_scale:g} -> {self.scaler.scale:g}, step skipped"
         self.run += 1
-        msg = f"step {step}: non-finite {what} (loss {out.loss}), step skipped ({self.run} in a row)"
+        msg = (
+            f"step {step}: non-finite {what} (loss {out.loss}), step skipped ({self.run} in a row)"
+        )
         if self.run >= self.max_bad:
             raise TrainingError(
                 f"{msg}; stopping after {self.run} consecutive bad steps "
@@ -183,36 +193,86 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if backend.device.type != "cpu":
-        backend.device.set_device(int(os.environ.get("LOCAL_RANK", 0)) % backend.device.device_count())
+        backend.device.set_device(
+            int(os.environ.get("LOCAL_RANK", 0)) % backend.device.device_count()
+        )
     if world > 1:
         backend.collective.init_process_group(timeout_s=config.training.collective_timeout_s)
         layout = ParallelLayout.build(prep.spec, backend.collective, rank, world)
     else:
         layout = ParallelLayout.single(prep.spec)
+    elastic = ElasticRun.from_environment()
+
+    def say(text: str) -> None:  # rank 0, before the loop's progress output exists
+        if rank == 0:
+            print(text, file=stream or sys.stdout, flush=True)
+
     try:
-        # Before anything reads or writes the checkpoint root (resume included).
-        owner = claim_checkpoint_dir(config.checkpoint.dir, backend, rank, world)
-        try:
-            if owner is not None and owner.notice:
-                print(owner.notice, file=stream or sys.stdout, flush=True)
-            return _Loop(config, prep, layout, backend, rank == 0, stream).run()
-        finally:
-            if owner is not None:
-                owner.release()
+        if world > 1:  # on several nodes: which address each node's ranks bind
+            for line in describe_nodes(backend, rank, world, backend.torch_device()):
+                say(f"mtcore train: {line}")
+        if config.training.self_check:
+            param_dtype = config.precision.mixed_precision().param_dtype
+            verify_backend(backend, param_dtype, rank, world, say)
+        with StopSignal() as stop:  # a SIGTERM from here on ends in a checkpoint
+            # Before anything reads or writes the checkpoint root (resume included). An
+            # earlier incarnation of this job still holding it gets half the collective
+            # timeout to let go (the other ranks wait for rank 0 in a collective).
+            wait_s = config.training.collective_timeout_s / 2
+            owner = claim_checkpoint_dir(
+                config.checkpoint.dir, backend, rank, world, elastic.run_id, wait_s, say
+            )
+            try:
+                if owner is not None and owner.notice:
+                    say(owner.notice)
+                return _Loop(
+                    config, prep, layout, backend, rank == 0, stream, owner, elastic, stop
+                ).run()
+            finally:
+                if owner is not None:
+                    owner.release()
     finally:
         if world > 1:
             backend.collective.destroy()
 
 
+def sample_group(layout: ParallelLayout, collective, device) -> SampleGroup:
+    """This rank's model replica (tp x pp ranks): they read the same samples."""
+    mp = layout.mp
+    if mp.size == 1:
+        return ALONE
+
+    def any_of(flags: torch.Tensor) -> torch.Tensor:
+        wide = flags.to(device=device, dtype=torch.int32)
+        collective.all_reduce(wide, op="max", group=mp.group)
+        return wide.cpu().bool()
+
+    return SampleGroup(any_of, speaks=mp.rank == 0)
+
+
 class _Loop:
-    def __init__(self, config, prep: Prepared, layout, backend, is_main: bool, stream):
+    def __init__(
+        self,
+        config,
+        prep: Prepared,
+        layout,
+        backend,
+        is_main: bool,
+        stream,
+        owner=None,
+        elastic: ElasticRun | None = None,
+        stop: StopSignal | None = None,
+    ):
+        """``owner``: the job's claim on ``checkpoint.dir`` (``owner.claim``); ``elastic``: its
+        run id and restart count; ``stop``: the installed ``StopSignal`` (None: none)."""
         self.config, self.prep, self.layout, self.backend = config, prep, layout, backend
+        self.stop = stop if stop is not None else StopSignal(signals=())
         self.is_main, self.t = is_main, config.training
-        self.model = prep.model
+        self.model_config = prep.model
         self.device = backend.torch_device()
         mp = config.precision.mixed_precision()
         self.engine = Engine(
-            self.model,
+            self.model_config,
             layout,
             backend,
             micro_batch_size=self.t.micro_batch_size,
@@ -232,13 +292,13 @@ class _Loop:
             run_config,
             wandb_settings(config) if is_main and config.logging.wandb else None,
         )
-        self.flops = self.model.flops_per_step(self.t.global_batch_size)
+        self.flops = self.model_config.flops_per_step(self.t.global_batch_size)
         self.peak = peak_tflops(backend, mp.param_dtype)
         # Samples are split over dp (TrainConfig.check counts micro-batches per dp rank);
         # the ranks of a cp group read the same samples and each keeps its share of every
         # sequence (``_batch``), so the engine's counts over dp x cp are the global ones.
-        dp, dp_rank = layout.size("dp"), layout.coordinate("dp")
-        self.cp, self.cp_rank = layout.cp, layout.coordinate("cp")
+        dp, dp_rank = layout.size(Axis.DP), layout.coordinate(Axis.DP)
+        self.cp, self.cp_rank = layout.cp, layout.coordinate(Axis.CP)
         self.loader_args = dict(
             micro_batch_size=self.t.micro_batch_size,
             global_batch_size=self.t.global_batch_size,
@@ -246,9 +306,11 @@ class _Loop:
             dp_size=dp,
             seed=self.t.seed,
         )
+        if prep.data.loader_takes_group:
+            self.loader_args["group"] = sample_group(layout, backend.collective, self.device)
         self.train_loader = prep.data.loader(prep.data.train, **self.loader_args)
         self.result = TrainResult()
-        self.checkpoints = TrainerCheckpoints(config, self.engine, prep, self.say)
+        self.checkpoints = TrainerCheckpoints(config, self.engine, prep, self.say, owner, elastic)
         self.result.start_step = self.checkpoints.restore(self.train_loader)  # collective
         self.decay_steps = self._schedule_length()
 
@@ -302,22 +364,22 @@ class _Loop:
             self.progress.close()
             self.scalars.close()
             return self.result
-        s, tokens_per_step = self.layout.spec, self.t.global_batch_size * self.model.seq_len
+        s, tokens_per_step = self.layout.spec, self.t.global_batch_size * self.model_config.seq_len
         for note in self.backend.selection_notes:
             self.say(f"mtcore train: warning: {note}")
         self.say(
-            f"mtcore train: {self.model.describe()} | {self.layout.world_size} ranks: "
+            f"mtcore train: {self.model_config.describe()} | {self.layout.world_size} ranks: "
             f"tp={s.tp} pp={s.pp} vpp={s.vpp} dp={s.dp} "
             f"cp={s.cp}{f' ({s.cp_method})' if s.cp > 1 else ''} sp={s.sequence_parallel} "
             f"zero1={self.config.parallel.zero1} | {self.config.precision.dtype} on "
             f"{self.backend.name} | {self.prep.microbatches} micro-batches x "
             f"{self.t.micro_batch_size} per dp rank, {tokens_per_step} tokens/step"
         )
-        if (m := getattr(self.model, "moe", None)) is not None:
+        if (m := self.model_config.experts) is not None:
             self.say(
                 f"mixture of experts: {m.num_experts} experts, top-{m.top_k}, in "
-                f"{self.model.num_moe_layers} of {self.model.num_layers} layers, ep={s.ep}, "
-                f"{self.model.num_params(active=True) / 1e6:.2f}M params active per token, "
+                f"{self.model_config.num_moe_layers} of {self.model_config.num_layers} layers, ep={s.ep}, "
+                f"{self.model_config.num_params(active=True) / 1e6:.2f}M params active per token, "
                 f"{m.dispatcher} dispatch, "
                 + ("dropless" if m.capacity_factor is None else f"capacity {m.capacity_factor}")
             )
@@ -328,7 +390,7 @@ class _Loop:
         for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0 = time.perf_counter()
             self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.decay_steps))
-            out = self.engine.train_step(self._batch(self.train_loader))
+            out = self.engine.train_step(self._batch(self.train_loader), self.stop.requested)
             window_t += time.perf_counter() - t0
             window_steps += 1
             self.result.losses.append(out.loss)
@@ -346,6 +408,8 @@ class _Loop:
                 self.progress.update(step, f"loss {out.loss:.4f}")
             if self._due(step, self.t.eval_interval):
                 self._evaluate(step)
+            if out.stop and step != self.t.steps:
+                self._preempted(step)
             if self._due(step, self.config.checkpoint.interval) and step != self.t.steps:
                 self._save(step)
             self.checkpoints.poll()  # commits a finished asynchronous save
@@ -358,6 +422,17 @@ class _Loop:
         self.say(f"done: {ran} steps{since} in {self.result.wall_s:.1f} s")
         return self.result
 
+    def _preempted(self, step: int) -> None:
+        """Every rank: commit ``step`` (collective), then raise ``Preempted``."""
+        saved = None
+        if self.config.checkpoint.dir is not None and step > self.result.start_step:
+            saved = self.checkpoints.save(step, self.train_loader, final=True)
+        self.progress.close()
+        self.scalars.close()
+        got = self.stop.received
+        name = got.name if got is not None else "a signal to another rank"
+        raise Preempted(step, name, saved, self.stop.since() if got is not None else None)
+
     def _due(self, step: int, interval: int) -> bool:
         return (interval > 0 and step % interval == 0) or step == self.t.steps
 
@@ -368,12 +443,12 @@ class _Loop:
             {name: t.to(self.device) for name, t in next(loader).items()}
             for _ in range(self.prep.microbatches)
         ]
-        seq = self.model.seq_len
+        seq = self.model_config.seq_len
         return [shard_batch(batch, seq, self.cp, self.cp_rank) for batch in batches]
 
     def _log(self, step: int, out: StepOutcome, lr: float, step_s: float) -> None:
         memory = self._peak_memory()
-        tokens_s = self.t.global_batch_size * self.model.seq_len / step_s
+        tokens_s = self.t.global_batch_size * self.model_config.seq_len / step_s
         tflops = self.flops / step_s / self.layout.world_size / 1e12
         norm = f"{out.grad_norm:.3f}" if out.grad_norm is not None else "n/a"
         terms = out.terms if out.terms and len(out.terms) > 1 else {}  # one term is the loss
@@ -433,7 +508,7 @@ class _Loop:
     def _save(self, step: int, final: bool = False) -> None:
         root = self.config.checkpoint.dir
         want_sample = final and self.t.sample_prompt is not None and self.t.sample_tokens > 0
-        want_sample = want_sample and family_of(self.model).generate is not None
+        want_sample = want_sample and family_of(self.model_config).capabilities.generates
         if root is not None and step > self.result.start_step:  # collective: every rank
             self.result.checkpoint = self.checkpoints.save(step, self.train_loader, final)
         if not want_sample:
@@ -441,7 +516,9 @@ class _Loop:
         weights = self.engine.full_state_dict()  # collective: every rank
         if self.is_main:
             tok, prompt = self.prep.data.tokenizer, self.t.sample_prompt
-            self.result.sample = sample(self.model, weights, tok, prompt, self.t.sample_tokens, self.backend)
+            self.result.sample = sample(
+                self.model_config, weights, tok, prompt, self.t.sample_tokens, self.backend
+            )
             self.say(f"sample ({self.t.sample_tokens} tokens after {self.t.sample_prompt!r}):")
             self.say(self.result.sample)
 

@@ -30,8 +30,8 @@ pytest.importorskip("triton.language")
 pytest.importorskip("mtcore_triton")
 
 from mtcore import ops
+from mtcore.backend.checks import kernel_cases as kit
 from mtcore.ops import rope_tables
-from mtcore.testing.conformance import kernel_cases as kit
 from mtcore_triton import (
     adamw,
     cross_entropy,
@@ -41,6 +41,8 @@ from mtcore_triton import (
     pointwise,
     registration,
 )
+
+pytestmark = pytest.mark.triton_interpreter
 
 DTYPES = (torch.float32, torch.bfloat16)
 TOL = {

@@ -202,6 +202,7 @@ def test_doctor_kernel_table_shows_the_pack_and_the_forced_reference(monkeypatch
     assert "forces the reference" in "\n".join(render._kernels(forced))
 
 
+@pytest.mark.triton_interpreter
 def test_dispatch_runs_the_pack_and_guards_route_the_rest(monkeypatch):
     monkeypatch.delenv("MTCORE_KERNELS", raising=False)
     table = KernelTable("interpreted", registration.triton_kernel_impls("cpu"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from mtcore.backend import (
@@ -21,17 +23,19 @@ def mtcore_backends():
                         priority={priority})]
 """
 
+# An accelerator whose torch extension is not installed; its driver's device nodes are
+# files matching PATTERN, so a test decides whether the device is plausibly here.
 UNAVAILABLE = """
-from mtcore.backend import Availability, BackendSpec, Collective, CpuDevice, hookimpl
+from mtcore.backend import BackendSpec, Collective, DeviceModuleSpec, TorchModuleDevice, hookimpl
 
-class NoDevice(CpuDevice):
-    type = "nodev"
-    def availability(self):
-        return Availability(False, "no nodev card is plugged in")
+NODEV = DeviceModuleSpec(
+    "nodev", import_name="torch_nodev_not_installed", device_files=({pattern!r},)
+)
 
 @hookimpl
 def mtcore_backends():
-    return [BackendSpec(name="nodev", device=NoDevice(), collective=Collective("gloo"), priority=500)]
+    return [BackendSpec(name="nodev", device=TorchModuleDevice(NODEV), collective=Collective("gloo"),
+                        priority=500)]
 """
 
 
@@ -52,6 +56,21 @@ def test_installed_cuda_plugin_is_found_with_version_and_cpu_is_the_cores(monkey
     assert found.backends["cuda"][1].name == "mtcore_cuda"
 
 
+def test_dev_install_on_a_machine_without_accelerators_falls_to_cpu_without_a_warning(monkeypatch):
+    """The CUDA and MUSA plugins of `make setup` on a CPU machine (CI, a laptop): no warning."""
+    for name in ("BACKEND", "PLUGINS", "DISABLE_PLUGIN_AUTOLOAD", "REQUIRE_ACCELERATOR"):
+        monkeypatch.delenv(f"MTCORE_{name}", raising=False)
+    reg = registry()
+    accelerators = [spec for spec, _ in reg.backends().backends.values() if spec.accelerator]
+    assert {"cuda", "musa"} <= {spec.name for spec in accelerators}
+    if any(spec.device_seen() for spec in accelerators):
+        pytest.skip("this machine has an accelerator's device files")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginWarning)
+        backend = select_backend(None, reg)
+    assert backend.name == "cpu" and backend.selection_notes == ()
+
+
 def test_third_party_plugin_selected_by_name_and_auto_by_priority(make_dist, monkeypatch):
     monkeypatch.delenv("MTCORE_BACKEND", raising=False)
     make_dist("acme-accel", "acme_plugin", ACCEL.format(name="acme", priority=7))
@@ -63,20 +82,38 @@ def test_third_party_plugin_selected_by_name_and_auto_by_priority(make_dist, mon
     assert select_backend(None, reg).name == "cpu"
 
 
-def test_unavailable_accelerator_is_skipped_automatically_but_error_when_asked(make_dist, monkeypatch):
+def test_unavailable_accelerator_warns_only_when_its_device_is_plausibly_here(
+    make_dist, monkeypatch, tmp_path
+):
     monkeypatch.delenv("MTCORE_BACKEND", raising=False)
-    make_dist("nodev-plugin", "nodev_plugin", UNAVAILABLE)
+    nodes = str(tmp_path / "nodev[0-9]*")
+    make_dist("nodev-plugin", "nodev_plugin", UNAVAILABLE.format(pattern=nodes))
     reg = registry()
-    # Automatic selection says which installed accelerator could not serve, and why.
-    with pytest.warns(PluginWarning, match=r"chose 'cpu'.*'nodev' from plugin nodev_plugin \(nodev-plugin 1.0\).*no nodev card") as seen:
+    reason = "cannot import 'torch_nodev_not_installed'"
+    # No device node: a development install on a CPU machine falls to the host quietly.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginWarning)
         backend = select_backend(None, reg)
-    assert backend.name == "cpu" and str(seen[0].message) in backend.selection_notes
+    assert backend.name == "cpu" and backend.selection_notes == ()
+    monkeypatch.setenv("MTCORE_REQUIRE_ACCELERATOR", "1")  # ... unless the host is forbidden
+    with pytest.raises(BackendError, match=rf"(?s)MTCORE_REQUIRE_ACCELERATOR is set.*{reason}"):
+        select_backend(None, reg)
+    monkeypatch.delenv("MTCORE_REQUIRE_ACCELERATOR")
+    # The driver's node exists but the backend cannot run: said on every selection.
+    (tmp_path / "nodev0").touch()
+    for _ in range(2):
+        with pytest.warns(
+            PluginWarning,
+            match=rf"chose 'cpu'.*'nodev' from plugin nodev_plugin \(nodev-plugin 1.0\).*{reason}",
+        ) as seen:
+            backend = select_backend(None, reg)
+        assert backend.name == "cpu" and str(seen[0].message) in backend.selection_notes
     monkeypatch.setenv("MTCORE_REQUIRE_ACCELERATOR", "1")
-    with pytest.raises(BackendError, match=r"(?s)MTCORE_REQUIRE_ACCELERATOR is set.*no nodev card"):
+    with pytest.raises(BackendError, match=rf"(?s)MTCORE_REQUIRE_ACCELERATOR is set.*{reason}"):
         select_backend(None, reg)
     assert select_backend("cpu", reg).name == "cpu"  # asking for the host by name stays allowed
     monkeypatch.delenv("MTCORE_REQUIRE_ACCELERATOR")
-    with pytest.raises(BackendError, match="no nodev card is plugged in") as err:
+    with pytest.raises(BackendError, match=reason) as err:
         select_backend("nodev", reg)
     assert "does not fall back" in str(err.value)
     monkeypatch.setenv("MTCORE_BACKEND", "nodev")
@@ -260,6 +297,8 @@ class ProbeFails(CpuDevice):
     type = "flaky"
     def availability(self):
         raise OSError("driver ioctl failed")
+    def device_seen(self):
+        return True  # the driver's node is there; talking to it fails
 
 @hookimpl
 def mtcore_backends():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import resource
 import time
 
 import pytest
@@ -57,6 +58,44 @@ def test_a_peer_that_hangs_then_exits_is_named_and_the_segment_leaves_nothing():
     channel.close()
     # each noticed at the first liveness check (one second into the wait)
     assert hung < 5 and gone < 5, (hung, gone)
+
+
+def _late_peer(path: str, ready, go, late_s: float) -> None:
+    """Group rank 1: map the segment, then join one all-reduce ``late_s`` after ``go``."""
+    channel = SharedMemoryChannel(path, 1, [0, 0], timeout_s=60)
+    ready.set()
+    go.wait(30)
+    time.sleep(late_s)
+    x = torch.full((4,), 2.0)
+    channel.all_reduce(x)
+    channel.close()
+
+
+def test_a_rank_waiting_for_a_late_peer_sleeps_instead_of_polling():
+    """Half a second of waiting costs a handful of wake-ups and no CPU to speak of (it
+    slept in the kernel); polling every 50 us woke thousands of times."""
+    path = shared_memory.create_segment(2)
+    context = mp.get_context("spawn")
+    ready, go = context.Event(), context.Event()
+    peer = context.Process(target=_late_peer, args=(path, ready, go, 0.5), daemon=True)
+    peer.start()
+    try:
+        assert ready.wait(60), "the peer did not map the segment"
+        channel = SharedMemoryChannel(path, 0, [os.getpid(), peer.pid], timeout_s=60)
+    finally:
+        shared_memory.unlink_segment(path)
+    x = torch.ones(4)
+    before = resource.getrusage(resource.RUSAGE_THREAD)
+    go.set()
+    channel.all_reduce(x)
+    after = resource.getrusage(resource.RUSAGE_THREAD)
+    peer.join(30)
+    channel.close()
+    assert torch.equal(x, torch.full((4,), 3.0))
+    wakeups = after.ru_nvcsw - before.ru_nvcsw
+    cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert wakeups <= 10, wakeups
+    assert cpu_s < 0.05, cpu_s
 
 
 def test_a_segment_is_refused_when_shm_lacks_the_room(monkeypatch):

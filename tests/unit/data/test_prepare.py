@@ -156,7 +156,7 @@ def test_command_prints_progress_and_summary_and_trains(tmp_path, tokenizer_json
     assert run.returncode == 0, run.stderr
     assert f"{len(docs)} documents" in run.stdout and "written in" in run.stdout
     assert f"prepare p: {len(docs)} documents" in run.stderr  # the summary line
-    # Again, in-process: nothing to do; and a missing input is exit 1 naming it.
+    # Again, in-process: nothing to do; and a missing input is exit 2 (bad input) naming it.
     assert main(cmd[1:]) == 0
     out, err = capsys.readouterr()
     assert "up to date" in out and "nothing to do" in err
@@ -164,5 +164,112 @@ def test_command_prints_progress_and_summary_and_trains(tmp_path, tokenizer_json
         DataConfig(paths=[str(tmp_path / "p")], tokenizer=str(tokenizer_json), seq_len=16)
     )
     assert data.train.num_docs + data.valid.num_docs == len(docs)
-    assert main([*cmd[1:3], str(tmp_path / "nope.txt"), *cmd[4:]]) == 1
+    assert main([*cmd[1:3], str(tmp_path / "nope.txt"), *cmd[4:]]) == 2
     assert "mtcore data prepare: error: data path does not exist" in capsys.readouterr().err
+
+
+def test_bad_inputs_and_outputs_are_one_line_exit_2_and_write_nothing(
+    tmp_path, tokenizer_json, capsys
+):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "fine"}\n')
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("first line\nna\xefve caf\xe9\n".encode("latin-1"))
+    jsonl = tmp_path / "bytes.jsonl"
+    jsonl.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    cases = [
+        ([str(good)], a_file / "sub" / "out", f"is under {a_file}, which is a file"),
+        ([str(good)], tmp_path / "missing" / "out", "does not exist; create it first"),
+        ([str(good)], tmp_path, "is a directory; give a file prefix inside it"),
+        ([str(latin1)], tmp_path / "o1", f"{latin1}:2: not UTF-8 (byte 0xef at column 3)"),
+        ([str(jsonl)], tmp_path / "o2", f"{jsonl}:2: not UTF-8 (byte 0xff at column 11)"),
+        ([str(tmp_path / "nope.txt")], tmp_path / "o3", "data path does not exist"),
+    ]
+    for inputs, output, said in cases:
+        argv = [
+            "data",
+            "prepare",
+            *inputs,
+            "--tokenizer",
+            str(tokenizer_json),
+            "--output",
+            str(output),
+        ]
+        assert main(argv) == 2, said
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("mtcore data prepare: error:") and said in err[-1], err
+    assert not (tmp_path / "missing").exists()
+    assert not list(tmp_path.glob("o*.bin")) and not list(tmp_path.glob("o*.idx"))
+
+
+def test_a_full_disk_is_exit_1_and_the_next_run_goes_on(tmp_path, tokenizer_json, docs, capsys):
+    """Root only: a tiny tmpfs that the output does not fit in."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                          capture_output=True)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        corpus = tmp_path / "big.txt"
+        corpus.write_text("\n\n".join(docs * 40))
+        argv = ["data", "prepare", str(corpus), "--tokenizer", str(tokenizer_json),
+                "--output", str(disk / "out"), "--workers", "1"]  # fmt: skip
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"mtcore data prepare: error: writing {disk / 'out'}: No space left")
+        assert "run the same command again" in err
+        assert not (disk / "out.idx").exists() and not (disk / "out.json").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_damaged_part_is_tokenized_again_not_reused(tmp_path, tokenizer_json, docs, capsys):
+    """A part an interrupted run finished, whose tokens were cut short since (a disk that
+    lost them): the next run says so and tokenizes that file again, and the output equals
+    a fresh run's (it used to be joined as it was, and the joined output refused)."""
+    from mtcore.data.progress import report_to
+
+    good, bad = tmp_path / "in" / "a.jsonl", tmp_path / "in" / "b.jsonl"
+    good.parent.mkdir()
+    good.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    bad.write_text('{"text": "fi"}\n{"text"  "ne"}\n')
+    with pytest.raises(DataError):
+        prepare_data([good.parent], tokenizer_json, tmp_path / "out")
+    (parts,) = tmp_path.glob("out.parts-*")
+    tokens = parts / "part-000000.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-6])  # three tokens lost
+    st = bad.stat()
+    bad.write_text('{"text": "fi"}\n{"text": "ne"}\n')
+    os.utime(bad, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same inputs: parts are reused
+    report_to(sys.stderr)
+    try:
+        prepare_data([good.parent], tokenizer_json, tmp_path / "out")
+    finally:
+        report_to(None)
+    err = capsys.readouterr().err
+    assert f"{parts / 'part-000000'}: its tokens hold" in err and f"tokenizing {good} again" in err
+    assert "resumed" not in err  # nothing was reused
+    fresh = prepare_data([good.parent], tokenizer_json, tmp_path / "fresh")
+    np.testing.assert_array_equal(
+        np.asarray(IndexedDataset(tmp_path / "out").tokens),
+        np.asarray(IndexedDataset(fresh.prefix).tokens),
+    )
+
+
+def test_the_progress_line_has_the_rate_and_the_time_left(monkeypatch):
+    from mtcore.data import progress as module
+    from mtcore.data.progress import Progress
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    progress = Progress("prepare x", total_bytes=4_000_000)
+    clock[0] += 10.0  # 1 MB and 50,000 tokens in 10 s
+    progress.update(docs=7, tokens=50_000, nbytes=1_000_000)
+    line = progress.line()
+    assert line.startswith("prepare x:  25.0% | 7 documents, 50,000 tokens | 0.1 MB/s, "), line
+    assert ", 5,000 tokens/s | 10 s, ETA 30 s" in line, line  # 3 MB left at 0.1 MB/s
+    unsized = Progress("prepare y")
+    assert "%" not in unsized.line() and "ETA" not in unsized.line()

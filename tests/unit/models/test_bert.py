@@ -10,7 +10,7 @@ from mtcore.backend import select_backend
 from mtcore.distributed import LayoutError, LayoutSpec
 from mtcore.models import FamilyError, family_of, parse_model_config
 from mtcore.models.bert import Bert, BertConfig, full_weight_shapes, load_full_weights
-from mtcore.models.layers import single_context
+from mtcore.models.common.layers import single_context
 
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, seq_len=16, dropout=0.0)
 

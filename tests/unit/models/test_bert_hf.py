@@ -12,8 +12,8 @@ from mtcore.backend import select_backend
 from mtcore.models import get_family
 from mtcore.models.bert import Bert, BertConfig
 from mtcore.models.bert.hf import import_bert
-from mtcore.models.hf_files import HFInteropError
-from mtcore.models.layers import single_context
+from mtcore.models.common.hf_files import HFInteropError
+from mtcore.models.common.layers import single_context
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,5 @@
-"""Llama 3.1, a custom head_dim, Qwen2, Mistral and Mixtral interop in one process,
+"""Llama 3.1, a custom head_dim, Qwen2, Mistral, Mixtral, Qwen3 and Qwen3-MoE interop in
+one process,
 against transformers itself (random tiny models; fp32).
 
 Each saved model imports with transformers' logits; the import exports back to a
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
+from mtcore.models.common.decoder.rope import gpt_rope_tables, llama3_inv_freq
 from mtcore.models.gpt import GPT, GPTConfig, single_context
 from mtcore.models.gpt.hf import HFInteropError, export_hf, import_hf, model_config_from_hf
-from mtcore.models.gpt.rope import gpt_rope_tables, llama3_inv_freq
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,6 +53,23 @@ CASES = {
     "qwen2_untied": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(sliding_window=SEQ, head_dim=8)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+    # Windows shorter than the sequence: each query sees its last 7 (5) keys.
+    "mistral_window7": ("MistralConfig", dict(sliding_window=7)),
+    "qwen2_window5": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=0),
+    ),
 }
 
 
@@ -137,6 +155,15 @@ def test_what_each_import_becomes(saved):
     mixtral, weights = import_hf(saved["mixtral"][0])
     assert (mixtral.moe.num_experts, mixtral.moe.top_k, mixtral.moe.ffn_size) == (4, 2, 96)
     assert weights["layers.1.mlp.experts.fc1"].shape == (4, 64, 192)
+    qwen3, weights = import_hf(saved["qwen3"][0])
+    assert (
+        qwen3.qk_norm
+        and not qwen3.qkv_bias
+        and weights["layers.0.attn.q_norm.weight"].shape == (24,)
+    )
+    qwen3_moe, weights = import_hf(saved["qwen3_moe"][0])
+    assert qwen3_moe.first_dense_layers == 1 and qwen3_moe.moe.shared_ffn_size == 0
+    assert qwen3_moe.moe.norm_topk and "layers.0.mlp.fc1.weight" in weights
 
 
 def test_the_hub_rope_form_reads_as_transformers_5_form():
@@ -181,9 +208,12 @@ def _random_weights(config: GPTConfig) -> dict:
         (dict(moe={**MOE, "capacity_factor": 1.0}), r"token dropping"),
         (dict(moe={**MOE, "score": "sigmoid"}), r"moe\.score='sigmoid'"),
         (dict(moe=MOE, moe_layer_freq=2), r"dense layers between MoE layers"),
+        (dict(moe=MOE, first_dense_layers=1), r"dense first layers \(first_dense_layers=1\)"),
+        (dict(moe={**MOE, "expert_groups": 2}), r"group-limited routing"),
+        (dict(moe={**MOE, "shared_ffn_size": 32}, qk_norm=True), r"Qwen3-MoE cannot hold a shared"),
     ],
 )
-def test_export_refuses_what_mixtral_cannot_hold(tmp_path, model, message):
+def test_export_refuses_what_mixtral_and_qwen3_moe_cannot_hold(tmp_path, model, message):
     config = GPTConfig(**MT, **model)
     with pytest.raises(HFInteropError, match=message):
         export_hf(config, _random_weights(config), tmp_path)
@@ -215,15 +245,20 @@ BASE = {**SIZES, "hidden_act": "silu"}
     "config, message",
     [
         (
-            {"model_type": "mistral", "sliding_window": 8},
-            r"sliding_window=8 is shorter than seq_len=20.*--seq-len 8",
-        ),
-        (
-            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8},
-            r"sliding_window=8 is shorter",
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 1,
+            },
+            r"sliding_window=8 in layers \[1\] only: .*one window.*--seq-len 8",
         ),
         ({"model_type": "gemma"}, r"model_type='gemma'.*'llama', 'mistral', 'qwen2', 'mixtral'"),
-        ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}}, "rope_type='yarn'"),
+        (
+            {"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}},
+            "rope_type='longrope'",
+        ),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}}, "'yarn' lacks factor"),
         ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}}, "lacks factor"),
         ({"model_type": "llama", "attention_bias": True}, "attention_bias=true"),
         ({"model_type": "mixtral", "num_local_experts": 4}, "lacks 'num_experts_per_tok'"),
@@ -234,9 +269,12 @@ def test_import_refuses_what_does_not_map(config, message):
         model_config_from_hf({**BASE, **config})
 
 
-def test_a_window_as_long_as_the_sequence_imports_and_a_shorter_seq_len_too():
+def test_a_window_as_long_as_the_sequence_imports_and_a_shorter_one_too():
     mistral = {**BASE, "model_type": "mistral", "sliding_window": 8}
     assert model_config_from_hf(mistral, seq_len=8).sliding_window == 8
+    assert model_config_from_hf(mistral).sliding_window == 8  # seq_len 20
+    mixed = {**BASE, "model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 1}
+    assert model_config_from_hf({**mixed, "sliding_window": 20}).sliding_window == 20
     qwen2 = {**BASE, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 8}
     assert model_config_from_hf(qwen2).sliding_window is None  # off: no window at all
 
@@ -267,6 +305,41 @@ def test_exported_tokenizer_tokenizes_like_mtcore_and_names_its_tokens(tmp_path)
     assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (eod, eod, eod)
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.generation_config.eos_token_id == eod
+
+
+def test_a_llama3_tokenizer_keeps_begin_of_text_as_bos(tmp_path):
+    """Llama 3's tokenizer.json (special tokens <|begin_of_text|> and <|end_of_text|>, a
+    template that prepends the first): bos is <|begin_of_text|>, eos and pad the
+    end-of-document <|end_of_text|>, in tokenizer_config.json and config.json alike."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    llama3 = Tokenizer(models.BPE())
+    llama3.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    llama3.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=270,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    llama3.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
+    llama3.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    llama3.save(str(tmp_path / "tok.json"))
+    config = GPTConfig(**{**MT, "vocab_size": 384})
+    out = export_hf(
+        config, _random_weights(config), tmp_path / "hf", tokenizer_json=tmp_path / "tok.json"
+    )
+    hf_config = json.loads((out / "config.json").read_text())
+    ids = (hf_config["bos_token_id"], hf_config["eos_token_id"], hf_config["pad_token_id"])
+    assert ids == (0, 1, 1)
+    fast = transformers.AutoTokenizer.from_pretrained(out)
+    assert (fast.bos_token, fast.eos_token, fast.pad_token) == (*specials, specials[1])
+    assert fast.encode("hello")[0] == fast.bos_token_id == 0  # what the template prepends
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert (model.generation_config.bos_token_id, model.generation_config.eos_token_id) == (0, 1)
 
 
 def test_a_small_export_is_one_file(tmp_path):
@@ -318,8 +391,9 @@ def test_new_switches_default_to_the_plain_model():
     assert sized.num_params() == sum(p.numel() for p in model.parameters())
     assert model.layers["0"].attn.proj.bias is None
     assert model.layers["0"].attn.qkv.bias.shape == ((4 + 2 * 4) * 24,)
-    with pytest.raises(ValueError, match="sliding_window=8 is shorter than seq_len=20"):
-        GPTConfig(**MT, sliding_window=8)
+    window8 = GPTConfig(**MT, sliding_window=8)
+    windowed = GPT(window8, single_context(window8, select_backend("cpu")))
+    assert windowed.layers["0"].attn.window == 8 and model.layers["0"].attn.window is None
     with pytest.raises(ValueError, match=r"hidden_size=62 is not divisible .*\(set head_size"):
         GPTConfig(**{**MT, "hidden_size": 62})
     assert GPTConfig(**{**MT, "hidden_size": 62}, head_size=16).head_dim == 16

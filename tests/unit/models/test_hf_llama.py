@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mtcore.backend import select_backend
+from mtcore.models.common.decoder.weights import load_full_weights
 from mtcore.models.gpt import GPT, GPTConfig, single_context
 from mtcore.models.gpt.hf import (
     HFInteropError,
@@ -23,7 +24,6 @@ from mtcore.models.gpt.hf import (
     import_llama,
     model_config_from_llama,
 )
-from mtcore.models.gpt.weights import load_full_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,9 +130,7 @@ def test_import_reads_sharded_safetensors(saved_hf, tmp_path):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tied):
-    config = GPTConfig(
-        style="llama", tie_embeddings=tied, init_std=0.1, rope_theta=5e5, **MT_SIZES
-    )
+    config = GPTConfig(style="llama", tie_embeddings=tied, init_std=0.1, rope_theta=5e5, **MT_SIZES)
     model = mt_gpt(config, seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -208,7 +206,7 @@ BASE = {**HF_SIZES, "model_type": "llama", "hidden_act": "silu"}
     [
         ({"model_type": "gemma"}, "model_type='gemma'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_type='linear'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type='yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_type='dynamic'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"mlp_bias": True}, "mlp_bias=true"),

@@ -115,6 +115,7 @@ def test_family_is_registered_lazily():
             r"decoder sequence length 7 is not divisible by tp=2",
         ),
         ({}, {"cp": 2}, r"cp=2: T5 does not support context parallelism"),
+        ({}, {"pp": 2, "first_stage_layers": 1}, r"T5 splits its stages by .*split_rank"),
     ],
 )
 def test_impossible_layouts_are_named(sizes, layout, message):

@@ -13,10 +13,10 @@ import tokenizers
 import torch
 
 from mtcore.data import Tokenizer
-from mtcore.data.spans import T5_SPECIAL_TOKENS
 from mtcore.data.tokenizer import train_tokenizer
-from mtcore.models.hf_files import HFInteropError
+from mtcore.models.common.hf_files import HFInteropError
 from mtcore.models.t5 import T5, T5Config
+from mtcore.models.t5.data import T5_SPECIAL_TOKENS
 from mtcore.models.t5.generate import encode_prompt, generate_ids, generate_text
 from mtcore.models.t5.hf import export_t5, import_t5
 from mtcore.models.t5.weights import load_full_weights

@@ -11,8 +11,15 @@ transformers = pytest.importorskip("transformers")
 IMAGE_ID, VOCAB, SEQ = 5, 64, 16
 
 
-def hf_llava(layers: int = 3, feature_layer: int = -2, strategy: str = "default", seed: int = 0):
-    """A random tiny transformers LLaVA (CLIP 8 px / 4 px patches, Llama 2 layers)."""
+def hf_llava(
+    layers: int = 3,
+    feature_layer: int = -2,
+    strategy: str = "default",
+    seed: int = 0,
+    image_id: int = IMAGE_ID,
+):
+    """A random tiny transformers LLaVA (CLIP 8 px / 4 px patches, Llama 2 layers) that
+    marks images with token ``image_id`` (``image_token_index``)."""
     vision = transformers.CLIPVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
         image_size=8, patch_size=4, projection_dim=8, hidden_act="quick_gelu", initializer_range=0.2,
@@ -23,7 +30,7 @@ def hf_llava(layers: int = 3, feature_layer: int = -2, strategy: str = "default"
         initializer_range=0.1,
     )  # fmt: skip
     config = transformers.LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=IMAGE_ID,
+        vision_config=vision, text_config=text, image_token_index=image_id,
         image_seq_length=4 + (strategy == "full"), vision_feature_layer=feature_layer,
         vision_feature_select_strategy=strategy,
     )  # fmt: skip

@@ -1,5 +1,10 @@
 """cpu_flash_attention_lse (torch's CPU flash kernel) matches the reference attention_lse,
-forward and backward through both outputs, with GQA, masks and fully masked rows."""
+forward and backward through both outputs, with GQA, masks and fully masked rows.
+
+The same checks run ``flash_attention_lse`` with the other recipes device plugins use,
+on the same CPU kernel: 8 padding columns in backward (flash kernels that want the head
+dim a multiple of 8), no ``scale`` argument (q rescaled in backward instead: the MUSA
+kernels), boolean masks, and the backward in the input's dtype."""
 
 from __future__ import annotations
 
@@ -7,11 +12,50 @@ import pytest
 import torch
 
 from mtcore.ops import attention_lse
-from mtcore.ops.torch_native import cpu_flash_attention_lse, cpu_flash_attention_lse_available
+from mtcore.ops.flash_lse import (
+    CPU_FLASH,
+    FlashKernels,
+    cpu_flash_attention_lse,
+    cpu_flash_attention_lse_available,
+    default_scale,
+    flash_attention_lse,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpu_flash_attention_lse_available(), reason="torch has no CPU flash-attention backward"
 )
+
+
+def _cpu_bool_mask_forward(q, k, v, is_causal, mask, scale):
+    return CPU_FLASH.forward(q, k, v, is_causal, _additive(mask, q.dtype), scale)
+
+
+def _cpu_bool_mask_backward(grad_out, q, k, v, out, lse, state, is_causal, mask, scale):
+    mask = _additive(mask, q.dtype)
+    return CPU_FLASH.backward(grad_out, q, k, v, out, lse, state, is_causal, mask, scale)
+
+
+def _additive(mask, dtype):
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+
+
+RECIPES = {
+    "cpu": cpu_flash_attention_lse,
+    # The MUSA recipe: 8 columns, the kernel's default scale, boolean masks, own dtype.
+    "pad8-noscale-bool": lambda *a, **kw: flash_attention_lse(
+        FlashKernels(_cpu_bool_mask_forward, _cpu_bool_mask_backward, "bool", 8, takes_scale=False),
+        *a,
+        **kw,
+    ),
+    # The CUDA recipe: 8 columns, the scale passed, float32 backward on this kernel.
+    "pad8-scale": lambda *a, **kw: flash_attention_lse(
+        FlashKernels(CPU_FLASH.forward, CPU_FLASH.backward, head_pad=8, float32_backward=True),
+        *a,
+        **kw,
+    ),
+}
 
 
 def _inputs(sq, sk, seed):
@@ -25,7 +69,8 @@ def _inputs(sq, sk, seed):
     ("sq", "sk", "causal", "masked"),
     [(6, 6, True, False), (6, 6, False, False), (4, 9, True, False), (6, 6, True, True), (4, 9, False, True)],
 )  # fmt: skip
-def test_matches_the_reference_forward_and_backward(sq, sk, causal, masked):
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_matches_the_reference_forward_and_backward(sq, sk, causal, masked, recipe):
     q, k, v = _inputs(sq, sk, seed=sq * 10 + sk)
     mask = None
     if masked:
@@ -35,7 +80,7 @@ def test_matches_the_reference_forward_and_backward(sq, sk, causal, masked):
     g = torch.Generator().manual_seed(1)
     d_out, d_lse = torch.randn(2, 4, sq, 8, generator=g), torch.randn(2, 4, sq, generator=g)
     results = []
-    for fn in (cpu_flash_attention_lse, attention_lse):
+    for fn in (RECIPES[recipe], attention_lse):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out, lse = fn(*leaves, causal=causal, key_padding_mask=mask)
         finite = torch.isfinite(lse)
@@ -59,10 +104,15 @@ def test_bf16_keeps_dtypes():
     torch.testing.assert_close(lse, want_lse, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("recipe", ["cpu", "pad8-noscale-bool"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_passes_the_conformance_kit_cases(dtype):
+def test_passes_the_conformance_kit_cases(dtype, recipe):
     """What the kit runs against a registered attention_lse (forward, backward, bias)."""
-    from mtcore.testing.conformance.kernel_cases import check_op
+    from mtcore.backend.checks.kernel_cases import check_op
 
-    ran = check_op("attention_lse", cpu_flash_attention_lse, None, dtype, "cpu")
-    assert len(ran) >= 4, ran
+    if recipe != "cpu" and dtype == torch.bfloat16:
+        pytest.skip("a bf16 backward on the CPU kernel is biased (float32_backward's reason)")
+    # Kernels that take no scale decline any other than the default (the MUSA guard).
+    guard = None if recipe == "cpu" else lambda q, *a, scale=None, **kw: default_scale(q, scale)
+    ran = check_op("attention_lse", RECIPES[recipe], guard, dtype, "cpu")
+    assert len(ran) >= (4 if recipe == "cpu" else 3), ran

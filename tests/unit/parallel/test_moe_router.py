@@ -177,3 +177,28 @@ def test_top1_weight_is_the_probability_so_the_router_learns_from_the_loss():
         assert (r.probs < 1).all(), score
         r.probs.sum().backward()
         assert logits.grad.abs().sum() > 0, score
+
+
+def test_group_limited_routing_chooses_inside_the_best_groups_and_scales():
+    """DeepSeek-V3's choice: groups scored by their two best (biased) sigmoid scores; a
+    token's experts come from its best groups only; weights unbiased, then scaled."""
+    logits, bias = _logits(t=64, e=8, seed=3), 0.3 * torch.randn(8)
+    spec = MoESpec(num_experts=8, top_k=3, ffn_size=4, score="sigmoid", expert_groups=4,
+                   top_groups=2, routed_scale=2.5)  # fmt: skip
+    r = route(logits, spec, bias)
+    chooser = (torch.sigmoid(logits) + bias).view(64, 4, 2)
+    best_groups = chooser.sum(-1).topk(2, dim=-1).indices  # groups of 2: both entries
+    for token in range(64):
+        groups = set((r.experts[token] // 2).tolist())
+        assert groups <= set(best_groups[token].tolist()), token
+    raw = torch.sigmoid(logits).gather(-1, r.experts)
+    torch.testing.assert_close(r.probs, 2.5 * raw / raw.sum(-1, keepdim=True))
+    free = route(logits, spec.model_copy(update={"top_groups": None}), bias)
+    assert not torch.equal(free.experts.sort(-1).values, r.experts.sort(-1).values)
+
+
+def test_group_limited_routing_refuses_impossible_groups():
+    with pytest.raises(ValueError, match="not divisible by expert_groups=3"):
+        MoESpec(num_experts=8, ffn_size=4, expert_groups=3)
+    with pytest.raises(ValueError, match="hold fewer than top_k=4"):
+        MoESpec(num_experts=8, ffn_size=4, top_k=4, expert_groups=4, top_groups=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.parallel.pipeline import (
     PipelineGroups,
     SplitError,
@@ -26,7 +26,10 @@ def test_even_split_is_chunk_major():
     first, last = stage_plan(8, 2, 0, 2, 0), stage_plan(8, 2, 1, 2, 1)
     assert first.has_embedding and not first.has_head and first.virtual_stage == 0
     assert last.has_head and not last.has_embedding and last.virtual_stage == 3
-    assert not any(p.has_head or p.has_embedding for p in (stage_plan(8, 2, 1, 2, 0), stage_plan(8, 2, 0, 2, 1)))
+    assert not any(
+        p.has_head or p.has_embedding
+        for p in (stage_plan(8, 2, 1, 2, 0), stage_plan(8, 2, 0, 2, 1))
+    )
     assert [list(p.layers) for p in stage_plans(6, 3, 1)] == [[2, 3]]
 
 
@@ -43,12 +46,44 @@ def test_uneven_split_only_when_given():
         stage_plan(8, 2, 2)
 
 
+def test_first_and_last_stage_layers():
+    """Megatron's first/last pipeline layer counts, by hand: the ranks between share the
+    rest; over chunks, the model's end holds the fewer (Llama 3 405B's 126 layers)."""
+    assert layer_counts(126, 16, first=7, last=7) == [7] + [8] * 14 + [7]
+    assert layer_counts(70, 12, first=5, last=5) == [5] + [6] * 10 + [5]
+    assert layer_counts(10, 3, first=2) == [2, 4, 4]
+    assert layer_counts(5, 2, last=1) == [4, 1]
+    llama = layer_counts(126, 16, 8, first=7, last=7)  # vpp 8: one layer per chunk
+    assert llama[0] == 0 and llama[-1] == 0 and set(llama[1:-1]) == {1} and sum(llama) == 126
+    # 6 layers, pp2 x vpp2, 1 and 5: virtual stages (r0 c0, r1 c0, r0 c1, r1 c1)
+    assert layer_counts(6, 2, 2, first=1, last=5) == [0, 3, 1, 2]
+    got = [[list(p.layers) for p in stage_plans(6, 2, r, 2, first=1, last=5)] for r in range(2)]
+    assert got == [[[], [3]], [[0, 1, 2], [4, 5]]]
+    assert stage_plan(6, 2, 0, 2, 0, first=1, last=5).has_embedding
+    assert layer_counts(6, 3, 2, first=1, last=1) == [0, 2, 1, 1, 2, 0]
+    with pytest.raises(SplitError, match=r"the 3 layers between .* over 1 pipeline ranks x vpp=2"):
+        layer_counts(4, 2, 2, first=1)
+    with pytest.raises(SplitError, match=r"the 5 layers between .* do not split evenly over 2"):
+        layer_counts(11, 4, first=3, last=3)
+    with pytest.raises(SplitError, match="leave -2 of the model's 4 layers"):
+        layer_counts(4, 2, first=3, last=3)
+    with pytest.raises(SplitError, match="need pp > 1"):
+        layer_counts(4, 1, first=2)
+    assert validate_pipeline(8, 1, 1, pp=4, num_layers=10, first=1, last=1) == 8
+    with pytest.raises(ValueError, match="need pp > 1"):
+        LayoutSpec(first_stage_layers=2)
+
+
 def test_batch_validation_names_the_numbers():
     assert num_microbatches(64, 2, 4) == 8
-    with pytest.raises(SplitError, match=r"global batch 30 is not divisible by micro-batch x dp = 4 x 2 = 8"):
+    with pytest.raises(
+        SplitError, match=r"global batch 30 is not divisible by micro-batch x dp = 4 x 2 = 8"
+    ):
         num_microbatches(30, 4, 2)
     assert validate_pipeline(32, 2, 2, pp=4, num_layers=8, vpp=2) == 8
-    with pytest.raises(SplitError, match=r"micro-batches \(6 = 24 / \(2 x 2\)\) to be a multiple of pp \(4\)"):
+    with pytest.raises(
+        SplitError, match=r"micro-batches \(6 = 24 / \(2 x 2\)\) to be a multiple of pp \(4\)"
+    ):
         validate_pipeline(24, 2, 2, pp=4, num_layers=8, vpp=2)
     with pytest.raises(SplitError, match="not divisible by pp"):
         validate_pipeline(32, 2, 2, pp=4, num_layers=6)
@@ -56,7 +91,9 @@ def test_batch_validation_names_the_numbers():
 
 def test_stage_module_keeps_whole_model_names():
     layers = {3: nn.Linear(4, 4), 2: nn.Linear(4, 4)}
-    stage = StageModule(layers, pre=nn.Embedding(5, 4), post=nn.Linear(4, 5), names=("embed", "head"))
+    stage = StageModule(
+        layers, pre=nn.Embedding(5, 4), post=nn.Linear(4, 5), names=("embed", "head")
+    )
     names = [n for n, _ in stage.named_parameters()]
     assert names[:2] == ["embed.weight", "head.weight"] and "layers.2.weight" in names
     x = torch.tensor([[1, 2]])
@@ -87,7 +124,7 @@ def test_groups_follow_the_layout_on_every_rank():
         mine = coll.created[before:]
         assert created is None or mine == created  # same groups, same order, on every rank
         created = mine
-        assert groups.ranks == layout.ranks_of["pp"] and groups.pp_rank == layout.pp_rank
+        assert groups.ranks == layout.ranks_of[Axis.PP] and groups.pp_rank == layout.pp_rank
         assert groups.embedding_ranks == (rank % 4, rank % 4 + 4)
         assert groups.embedding_group == f"group{groups.embedding_ranks}"
     # The embedding groups are the layout's; the pipeline itself only adds a barrier.

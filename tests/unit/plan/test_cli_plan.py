@@ -75,6 +75,17 @@ def test_unknown_hardware_lists_the_shipped_ones(capsys):
     assert main(["plan", DEFAULT, "--gpus", "4", "--hardware", "tpu9"]) == 2
     err = capsys.readouterr().err
     assert "A100-80GB" in err and "MTT-S4000" in err and "cpu-host" in err
+    assert "H100-SXM (H100, " in err and len(err.strip().splitlines()) == 1
+
+
+def test_hardware_by_alias_in_any_case_and_listed_in_help(capsys):
+    assert main(["plan", DEFAULT, "--gpus", "8", "--hardware", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hardware"] == "H100-SXM"
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "H100-SXM (H100, H100-SXM5" in help_text and "A100-80GB (A100, " in help_text
+    assert "MTT-S4000 (S4000)" in help_text and "any case" in help_text
 
 
 def test_bad_layout_string(capsys):
@@ -107,3 +118,13 @@ def test_the_default_hardware_without_a_backend(capsys):
     assert main(["plan", DEFAULT, "--gpus", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["hardware"] == "H100-SXM" and "hardware_from_backend" not in out
+
+
+def test_superscript_digits_are_not_counts(capsys):
+    """``"²".isdigit()`` is true and ``int("²")`` raises: both ends of that are caught."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "configs/default.yaml", "--gpus", "²"])
+    assert stopped.value.code == 2
+    assert "--gpus needs a whole number >= 1, got '²'" in capsys.readouterr().err
+    assert main(["plan", "configs/default.yaml", "--gpus", "4", "--compare", "tp=²"]) == 2
+    assert "Traceback" not in capsys.readouterr().err

@@ -7,11 +7,13 @@ import importlib.util
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import tomllib
 from published import MEGATRON_CORE_2024, megatron_core_config
 
-from mtcore.plan import model_shape
+from mtcore.plan import load_hardware, model_shape
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_gemm_shapes.py"
 
@@ -55,3 +57,22 @@ def test_the_cpu_self_check_times_every_product(tmp_path):
     rows = [r for r in results if r["product"] == "all"]
     assert [r["row"] for r in rows] == ["1.7B", "7.1B", "16B", "70B", "177B"]
     assert "the planner credits 0.7" in proc.stdout
+
+
+def test_the_planner_mode_writes_a_table_a_hardware_file_takes(tmp_path):
+    """``--planner`` times the plan's own products of a config and writes them as a
+    ``[gemm_efficiency]`` table that loads into a hardware file (how cpu-host's was made)."""
+    out = tmp_path / "table.toml"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--planner", "configs/default.yaml", "--layouts",
+         "tp=2,pp=2", "--nproc", "4", "--reps", "2", "--toml", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = tomllib.loads(out.read_text())["gemm_efficiency"]["fp32"]
+    # tp 2, micro-batches of 4 x 128 tokens: the query/key/value product, its share of the
+    # 4096-entry vocabulary, and one head's scores (128 queries, 32 dims, 128 keys)
+    assert {"512x128x128", "512x128x2048", "128x32x128"} <= set(table)
+    assert all(0 < fraction <= 1 for fraction in table.values())
+    hardware = load_hardware("cpu-host")
+    assert replace(hardware, gemm_efficiency={"fp32": table}).gemm_efficiency["fp32"] == table

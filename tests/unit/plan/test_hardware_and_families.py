@@ -3,19 +3,29 @@ vision-language one checked against the real model it builds (frozen parts inclu
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
+from mtcore.backend import hookimpl, plugin_registry
+from mtcore.cli.main import main
+from mtcore.models import ModelFamily, reset_plugin_families
+from mtcore.models.gpt import GPTConfig
+from mtcore.models.gpt.family import GPTFamily
 from mtcore.plan import (
     HardwareError,
     NotModelled,
     builtin_names,
     load_hardware,
     model_shape,
+    network,
     plan,
     timing,
 )
+from mtcore.plan.hardware import builtin_descriptions, find_description
 from mtcore.plan.planner import with_data_vocab
 from mtcore.plan.shapes import stage_params
 from mtcore.training.overrides import load_config
@@ -30,6 +40,56 @@ def test_the_shipped_descriptions():
         assert hw.sources, f"{name} names no source for its numbers"
         assert hw.peak_flops("bf16") > 0 and hw.memory_bytes > 0
     assert load_hardware("a100-80gb").peak_tflops["bf16"] == 312.0
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ("h100", "H100-SXM"),
+        ("H100 SXM", "H100-SXM"),
+        ("h100_sxm5", "H100-SXM"),
+        ("a100", "A100-80GB"),
+        ("A100-SXM4-80GB", "A100-80GB"),
+        ("h200", "H200"),
+        ("b200", "B200"),
+        ("s4000", "MTT-S4000"),
+        ("CPU", "cpu-host"),
+    ],
+)
+def test_shipped_descriptions_by_name_or_alias_in_any_case(query, name):
+    assert load_hardware(query).name == name
+
+
+def test_names_that_are_not_shipped_or_are_ambiguous_are_refused_in_one_line():
+    # H20 is a different accelerator from H200; an A100 40GB is not the 80GB file.
+    for query in ("h20", "a100-40gb", "h1"):
+        with pytest.raises(
+            HardwareError,
+            match=rf"^no hardware description named '{query}'; shipped: A100-80GB \(A100, ",
+        ) as err:
+            load_hardware(query)
+        assert "\n" not in str(err.value)
+    shipped = builtin_descriptions()
+    a100 = find_description("a100", shipped)
+    forty = replace(
+        a100, name="A100-40GB", memory_gb=40.0, aliases=("A100",), path="a100-40gb.toml"
+    )
+    assert find_description("a100-40gb", [*shipped, forty]) is forty
+    with pytest.raises(HardwareError) as err:
+        find_description("a100", [*shipped, forty])
+    assert str(err.value) == (
+        "hardware name 'a100' is ambiguous: it could be A100-80GB (A100, A100-SXM4-80GB), "
+        "A100-40GB (A100); give one of those names"
+    )
+
+
+def test_shipped_names_and_aliases_name_one_description_each():
+    def keys(hw) -> set[str]:
+        names = {hw.name, Path(hw.path).stem, *hw.aliases}
+        return {"".join(char for char in name.lower() if char.isalnum()) for name in names}
+
+    every = [key for hw in builtin_descriptions() for key in keys(hw)]
+    assert len(every) == len(set(every))
 
 
 def test_a_user_file(tmp_path):
@@ -47,9 +107,9 @@ def test_a_user_file(tmp_path):
 
 def test_link_bandwidth_inside_and_across_nodes():
     hw = load_hardware("A100-80GB")
-    assert hw.link(8, 1)[0] == 300e9  # one node: NVLink
-    assert hw.link(32, 1)[0] == 200e9  # 8 members per node drive 8 ports
-    assert hw.link(32, 8)[0] == 25e9  # one member per node: one port
+    assert network.ring_bandwidth(hw, 8, 1) == 300e9  # one node: NVLink
+    assert network.ring_bandwidth(hw, 32, 1) == 200e9  # 8 members per node drive 8 ports
+    assert network.ring_bandwidth(hw, 32, 8) == 25e9  # one member per node: one port
 
 
 FAMILY_CONFIGS = [
@@ -80,12 +140,67 @@ def test_moe_experts_are_sharded_over_ep():
     assert any("MoE" in note for note in result.notes)
 
 
-def test_an_unknown_family_is_not_modelled():
-    class Other:
-        family = "mamba"
+class _PlannedConfig(GPTConfig):
+    family: Literal["planned_gpt"] = "planned_gpt"
 
-    with pytest.raises(NotModelled, match="does not model the 'mamba' family"):
-        model_shape(Other())
+
+class _Planned(GPTFamily):
+    """An out-of-tree family with a shape (a GPT under another name)."""
+
+    name, config, description = "planned_gpt", _PlannedConfig, "a GPT from a plugin"
+
+
+class _UnplannedConfig(GPTConfig):
+    family: Literal["unplanned_gpt"] = "unplanned_gpt"
+
+
+class _Unplanned(GPTFamily):
+    """An out-of-tree family without a shape."""
+
+    name, config, description = "unplanned_gpt", _UnplannedConfig, "a GPT without a shape"
+    shape = ModelFamily.shape
+
+
+class _FamilyPlugin:
+    @hookimpl
+    def mtcore_model_families(self):
+        return [_Planned(), _Unplanned()]
+
+
+@pytest.fixture
+def plugin_families():
+    """The two families above, contributed by a plugin registered in this process."""
+    registry = plugin_registry()
+    registry.register(_FamilyPlugin(), "plan_test_families")
+    reset_plugin_families()
+    yield
+    registry.manager.unregister(name="plan_test_families")
+    registry.discovery.plugins.pop("plan_test_families", None)
+    reset_plugin_families()
+
+
+def _plan_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["plan", "configs/default.yaml", "--gpus", "4", "--json", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_an_out_of_tree_family_is_planned_from_its_shape(plugin_families, capsys):
+    """plan/ names no family: a plugin's family with a shape plans as its shape says (here
+    a GPT's, so the numbers are the built-in GPT's), one without is refused in one line."""
+    code, gpt, _ = _plan_cli(capsys)
+    assert code == 0
+    code, planned, err = _plan_cli(capsys, "--model.family", "planned_gpt")
+    assert code == 0, err
+    want, got = json.loads(gpt), json.loads(planned)
+    assert got.pop("family") == "planned_gpt" and want.pop("family") == "gpt"
+    assert got == want
+    code, out, err = _plan_cli(capsys, "--model.family", "unplanned_gpt")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1, err
+    assert "does not model the 'unplanned_gpt' family" in err and "ModelFamily.shape" in err
+    with pytest.raises(NotModelled, match="'unplanned_gpt'"):
+        model_shape(_UnplannedConfig(vocab_size=256))
 
 
 # -- the vision-language family (model.family: llava) -------------------------------------
@@ -121,7 +236,7 @@ def test_llava_stages_hold_what_the_real_model_holds(freeze):
     planner leaves those out for every family)."""
     from mtcore.backend import select_backend
     from mtcore.models import get_family
-    from mtcore.models.layers import single_context
+    from mtcore.models.common.layers import single_context
     from mtcore.models.vlm.model import Llava
 
     config = llava("--model.freeze", freeze)
@@ -173,7 +288,7 @@ def test_llava_flops_are_the_familys(overrides):
     projector's products (``first_stage_flops``), give the family's ``flops_per_step``
     exactly: the tower's blocks against ``flops_per_image``, the language model's and
     head against the GPT's count."""
-    from mtcore.models.gpt.config import GPTConfig
+    from mtcore.models.gpt import GPTConfig
 
     config = llava(*overrides)
     shape, v, images = model_shape(config), config.vision, config.images.max_images

@@ -19,6 +19,7 @@ from mtcore.plan.sweep import (
     live_peak,
     parse_log,
     read_rank_peaks,
+    shared_host,
     stage_of,
     tensor_peak,
 )
@@ -154,3 +155,30 @@ def test_interleaving_with_as_many_microbatches_as_stages_holds_every_head():
         predicted.peak_memory / MB,
         measured.peak_bytes / MB,
     )
+
+
+def test_more_ranks_than_cores_share_a_core():
+    """4 ranks on 2 cores: each planned with half a core's peaks and memory bandwidth
+    (the GEMM table's fractions stay); 2 ranks on 2 cores: the file as it is."""
+    hardware = load_hardware("cpu-host")
+    shared, line = shared_host(hardware, 4, cores=2)
+    assert shared.peak_tflops["fp32"] == hardware.peak_tflops["fp32"] / 2
+    assert shared.memory_bandwidth_gbs == hardware.memory_bandwidth_gbs / 2
+    assert shared.gemm_efficiency == hardware.gemm_efficiency
+    assert (
+        line == "4 ranks on 2 cores: each planned with 2/4 of a core's compute and memory bandwidth"
+    )
+    assert shared_host(hardware, 2, cores=2) == (hardware, None)
+
+
+def test_missing_data_and_counts_that_are_not_numbers_stop_before_any_run(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    code = main(["sweep", "configs/default.yaml", "--layouts", "tp=2,pp=2", "--nproc", "4",
+                 "--data.paths", str(missing)])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mtcore sweep: error: data path does not exist: {missing}"]
+    for flag in ("--nproc", "--steps"):
+        with pytest.raises(SystemExit):
+            main(["sweep", "configs/default.yaml", "--layouts", "tp=2", flag, "²"])
+        assert f"{flag} needs a positive number, got '²'" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.models.gpt import lm_batches
+from mtcore.data import lm_batches
 from mtcore.precision.fp8 import FP8Recipe, FP8Scaling
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
+from mtcore.data import lm_batches
 from mtcore.distributed import ParallelLayout
-from mtcore.models.gpt import GPTConfig, lm_batches
+from mtcore.models.gpt import GPTConfig
 from mtcore.precision import DynamicLossScaler, LossScaler
 from mtcore.training import trainer as trainer_module
 from mtcore.training.config import OptimizerConfig
@@ -89,8 +90,8 @@ def test_fp16_overflow_backs_off_and_is_not_a_bad_step():
 def test_trainer_reports_skipped_steps_and_stops(tiny, monkeypatch):
     real_step = Engine.train_step
 
-    def flaky(self, batches):
-        out = real_step(self, batches)
+    def flaky(self, batches, stop=False):
+        out = real_step(self, batches, stop)
         step = len(seen) + 1
         seen.append(step)
         if step == 2 or step >= 4:

@@ -108,3 +108,30 @@ def test_keep_last_k_keeps_the_newest_and_drops_older_partials(tmp_path, weights
     assert [s for s, _ in committed_steps(root)] == [3, 4]
     assert not (root / "step_000002.partial").exists()
     assert resolve_checkpoint(root).name == "step_000004"
+
+
+def test_a_symbolic_link_in_a_checkpoint_is_refused_not_followed(tmp_path, weights, capsys):
+    """A link would have a load read a file outside the checkpoint: refused by name, for
+    generate and resume alike (both verify), even when the target's bytes match."""
+    from mtcore.cli.main import main
+
+    directory = write_model_weights(tmp_path / "ck", weights, CONFIG, step=1)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shard = next(directory.glob("*.distcp"))
+    (outside / shard.name).write_bytes(shard.read_bytes())  # the same bytes: checksums pass
+    shard.unlink()
+    shard.symlink_to(outside / shard.name)
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {shard} is a symbolic link"):
+        read_model_weights(directory)
+    assert main(["generate", str(directory), "--prompt", "a", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "is a symbolic link" in err and err.count("\n") == 1, err
+
+    intact = write_model_weights(tmp_path / "intact", weights, CONFIG, step=1)
+    read_model_weights(intact)  # loads, as itself; through a link it does not
+    linked_step = tmp_path / "linked" / "step_000001"
+    linked_step.parent.mkdir()
+    linked_step.symlink_to(intact)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        read_model_weights(linked_step)

@@ -138,3 +138,66 @@ def test_a_read_only_mount_is_refused_although_root_passes_os_access(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
     check_writable("checkpoint.dir", mount / "ck")  # the plain directory under it is fine
     assert list(mount.iterdir()) == []  # the probe left nothing behind
+
+
+_EARLIER_INCARNATION = """
+import sys
+from mtcore.backend import select_backend
+from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.models.gpt import GPTConfig
+from mtcore.training.checkpoint import CheckpointError, Checkpointer
+from mtcore.training.checkpoint import owner
+from mtcore.training.engine import Engine
+
+root = sys.argv[1]
+model = GPTConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, seq_len=16)
+backend = select_backend("cpu")
+engine = Engine(model, ParallelLayout.build(LayoutSpec(), backend.collective, 0, 1), backend,
+                micro_batch_size=1, num_microbatches=1)
+lock = owner.acquire(root, run_id="job-7")
+ours = owner.Ownership(lock.record["incarnation"], lock)
+checkpointer = Checkpointer(engine, owner=ours, run_id="job-7")
+print("saved", checkpointer.save(root, 1, {}).name, flush=True)
+sys.stdin.readline()  # meanwhile the job moved on without this process
+try:
+    checkpointer.save(root, 2, {})
+    print("committed step 2", flush=True)
+except CheckpointError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+def test_an_earlier_incarnation_left_running_is_taken_over_and_commits_nothing(tmp_path, cli_env):
+    """A rank 0 on a node cut off from the job lives on: the restarted job (same run id) waits
+    for it a while, then takes the directory over, and the old one can no longer commit."""
+    root = tmp_path / "checkpoints"
+    earlier = subprocess.Popen(
+        [sys.executable, "-c", _EARLIER_INCARNATION, str(root)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+    )  # fmt: skip
+    try:
+        assert earlier.stdout.readline().strip() == "saved step_000001", earlier.stderr.read()
+        with pytest.raises(CheckpointError, match=f"in use by pid {earlier.pid}"):
+            owner_lock.acquire(root, run_id="another-job", wait_s=5)  # refused at once
+        said: list[str] = []
+        started = time.monotonic()
+        lock = owner_lock.acquire(root, run_id="job-7", wait_s=0.5, say=said.append)
+        waited = time.monotonic() - started
+        try:
+            assert 0.5 <= waited < 5, waited
+            assert len(said) == 2, said
+            assert said[0].startswith("checkpoint: waiting up to 0.5 s for an earlier incarnation")
+            assert f"taking over {root / owner_lock.LOCK_FILE} from an earlier incarnation" in said[1]
+            assert lock.fence() is None
+            earlier.stdin.write("go\n")
+            earlier.stdin.flush()
+            out, err = earlier.communicate(timeout=60)
+        finally:
+            lock.release()
+    finally:
+        if earlier.poll() is None:
+            earlier.kill()
+    assert out.startswith("refused: not committing step 2: checkpoint.dir"), out + err
+    assert f"now belongs to pid {os.getpid()}" in out
+    assert (root / "latest").read_text().strip() == "step_000001"
+    assert not (root / "step_000002").exists()

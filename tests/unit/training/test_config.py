@@ -121,7 +121,7 @@ def test_cli_reads_config_nproc_and_overrides_in_any_order():
     args = build_parser().parse_args(
         ["train", "--training.steps", "5", "job.yaml", "--nproc", "2", "--parallel.tp=2"]
     )
-    assert (args.config, args.nproc) == ("job.yaml", 2)
+    assert (args.config, args.launch.nproc) == ("job.yaml", 2)
     assert args.overrides == ["--training.steps", "5", "--parallel.tp=2"]
     assert build_parser().parse_args(["train"]).config is None
 

@@ -74,3 +74,46 @@ def test_run_name_places_the_outputs_and_defaults_to_the_config_name(tmp_path):
     assert load_config(None).checkpoint.dir == "runs/gpt/checkpoints"  # the built-in defaults
     with pytest.raises(ConfigError, match="run_name"):
         load_config(path, ["--logging.run_name", ".."])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        # Refused by the config: setting up the process group alone needs seconds.
+        (["--training.collective_timeout_s", "0.01"], "training.collective_timeout_s"),
+        (["--training.seed", str(2**63)], "training.seed"),  # overflowed in the ranks
+        # Far beyond this host's memory: the bytes needed and available, not an OOM kill.
+        (["--model.hidden_size", "16384", "--model.num_layers", "48", "--model.num_heads", "128"],
+         "the model does not fit"),
+        # An elastic job must run at every node count it allows: dp is fixed here.
+        (["--parallel.dp", "{two_nodes}", "--nnodes", "1:2", "--rdzv-endpoint", "node0",
+          "--rdzv-id", "j"], "cannot run on 1 node(s), {nproc} ranks (leave parallel.dp unset"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(
+    tiny, tmp_path, capsys, arguments, said, nproc
+):
+    config = tiny(training=dict(steps=1, eval_interval=0, sample_tokens=0, global_batch_size=16,
+                                micro_batch_size=2))  # fmt: skip
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = ["train", str(path), "--nproc", nproc, "--checkpoint.dir", str(tmp_path / "out")]
+    argv += [a.format(two_nodes=2 * int(nproc)) for a in arguments]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    # After any data-preparation progress: one line, or the config's own form (a first
+    # line naming the file, then a line per key).
+    lines = err[err.index("mtcore train: error:") :].strip().splitlines()
+    assert len(lines) <= 2, err
+    assert said.format(nproc=nproc) in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # no rank ran
+
+
+@pytest.mark.parametrize("flag", ["--nproc", "--max-restarts", "--nnodes"])
+def test_counts_that_are_not_numbers_are_refused_in_one_line(flag, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "configs/default.yaml", flag, "²"])  # str.isdigit() says yes
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} needs" in err and "'²'" in err and "Traceback" not in err

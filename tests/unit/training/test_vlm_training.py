@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mtcore.data.images import shape_image
+from mtcore.models.vlm.images import shape_image
 from mtcore.training.config import ConfigError
 from mtcore.training.overrides import validate
 from mtcore.training.trainer import train

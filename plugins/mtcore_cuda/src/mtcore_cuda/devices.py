@@ -18,11 +18,16 @@ _NVIDIA_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
-
 CUDA = DeviceModuleSpec(
     device_type="cuda",
     import_name=None,
     visible_devices_env="CUDA_VISIBLE_DEVICES",
+    # The driver's device nodes and /proc entry; WSL 2 exposes its libcuda instead.
+    device_files=(
+        "/dev/nvidia[0-9]*",
+        "/proc/driver/nvidia/version",
+        "/usr/lib/wsl/lib/libcuda.so*",
+    ),
     bf16_min_capability=(8, 0),
     peak_tflops=peaks_by_name(_NVIDIA_PEAKS),
 )

@@ -19,7 +19,11 @@ from mtcore.backend import (
 )
 from mtcore.backend.host import fused_adamw_fits
 from mtcore.ops import torch_native
+from mtcore_cuda.attention import cuda_flash_attention_lse, flash_lse_ok
 from mtcore_cuda.devices import CUDA, FP8_MIN_CAPABILITY
+
+# torch's flash attention kernels need compute capability 8.0 (Ampere) or newer.
+FLASH_MIN_CAPABILITY = (8, 0)
 
 BACKEND = "cuda"
 
@@ -28,7 +32,7 @@ BACKEND = "cuda"
 _CUDA_DEVICE = TorchModuleDevice(CUDA)
 
 # Tensor-wise and row-wise scales run in torch._scaled_mm on capability >= 8.9 GPUs;
-# 1x128/128x128 blocks take the dequantize fallback.
+# 1x128/128x128 blocks take the fallback matmul.
 _NATIVE_FP8 = frozenset({("tensor", "tensor"), ("row", "row")})
 
 # ProcessGroupNCCL moves FP8 tensors but refuses to reduce them.
@@ -41,7 +45,12 @@ def mtcore_backends() -> list[BackendSpec]:
     cuda = BackendSpec(
         name=BACKEND,
         device=cuda_device,
-        collective=Collective("nccl", CollectiveCapabilities(_NCCL_FP8_REDUCTIONS)),
+        collective=Collective(
+            "nccl",
+            CollectiveCapabilities(_NCCL_FP8_REDUCTIONS),
+            # NCCL's traffic between nodes, then the gloo groups (checkpoint I/O, CPU tensors).
+            interface_variables=("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+        ),
         fp8=FP8.gated(_NATIVE_FP8, lambda: cuda_device.capability_at_least(FP8_MIN_CAPABILITY)),
         priority=100,
         description="NVIDIA GPUs: NCCL collectives, SDPA attention, fused AdamW",
@@ -53,7 +62,27 @@ def mtcore_backends() -> list[BackendSpec]:
 def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
     if backend != BACKEND:
         return []
-    impls = [KernelImpl("attention", torch_native.sdpa_attention, "sdpa", priority=50)]
+    impls = [
+        # SDPA's own dropout is not the op's coordinate-hashed mask: the reference serves it.
+        KernelImpl(
+            "attention",
+            torch_native.sdpa_attention,
+            "sdpa",
+            priority=50,
+            fallback_ok=torch_native.without_dropout,
+        ),
+        KernelImpl(
+            "attention_lse",
+            cuda_flash_attention_lse,
+            "flash",
+            priority=50,
+            predicate=lambda q: (
+                q.dtype in (torch.float16, torch.bfloat16)
+                and bool(_CUDA_DEVICE.capability_at_least(FLASH_MIN_CAPABILITY))
+            ),
+            fallback_ok=flash_lse_ok,
+        ),
+    ]
     if torch_native.fused_adamw_available():
         impls.append(
             KernelImpl(

@@ -27,6 +27,8 @@ MUSA = DeviceModuleSpec(
     device_type="musa",
     import_name=TORCH_MUSA,
     visible_devices_env="MUSA_VISIBLE_DEVICES",
+    # The driver's device nodes: /dev/mtgpu.N (the containers' --device flag names them).
+    device_files=("/dev/mtgpu*",),
     # torch_musa: is_bf16_supported() is true from MUSA arch 2.2 (S4000, "QY2").
     bf16_min_capability=(2, 2),
     peak_tflops=peaks_by_name(_MUSA_PEAKS),
@@ -118,6 +120,33 @@ def float8_on_device(device: TorchModuleDevice) -> Availability:
             f"only when built with MUSA >= 4.0 (this build: MUSA {built_for})",
         )
     return Availability(True)
+
+
+def mixed_formats_on_device(device: TorchModuleDevice) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies an e5m2 operand by an e4m3 one right on the
+    device: one 32x32 product of small integers (exact in both formats and in float32)
+    must equal the float32 product.
+
+    The hybrid recipe's gradient GEMMs mix the formats. torch_musa's ScaledMatmulOut
+    (csrc/aten/ops/Matmul.cpp) checks that each operand is float8, not that both share a
+    format, and its test_scaled_mm (tests/unittest/operator/test_mm.py) runs same-format
+    operands only; so mixed operands reach muDNN only once this probe has passed.
+    """
+    where = device.torch_device()
+    values = (torch.arange(32 * 32, dtype=torch.float32) % 7 - 3).view(32, 32)
+    a, b = values, values.flip(0)
+    try:
+        one = torch.ones((), device=where)
+        got = torch._scaled_mm(
+            a.to(torch.float8_e5m2).to(where),
+            b.to(torch.float8_e4m3fn).to(where).t(),
+            scale_a=one,
+            scale_b=one,
+            out_dtype=torch.float32,
+        )
+        return torch.equal(got.cpu(), a @ b.t())
+    except Exception:
+        return False
 
 
 class MusaDevice(TorchModuleDevice):

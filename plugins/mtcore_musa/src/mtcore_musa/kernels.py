@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from mtcore.backend import KernelImpl, KernelQuery, TorchModuleDevice
 from mtcore.ops import torch_native
+from mtcore.ops.flash_lse import FlashKernels, default_scale, flash_attention_lse
 from mtcore_musa.devices import MUDNN_MIN_CAPABILITY, TORCH_MUSA
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -30,6 +31,73 @@ def flash_head_dims_ok(q, k, v, *args, **kwargs) -> bool:
     """
     qk, vd = q.shape[-1], v.shape[-1]
     return (qk <= 128 and vd <= 128) or (qk, vd) in ((192, 128), (160, 160))
+
+
+# SDPA's ``scale`` on musa (csrc/aten/ops/attention/mudnn/SDP.cpp, ``CheckScale`` and
+# ``MaybeSetScale``, flash and math paths alike): a build with MUSA >= 4.2 passes it to
+# muDNN; an older build raises "Not support explicit `scale` parameter" unless it equals
+# 1/sqrt(head dim) (then it warns and ignores it); a build whose REAL_MUSA_VERSION is
+# undefined ignores it silently, so attention runs with the default scale. Only the
+# default is sent (as None); any other scale (T5's 1.0, for one) goes to the reference.
+def flash_attention_ok(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
+    dropout_seeds=None,
+) -> bool:  # fmt: skip
+    """Head dims muDNN takes, the default scale, and no dropout (muDNN's draws from the
+    device generator, not the op's coordinate-hashed mask)."""
+    return flash_head_dims_ok(q, k, v) and default_scale(q, scale) and dropout_p == 0
+
+
+def musa_sdpa_attention(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
+    dropout_seeds=None,
+):  # fmt: skip
+    """``mtcore.ops.attention`` through SDPA on musa, with the default scale (see above);
+    a sliding window reaches muDNN as a banded bool mask (it takes no window of its own)."""
+    return torch_native.sdpa_attention(q, k, v, causal, key_padding_mask, None, window)
+
+
+# attention_lse (context parallelism's per-block attention) through muDNN flash, whose
+# forward returns the log-sum-exp: aten::_scaled_dot_product_attention_flash_musa(q, k, v,
+# attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> (output, logsumexp
+# float32 [N, H, L], dropout_mask), defined by torch_musa's patched native_functions.yaml
+# and registered for PrivateUse1 as MuDNNFlashSDPAFwd (SDP.cpp); its backward op takes
+# (grad_out, q, k, v, output, logsumexp, dropout_mask, is_causal, attn_mask, *, scale).
+# The LSE's gradient rides 8 extra head-dim columns (mtcore.ops.flash_lse); the padded
+# head dim must stay within flash's sizes (<= 128). The scale is never passed (above):
+# flash_lse rescales q in backward instead. Masks are boolean (SDPUtils.h takes them).
+FLASH_MUSA_OP = "aten::_scaled_dot_product_attention_flash_musa"
+_LSE_PAD = 8
+
+
+def _flash_forward(q, k, v, is_causal, mask, scale):
+    out, lse, dropout_mask = torch.ops.aten._scaled_dot_product_attention_flash_musa(
+        q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal
+    )
+    return out, lse, dropout_mask
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, dropout_mask, is_causal, mask, scale):
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_attention_flash_musa_backward(
+        grad_out, q, k, v, out, lse, dropout_mask, is_causal, attn_mask=mask
+    )
+    return dq, dk, dv
+
+
+MUSA_FLASH = FlashKernels(_flash_forward, _flash_backward, "bool", _LSE_PAD, takes_scale=False)
+
+
+def flash_lse_ok(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None) -> bool:
+    """Same head dims for q, k and v (the padding widens them together), at most 128
+    once padded, and the default scale."""
+    d = q.shape[-1]
+    return v.shape[-1] == d and d + _LSE_PAD <= 128 and default_scale(q, scale)
+
+
+def musa_flash_attention_lse(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None):
+    """``mtcore.ops.attention_lse`` through muDNN flash attention (a window as part of
+    its bool mask)."""
+    return flash_attention_lse(MUSA_FLASH, q, k, v, causal, key_padding_mask, scale, window)
 
 
 # Not used, on purpose (docs/musa.md, section 7):
@@ -244,13 +312,24 @@ def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
     impls = [
         KernelImpl(
             "attention",
-            torch_native.sdpa_attention,
+            musa_sdpa_attention,
             "sdpa",
             priority=50,
             predicate=on_musa(_HALF, arch=True),
-            fallback_ok=flash_head_dims_ok,
+            fallback_ok=flash_attention_ok,
         ),
     ]
+    if has_musa_kernel(FLASH_MUSA_OP):
+        impls.append(
+            KernelImpl(
+                "attention_lse",
+                musa_flash_attention_lse,
+                "mudnn-flash",
+                priority=50,
+                predicate=on_musa(_HALF, arch=True),
+                fallback_ok=flash_lse_ok,
+            )
+        )
     if mudnn_rms_norm_registered():
         # torch.rms_norm on musa tensors calls aten::_fused_rmsnorm_forward (muDNN), which
         # keeps its inverse RMS in float32 for half inputs (RMSNorm.cpp, InferInvvarDType).

@@ -16,13 +16,19 @@ from mtcore.backend import (
 )
 from mtcore.backend.fp8 import k_n_multiple_of
 from mtcore_musa.collectives import mccl_fallback_dtypes
-from mtcore_musa.devices import FP8_MIN_CAPABILITY, MUSA, MusaDevice, float8_on_device
+from mtcore_musa.devices import (
+    FP8_MIN_CAPABILITY,
+    MUSA,
+    MusaDevice,
+    float8_on_device,
+    mixed_formats_on_device,
+)
 from mtcore_musa.kernels import musa_kernels
 
 BACKEND = "musa"
 
 # torch._scaled_mm reaches muDNN's scaled matmul with scalar or per-row (a) /
-# per-column (b) scales on arch >= 3.1; 1x128/128x128 blocks take the dequantize fallback.
+# per-column (b) scales on arch >= 3.1; 1x128/128x128 blocks take the fallback matmul.
 _NATIVE_FP8 = frozenset({("tensor", "tensor"), ("row", "row")})
 # torch_musa's ScaledMatmulOut (csrc/aten/ops/Matmul.cpp) says "Only works if matrices
 # sizes are divisible by 32" (a comment it shares with PyTorch's Blas.cpp, where the
@@ -41,6 +47,16 @@ NOTES = (
     "FP8 needs arch >= 3.1 and a torch_musa built with MUSA >= 4.0 (probed once: float8 "
     "tensors and a 32x32 torch._scaled_mm on the device); torch._scaled_mm is used for K "
     "and N multiples of 32.",
+    "Hybrid FP8 (e5m2 x e4m3, the hybrid recipe's gradient GEMMs) is unverified on MUSA: "
+    "torch_musa's own tests multiply same-format operands only, so mixed operands go to "
+    "torch._scaled_mm only after a 32x32 product of small integers came out exact, once; "
+    "otherwise they dequantize.",
+    "SDPA's scale: torch_musa < MUSA 4.2 refuses a scale that is not 1/sqrt(head dim) and "
+    "builds without a MUSA version ignore it (SDP.cpp), so attention and attention_lse "
+    "serve only the default scale; any other (T5's 1.0) takes the reference.",
+    "attention_lse (context parallelism) runs muDNN flash attention, whose forward returns "
+    "the log-sum-exp; its gradient rides 8 extra head-dim columns in backward (head dim "
+    "<= 120); not run on a MUSA device.",
     "rope uses torch_musa's F.rope for float32/float16/bfloat16 inputs with float32 "
     "angles; torch_musa's own tests cover float32 only.",
     "Triton on MUSA arch < 3.1 (the S4000 is 2.2) compiles with warp size 128, not 32 "
@@ -69,6 +85,11 @@ def _fp8_gate(device: MusaDevice):
     return gate
 
 
+def _mixed_formats(device: MusaDevice, gate):
+    """Whether e5m2 x e4m3 runs natively: only where FP8 runs and the probe passed."""
+    return lambda: bool(gate()) and mixed_formats_on_device(device)
+
+
 def _diagnostics() -> dict[str, str]:
     # The Triton pack's own finder (mtcore-musa[triton]), imported only when doctor asks.
     try:
@@ -82,12 +103,22 @@ def _diagnostics() -> dict[str, str]:
 def mtcore_backends():
     # MCCL maps ReduceOp.AVG to mcclAvg (csrc/distributed/ProcessGroupMCCL.cpp). The
     # dtype table is read on first use: it asks torch_musa, never imported at discovery.
+    gate = _fp8_gate(_DEVICE)  # probed once per backend built
     capabilities = CollectiveCapabilities(lambda: mccl_fallback_dtypes(_DEVICE), avg_supported=True)
     musa = BackendSpec(
         name=BACKEND,
         device=_DEVICE,
-        collective=Collective("mccl", capabilities),
-        fp8=FP8.gated(_NATIVE_FP8, _fp8_gate(_DEVICE), shape_ok=MUSA_SCALED_MM_SHAPES),
+        # libmccl (not torch_musa's Python) reads MCCL_SOCKET_IFNAME, as NCCL reads its own;
+        # the name comes from Moore Threads' launch scripts, not checked on MUSA hardware.
+        collective=Collective(
+            "mccl", capabilities, interface_variables=("MCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+        ),
+        fp8=FP8.gated(
+            _NATIVE_FP8,
+            gate,
+            shape_ok=MUSA_SCALED_MM_SHAPES,
+            mixed_formats=_mixed_formats(_DEVICE, gate),
+        ),
         priority=100,
         description="Moore Threads GPUs: MCCL collectives, muDNN attention, RMSNorm and "
         "LayerNorm, torch_musa fused AdamW",

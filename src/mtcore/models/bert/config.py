@@ -16,8 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec
+from mtcore.models.common.layout_checks import check_block_split
 from mtcore.models.family import FamilyConfig
-from mtcore.models.layout_checks import check_block_split
 
 # Fields that decide which parameters exist and their shapes (the load-time check).
 _STRUCTURE = (
@@ -50,6 +50,9 @@ class BertConfig(FamilyConfig):
     type_vocab_size: int = Field(2, ge=1, description="token types (segments A and B)")
     norm_eps: float = Field(1e-12, gt=0)
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="embedding and hidden dropout")
+    attention_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="attention-probability dropout (HF's 0.1)"
+    )
     init_std: float = Field(0.02, gt=0)
     activation: Literal["gelu"] = Field("gelu", description="exact (erf) GELU, as BERT")
     bias: bool = Field(True, description="biases of the encoder blocks' linears")
@@ -67,7 +70,7 @@ class BertConfig(FamilyConfig):
             )
         return self
 
-    # -- what the shared layers (mtcore.models.layers) read --------------------------
+    # -- what the shared layers (mtcore.models.common.layers) read --------------------------
     @property
     def kv_heads(self) -> int:
         return self.num_heads  # BERT has no grouped-query attention
@@ -138,7 +141,8 @@ class BertConfig(FamilyConfig):
 
     def numerics(self) -> dict[str, Any]:
         return {
-            name: getattr(self, name) for name in ("norm_eps", "dropout", "pair_task", "mask_prob")
+            name: getattr(self, name)
+            for name in ("norm_eps", "dropout", "attention_dropout", "pair_task", "mask_prob")
         }
 
     def check_layout(self, spec: LayoutSpec) -> None:
@@ -146,6 +150,11 @@ class BertConfig(FamilyConfig):
         if spec.ep > 1:
             raise LayoutError(
                 f"ep={spec.ep} splits mixture-of-experts layers, but BERT is dense; use ep=1"
+            )
+        if spec.cp > 1 and self.attention_dropout > 0:
+            raise LayoutError(
+                f"attention_dropout={self.attention_dropout} under cp={spec.cp} is not built "
+                "(the ring attends blocks without the op's dropout); use cp=1"
             )
         spec.check_model(
             num_heads=self.num_heads,

@@ -3,58 +3,61 @@
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
-from mtcore.data import BERT_SPECIAL_TOKENS
 from mtcore.models.bert import hf
 from mtcore.models.bert.config import BertConfig
+from mtcore.models.bert.data import BERT_SPECIAL_TOKENS, build_pair_data
 from mtcore.models.bert.model import DECODER_COPY, IGNORE_INDEX, WORD_EMBEDDING, Bert, build
-from mtcore.models.chunks import hidden_state_messages
-from mtcore.models.family import FamilyData, HFAdapter, ModelFamily
-from mtcore.models.layers import single_context
+from mtcore.models.bert.pair_loader import PairLoader
+from mtcore.models.bert.shape import bert_shape
+from mtcore.models.common.chunks import hidden_state_messages
+from mtcore.models.common.layers import single_context
+from mtcore.models.family import Capabilities, FamilyData, HFAdapter, ModelFamily
 
 
-def _one_process(config: BertConfig, backend=None) -> Bert:
-    return Bert(config, single_context(config, backend))
+class BertFamily(ModelFamily):
+    name = "bert"
+    config = BertConfig
+    capabilities = Capabilities(context_parallel=True)
+    checkpoint_aliases = MappingProxyType({DECODER_COPY: WORD_EMBEDDING})
+    hf = HFAdapter(("bert",), hf.import_bert, hf.export_bert, tokenizer_tokens=BERT_SPECIAL_TOKENS)
+    description = "bidirectional encoder: masked LM with next-sentence or sentence-order head"
+
+    def build_chunks(self, config: BertConfig, layout, backend, seed: int = 0, fp8=None):
+        return build(config, layout, backend, seed, fp8)
+
+    def one_process(self, config: BertConfig, backend=None) -> Bert:
+        return Bert(config, single_context(config, backend))
+
+    def messages(self, config: BertConfig, layout, micro_batch_size: int, dtype: torch.dtype):
+        # padding mask and token types: each stage reads them from the batch
+        return hidden_state_messages(config, layout, micro_batch_size, dtype)
+
+    def loss_counts(self, config: BertConfig, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The counts ``Bert.loss`` returns: masked tokens, and sequences with a pair head."""
+        counts = {"mlm": (batch["labels"] != IGNORE_INDEX).sum()}
+        if config.pair_head:
+            counts["pair"] = torch.tensor(batch["pair_labels"].numel())
+        return counts
+
+    def metric_names(self, config: BertConfig) -> tuple[str, ...]:
+        """What ``Bert.metrics`` returns: accuracies of the masked tokens and the pairs."""
+        return ("mlm_accuracy", "pair_accuracy") if config.pair_head else ("mlm_accuracy",)
+
+    def data(self, data_config, model_config: BertConfig) -> FamilyData:
+        """Sentence pairs with masked tokens (``data.py``)."""
+        data = build_pair_data(
+            data_config, model_config.seq_len, model_config.pair_task, seed=data_config.seed
+        )
+        loader = functools.partial(PairLoader, mask_prob=model_config.mask_prob)
+        return FamilyData(data.tokenizer, data.train, data.valid, loader)
+
+    def shape(self, config: BertConfig):
+        return bert_shape(config)
 
 
-def _loss_counts(config: BertConfig, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The counts ``Bert.loss`` returns: masked tokens, and sequences with a pair head."""
-    counts = {"mlm": (batch["labels"] != IGNORE_INDEX).sum()}
-    if config.pair_head:
-        counts["pair"] = torch.tensor(batch["pair_labels"].numel())
-    return counts
-
-
-def _metric_names(config: BertConfig) -> tuple[str, ...]:
-    """What ``Bert.metrics`` returns: accuracies of the masked tokens and the pairs."""
-    return ("mlm_accuracy", "pair_accuracy") if config.pair_head else ("mlm_accuracy",)
-
-
-def _data(data_config, model_config: BertConfig) -> FamilyData:
-    """Sentence pairs with masked tokens (``mtcore.data.pairs``, imported only here)."""
-    from mtcore.data.pairs import PairLoader, build_pair_data
-
-    data = build_pair_data(
-        data_config, model_config.seq_len, model_config.pair_task, seed=data_config.seed
-    )
-    loader = functools.partial(PairLoader, mask_prob=model_config.mask_prob)
-    return FamilyData(data.tokenizer, data.train, data.valid, loader)
-
-
-FAMILY = ModelFamily(
-    name="bert",
-    config=BertConfig,
-    build=build,
-    one_process=_one_process,
-    messages=hidden_state_messages,  # padding mask and token types: each stage reads the batch
-    loss_counts=_loss_counts,
-    data=_data,
-    checkpoint_aliases={DECODER_COPY: WORD_EMBEDDING},
-    metric_names=_metric_names,
-    hf=HFAdapter(("bert",), hf.import_bert, hf.export_bert, tokenizer_tokens=BERT_SPECIAL_TOKENS),
-    generate=None,
-    description="bidirectional encoder: masked LM with next-sentence or sentence-order head",
-)
+FAMILY = BertFamily()

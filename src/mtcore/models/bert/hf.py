@@ -28,9 +28,9 @@ mtcore (``Bert(config).state_dict()``)  HuggingFace
 ====================================  ==================================================
 
 The vocabulary keeps its size both ways (an export of a padded mtcore vocab has the
-padded size: transformers accepts an embedding larger than the tokenizer). mtcore has
-no attention-probability dropout: ``attention_probs_dropout_prob`` is not imported and
-is exported as 0. Whatever does not map is refused with an ``HFInteropError`` naming
+padded size: transformers accepts an embedding larger than the tokenizer).
+``attention_probs_dropout_prob`` is ``attention_dropout`` both ways (mtcore's mask is
+its own, so training draws other masks than transformers'). Whatever does not map is refused with an ``HFInteropError`` naming
 it: an activation other than exact GELU, relative position embeddings, decoder or
 cross-attention configs, untied decoders, encoders without biases.
 """
@@ -45,7 +45,7 @@ from torch import Tensor
 
 from mtcore.models.bert.config import BertConfig
 from mtcore.models.bert.weights import check_full_weights
-from mtcore.models.hf_files import (
+from mtcore.models.common.hf_files import (
     DTYPE_NAMES,
     HFInteropError,
     TensorTaker,
@@ -126,7 +126,7 @@ def bert_config(config: BertConfig, dtype: torch.dtype = torch.float32) -> dict:
         "intermediate_size": config.ffn_size,
         "hidden_act": "gelu",
         "hidden_dropout_prob": config.dropout,
-        "attention_probs_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": config.attention_dropout,
         "max_position_embeddings": config.seq_len,
         "type_vocab_size": config.type_vocab_size,
         "initializer_range": config.init_std,
@@ -162,6 +162,7 @@ def model_config_from_bert(
             type_vocab_size=hf.get("type_vocab_size", 2),
             norm_eps=hf.get("layer_norm_eps", 1e-12),
             dropout=hf.get("hidden_dropout_prob", 0.1),
+            attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
             init_std=hf.get("initializer_range") or 0.02,
             pair_task="nsp" if pair_head else "none",
         )

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtcore.models.bert.config import BertConfig
-from mtcore.models.chunks import PipelineChunk, build_chunks
+from mtcore.models.common.chunks import PipelineChunk, build_chunks
+from mtcore.models.common.layers import MLP, Attention, Context, Norm
 from mtcore.models.family import BuiltModel
-from mtcore.models.layers import MLP, Attention, Context, Norm
 from mtcore.parallel.context import broadcast_from_first, gather_key_mask
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (

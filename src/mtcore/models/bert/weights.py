@@ -14,7 +14,7 @@ from torch import Tensor
 
 from mtcore.models.bert.config import BertConfig
 from mtcore.models.bert.model import DECODER_COPY, WORD_EMBEDDING
-from mtcore.models.full_weights import check_weight_shapes, load_chunk_weights
+from mtcore.models.common.full_weights import check_weight_shapes, load_chunk_weights
 
 
 def full_weight_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:

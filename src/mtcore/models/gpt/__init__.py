@@ -1,10 +1,15 @@
-"""The GPT family: decoder-only transformers in Llama and GPT-2 styles, dense or MoE."""
+"""The GPT family: decoder-only transformers in Llama and GPT-2 styles, dense or MoE.
 
-from mtcore.models.gpt.config import STYLES, GPTConfig
-from mtcore.models.gpt.family import FAMILY, LMLoader, lm_batches
-from mtcore.models.gpt.model import GPT, IGNORE_INDEX, Block, build_gpt
-from mtcore.models.gpt.weights import full_weight_shapes, load_full_weights
-from mtcore.models.layers import Context, make_context, single_context
+The model is the shared decoder (``mtcore.models.common.decoder``); this folder holds
+what makes it a family: its config class, its data pipeline, its HF adapter and the
+``ModelFamily`` subclass. The names below are the decoder's, as GPT users import them."""
+
+from mtcore.models.common.decoder.config import STYLES
+from mtcore.models.common.decoder.model import GPT, IGNORE_INDEX, Block, build_gpt
+from mtcore.models.common.decoder.weights import full_weight_shapes, load_full_weights
+from mtcore.models.common.layers import Context, make_context, single_context
+from mtcore.models.gpt.config import GPTConfig
+from mtcore.models.gpt.family import FAMILY
 
 __all__ = [
     "FAMILY",
@@ -14,10 +19,8 @@ __all__ = [
     "Block",
     "Context",
     "GPTConfig",
-    "LMLoader",
     "build_gpt",
     "full_weight_shapes",
-    "lm_batches",
     "load_full_weights",
     "make_context",
     "single_context",

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtcore.models.layers import Context, Norm, linear_kwargs
+from mtcore.models.common.layers import Context, Norm, linear_kwargs
+from mtcore.ops.attention_dropout import keep_mask
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -126,8 +127,13 @@ def biased_attention(
     bias: Tensor | None,
     causal: bool,
     key_padding_mask: Tensor | None,
+    dropout_p: float = 0.0,
+    dropout_seeds: Tensor | None = None,
 ) -> Tensor:
     """``softmax(q k^T + bias + mask) v`` in float32, unscaled (T5); ``[b, h, sq, d]``.
+
+    ``dropout_p``/``dropout_seeds``: attention-probability dropout with the kernel op's
+    coordinate-hashed mask (``mtcore.ops.attention_dropout``).
 
     ``causal`` aligns the mask to the bottom-right corner (a decoding step's query sees
     every cached key); a query with no key to attend gives 0, as the reference op. The
@@ -142,7 +148,11 @@ def biased_attention(
     logits = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2))
     if mask is not None:
         logits = logits + mask
-    out = torch.matmul(torch.softmax(logits, dim=-1), v.to(acc))
+    probs = torch.softmax(logits, dim=-1)
+    if dropout_p > 0:
+        keep = keep_mask(dropout_seeds, q.shape[0], sq, sk, dropout_p)
+        probs = probs.masked_fill(~keep, 0.0) * (1.0 / (1.0 - dropout_p))
+    out = torch.matmul(probs, v.to(acc))
     if has_key is not None:
         out = out.masked_fill(~has_key, 0.0)  # [b, h, sq, d]: d wide, not sk
     return out.to(q.dtype)
@@ -225,8 +235,9 @@ class Attention(nn.Module):
                 if "k" in cache:
                     k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
                 cache.update(k=k, v=v)
+        dropout = self.c.attention_dropout(self.training, self.c.tp.rank * self.heads, self.heads)
         attend = functools.partial(
-            biased_attention, causal=self.causal, key_padding_mask=key_padding_mask
+            biased_attention, causal=self.causal, key_padding_mask=key_padding_mask, **dropout
         )
         if self.c.config.recompute == "selective":
             y = checkpoint(attend, q, k, v, bias, backend=self.c.backend)

@@ -44,7 +44,7 @@ class T5Config(FamilyConfig):
 
     ``seq_len`` is the encoder's input length and ``decoder_seq_len`` the decoder's
     (None: what span corruption of a ``seq_len`` input needs, see
-    ``mtcore.data.spans.span_lengths``).
+    ``mtcore.models.t5.data.span_lengths``).
     """
 
     family: Literal["t5"] = "t5"
@@ -63,6 +63,9 @@ class T5Config(FamilyConfig):
     tie_embeddings: bool = Field(False, description="original T5's tied head (d^-0.5 rescale)")
     norm_eps: float = Field(1e-6, gt=0)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    attention_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="attention-probability dropout (HF: dropout_rate)"
+    )
     init_factor: float = Field(1.0, gt=0, description="HF's initializer_factor")
     recompute: Literal["none", "full", "selective"] = "none"
     pipeline_split_rank: int | None = Field(
@@ -96,7 +99,7 @@ class T5Config(FamilyConfig):
                 "set head_dim"
             )
         from mtcore.data import DataError
-        from mtcore.data.spans import span_lengths
+        from mtcore.models.t5.data import span_lengths
 
         try:  # lengths the data cannot fill are refused here, before any process starts
             need = span_lengths(
@@ -108,7 +111,7 @@ class T5Config(FamilyConfig):
             object.__setattr__(self, "decoder_seq_len", need.decoder_len)
         return self
 
-    # -- what the shared layers (mtcore.models.layers) read --------------------------
+    # -- what the shared layers (mtcore.models.common.layers) read --------------------------
     @property
     def kv_dim(self) -> int:
         """d_kv: the width of one attention head."""
@@ -186,6 +189,7 @@ class T5Config(FamilyConfig):
         names = (
             "norm_eps",
             "dropout",
+            "attention_dropout",
             "relative_max_distance",
             "noise_density",
             "mean_span_length",
@@ -204,6 +208,11 @@ class T5Config(FamilyConfig):
             raise LayoutError(f"ep={spec.ep} splits mixture-of-experts layers, but T5 is dense")
         if spec.cp > 1:
             raise LayoutError(f"cp={spec.cp}: T5 does not support context parallelism; use cp=1")
+        if spec.uneven:
+            raise LayoutError(
+                "first_stage_layers / last_stage_layers: T5 splits its stages by "
+                "model.pipeline_split_rank (encoder and decoder evenly), not by these"
+            )
         spec.check_model(num_heads=self.num_heads, vocab_size=self.vocab_size, seq_len=self.seq_len)
         if spec.sequence_parallel and self.decoder_seq_len % spec.tp:
             raise LayoutError(

@@ -3,56 +3,66 @@
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
+import torch
 from torch import Tensor
 
-from mtcore.data.spans import T5_SPECIAL_TOKENS
-from mtcore.models.family import FamilyData, HFAdapter, ModelFamily
-from mtcore.models.layers import single_context
+from mtcore.models.common.layers import single_context
+from mtcore.models.family import Capabilities, FamilyData, HFAdapter, ModelFamily
 from mtcore.models.t5 import hf
 from mtcore.models.t5.config import T5Config
+from mtcore.models.t5.data import T5_SPECIAL_TOKENS, SpanLoader, build_span_data
 from mtcore.models.t5.generate import generate_text
 from mtcore.models.t5.model import EMBEDDING, IGNORE_INDEX, LM_HEAD, T5, build, messages
+from mtcore.models.t5.shape import t5_shape
 
 
-def _one_process(config: T5Config, backend=None) -> T5:
-    return T5(config, single_context(config, backend))
+class T5Family(ModelFamily):
+    name = "t5"
+    config = T5Config
+    capabilities = Capabilities(generates=True)
+    checkpoint_aliases = MappingProxyType({LM_HEAD: EMBEDDING})
+    hf = HFAdapter(("t5",), hf.import_t5, hf.export_t5, tokenizer_tokens=T5_SPECIAL_TOKENS)
+    description = "encoder-decoder (T5 v1.1) trained on span corruption"
+
+    def build_chunks(self, config: T5Config, layout, backend, seed: int = 0, fp8=None):
+        return build(config, layout, backend, seed, fp8)
+
+    def one_process(self, config: T5Config, backend=None) -> T5:
+        return T5(config, single_context(config, backend))
+
+    def messages(self, config: T5Config, layout, micro_batch_size: int, dtype: torch.dtype):
+        return messages(config, layout, micro_batch_size, dtype)
+
+    def loss_counts(self, config: T5Config, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The count ``T5.loss`` returns: the target tokens that are not padding."""
+        return {"lm": (batch["labels"] != IGNORE_INDEX).sum()}
+
+    def metric_names(self, config: T5Config) -> tuple[str, ...]:
+        return ("accuracy",)
+
+    def data(self, data_config, model_config: T5Config) -> FamilyData:
+        """Span-corrupted pieces of the documents (``data.py``)."""
+        m = model_config
+        data = build_span_data(
+            data_config, m.seq_len, m.decoder_seq_len, m.noise_density, m.mean_span_length
+        )
+        loader = functools.partial(
+            SpanLoader,
+            encoder_len=m.seq_len,
+            decoder_len=m.decoder_seq_len,
+            noise_density=m.noise_density,
+            mean_span_length=m.mean_span_length,
+        )
+        return FamilyData(data.tokenizer, data.train, data.valid, loader)
+
+    def shape(self, config: T5Config):
+        return t5_shape(config)
+
+    def generate(self, model: T5, tokenizer, prompt: str, max_new_tokens: int, top_k=None,
+                 temperature: float = 1.0, generator=None, image=None) -> str:  # fmt: skip
+        return generate_text(model, tokenizer, prompt, max_new_tokens, top_k, temperature, generator)
 
 
-def _loss_counts(config: T5Config, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The count ``T5.loss`` returns: the target tokens that are not padding."""
-    return {"lm": (batch["labels"] != IGNORE_INDEX).sum()}
-
-
-def _data(data_config, model_config: T5Config) -> FamilyData:
-    """Span-corrupted pieces of the documents (``mtcore.data.spans``, imported only here)."""
-    from mtcore.data.spans import SpanLoader, build_span_data
-
-    m = model_config
-    data = build_span_data(
-        data_config, m.seq_len, m.decoder_seq_len, m.noise_density, m.mean_span_length
-    )
-    loader = functools.partial(
-        SpanLoader,
-        encoder_len=m.seq_len,
-        decoder_len=m.decoder_seq_len,
-        noise_density=m.noise_density,
-        mean_span_length=m.mean_span_length,
-    )
-    return FamilyData(data.tokenizer, data.train, data.valid, loader)
-
-
-FAMILY = ModelFamily(
-    name="t5",
-    config=T5Config,
-    build=build,
-    one_process=_one_process,
-    messages=messages,
-    loss_counts=_loss_counts,
-    data=_data,
-    checkpoint_aliases={LM_HEAD: EMBEDDING},
-    metric_names=lambda config: ("accuracy",),
-    hf=HFAdapter(("t5",), hf.import_t5, hf.export_t5, tokenizer_tokens=T5_SPECIAL_TOKENS),
-    generate=generate_text,
-    description="encoder-decoder (T5 v1.1) trained on span corruption",
-)
+FAMILY = T5Family()

@@ -13,9 +13,9 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from mtcore.models.common.sampling import next_token
 from mtcore.models.t5.model import T5
 
 _SENTINEL = re.compile(r"(<extra_id_\d+>)")
@@ -74,12 +74,7 @@ def generate_ids(
             logits = decode_logits(model, out[:, -1:], memory, padding_mask, caches, step)
         else:
             logits = decode_logits(model, out, memory, padding_mask, None, 0)
-        if top_k is None or top_k <= 1:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            values, index = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
-            probs = F.softmax(values / max(temperature, 1e-6), dim=-1)
-            nxt = index.gather(-1, torch.multinomial(probs, 1, generator=generator))
+        nxt = next_token(logits, top_k, temperature, generator)
         out = torch.cat([out, nxt], dim=1)
         if eos_id is not None:
             done |= nxt[:, 0] == eos_id

@@ -12,8 +12,9 @@ original T5's ``relu``, ``gated-silu``...), a config that is not an encoder-deco
 a tied config whose file carries a head that differs from the embedding. A
 transformers-5 file of a v1.1 model (``scale_decoder_outputs: false``, its head the
 embedding) imports as an untied head initialised from the embedding. HF's
-``dropout_rate`` also drops attention probabilities; mtcore's attention has no
-dropout, so only the hidden-state dropout is kept.
+``dropout_rate`` drops hidden states and attention probabilities alike: it imports as
+both ``dropout`` and ``attention_dropout``, and a model whose ``attention_dropout`` is
+neither 0 nor its ``dropout`` is refused on export (one rate cannot hold both).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from mtcore.models.hf_files import (
+from mtcore.models.common.hf_files import (
     DTYPE_NAMES,
     HFInteropError,
     TensorTaker,
@@ -49,6 +50,11 @@ def t5_config(config: T5Config, dtype: torch.dtype = torch.float32) -> dict:
     """The config.json of ``config`` as a HuggingFace T5ForConditionalGeneration."""
     if config.vocab_size is None:
         raise HFInteropError("model.vocab_size is unset: fill it in with config.with_vocab(...)")
+    if config.attention_dropout not in (0.0, config.dropout):
+        raise HFInteropError(
+            f"attention_dropout={config.attention_dropout} differs from dropout="
+            f"{config.dropout}: HF T5's one dropout_rate drops both"
+        )
     return {
         "architectures": ["T5ForConditionalGeneration"],
         "model_type": "t5",
@@ -118,6 +124,7 @@ def model_config_from_t5(hf: dict, seq_len: int | None = None) -> T5Config:
             relative_buckets=hf.get("relative_attention_num_buckets", 32),
             relative_max_distance=hf.get("relative_attention_max_distance", 128),
             dropout=hf.get("dropout_rate", 0.1),
+            attention_dropout=hf.get("dropout_rate", 0.1),
             norm_eps=hf.get("layer_norm_epsilon", 1e-6),
             init_factor=hf.get("initializer_factor", 1.0),
             tie_embeddings=rescales(hf),

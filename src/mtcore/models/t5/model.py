@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from mtcore.models.chunks import PipelineChunk
+from mtcore.models.common.chunks import PipelineChunk
+from mtcore.models.common.layers import Context, Norm, make_context
 from mtcore.models.family import BuiltModel, MessageSpecs, TensorSpec
-from mtcore.models.layers import Context, Norm, make_context
 from mtcore.models.t5.blocks import DecoderBlock, EncoderBlock, RelativePositionBias
 from mtcore.models.t5.config import T5Config
 from mtcore.parallel.pipeline.split import stage_plans

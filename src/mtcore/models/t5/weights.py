@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from mtcore.models.full_weights import check_weight_shapes, load_chunk_weights
+from mtcore.models.common.full_weights import check_weight_shapes, load_chunk_weights
 from mtcore.models.t5.config import T5Config
 from mtcore.models.t5.model import EMBEDDING, LM_HEAD
 

@@ -1,10 +1,10 @@
 """The LLaVA-style model's configuration: a GPT language model plus a vision tower.
 
-The language model's keys are the GPT family's, at the top of the ``model`` section
-(``LlavaConfig`` is a ``GPTConfig``, so the GPT blocks, pipeline split and layout
-checks serve it unchanged); the vision tower is ``vision:``, the projector
+The language model's keys are the shared decoder's (the GPT family's too), at the top of
+the ``model`` section (``LlavaConfig`` is a ``DecoderConfig``, so the decoder's blocks,
+pipeline split and layout checks serve it unchanged); the vision tower is ``vision:``, the projector
 ``projector:``, what stays fixed ``freeze:``, and how images become pixels and
-records samples ``images:`` (``mtcore.data.image_text.ImageDataConfig``)::
+records samples ``images:`` (``mtcore.models.vlm.data.ImageDataConfig``)::
 
     model:
       family: llava
@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mtcore.data.image_text import ImageDataConfig
 from mtcore.distributed.layout import LayoutError, LayoutSpec, reject_bool_numbers
-from mtcore.models.gpt.config import GPTConfig
+from mtcore.models.common.decoder.config import DecoderConfig
+from mtcore.models.vlm.data import ImageDataConfig
 
 PARTS = ("vision", "projector", "language")
 _VISION_STRUCTURE = (
@@ -76,7 +76,7 @@ class VisionConfig(BaseModel):
             raise ValueError("vision.keep_class_token needs vision.class_token")
         return self
 
-    # -- what the shared layers (mtcore.models.layers) read --------------------------
+    # -- what the shared layers (mtcore.models.common.layers) read --------------------------
     kv_heads = property(lambda self: self.num_heads)
     head_dim = property(lambda self: self.hidden_size // self.num_heads)
     ffn_size = property(lambda self: self.ffn_hidden_size or 4 * self.hidden_size)
@@ -115,7 +115,7 @@ class VisionConfig(BaseModel):
         return s * (6.0 * weights + 12.0 * self.num_layers * s * h)
 
 
-class LlavaConfig(GPTConfig):
+class LlavaConfig(DecoderConfig):
     """A vision-language model: the GPT keys for the language model, plus ``vision``,
     ``projector``, ``freeze`` and ``images``. ``seq_len`` counts the image tokens."""
 
@@ -126,10 +126,26 @@ class LlavaConfig(GPTConfig):
     images: ImageDataConfig = ImageDataConfig()
 
     @model_validator(mode="after")
-    def _check_freeze(self) -> LlavaConfig:
+    def _check(self) -> LlavaConfig:
         if set(self.freeze) == set(PARTS):
             raise ValueError(
                 f"model.freeze names every part ({', '.join(PARTS)}): nothing would train"
+            )
+        v, channels = self.vision, len(self.images.mean)
+        if v.channels != channels:  # the patch embedding would not match the pixels
+            raise ValueError(
+                f"model.vision.channels={v.channels}, but images reach the model with "
+                f"{channels} channels (every image is read as RGB, greyscale and RGBA ones "
+                f"too; model.images.mean and std have {channels} entries): set "
+                f"vision.channels: {channels}"
+            )
+        if self.image_tokens >= self.seq_len:
+            extra = " and the class token (keep_class_token)" if v.keep_class_token else ""
+            raise ValueError(
+                f"an image is {self.image_tokens} tokens ((vision.image_size={v.image_size} / "
+                f"vision.patch_size={v.patch_size})^2 patches{extra}), which leaves no room "
+                f"for text in model.seq_len={self.seq_len}: raise seq_len or patch_size, or "
+                "lower image_size"
             )
         return self
 

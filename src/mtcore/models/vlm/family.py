@@ -2,71 +2,75 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
+import torch
 from torch import Tensor
 
-from mtcore.models.chunks import hidden_state_messages
-from mtcore.models.family import FamilyData, HFAdapter, ModelFamily
-from mtcore.models.gpt.model import IGNORE_INDEX
-from mtcore.models.layers import single_context
+from mtcore.models.common.chunks import hidden_state_messages
+from mtcore.models.common.decoder.model import IGNORE_INDEX
+from mtcore.models.common.layers import single_context
+from mtcore.models.family import Capabilities, FamilyData, HFAdapter, ModelFamily
 from mtcore.models.vlm import hf
 from mtcore.models.vlm.config import LlavaConfig
+from mtcore.models.vlm.data import ImageTextLoader, build_image_text_data, prompt_batch
 from mtcore.models.vlm.model import Llava, build
+from mtcore.models.vlm.shape import llava_shape
 
 
-def _one_process(config: LlavaConfig, backend=None) -> Llava:
-    return Llava(config, single_context(config, backend))
+class LlavaFamily(ModelFamily):
+    name = "llava"
+    config = LlavaConfig
+    capabilities = Capabilities(generates=True, reads_images=True, mixture_of_experts=True)
+    checkpoint_aliases = MappingProxyType({"output.weight": "embed.tok.weight"})
+    hf = HFAdapter(("llava",), hf.import_llava, hf.export_llava, tokenizer_tokens=(hf.IMAGE_TOKEN,))
+    description = "vision-language: a ViT and a projector in front of a GPT (LLaVA)"
+
+    def build_chunks(self, config: LlavaConfig, layout, backend, seed: int = 0, fp8=None):
+        return build(config, layout, backend, seed, fp8)
+
+    def one_process(self, config: LlavaConfig, backend=None) -> Llava:
+        return Llava(config, single_context(config, backend))
+
+    def messages(self, config: LlavaConfig, layout, micro_batch_size: int, dtype: torch.dtype):
+        # image embeddings join the hidden states on stage 0
+        return hidden_state_messages(config, layout, micro_batch_size, dtype)
+
+    def loss_counts(self, config: LlavaConfig, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Target tokens (captions and answers; never image positions or masked prompts)."""
+        return {"lm": (batch["labels"] != IGNORE_INDEX).sum()}
+
+    def metric_names(self, config: LlavaConfig) -> tuple[str, ...]:
+        return ("caption_accuracy",)
+
+    def data(self, data_config, model_config: LlavaConfig) -> FamilyData:
+        """Image-text records, or the embedded shapes (``data.py``)."""
+        data = build_image_text_data(
+            data_config,
+            model_config.seq_len,
+            model_config.image_tokens,
+            model_config.vision.image_size,
+            model_config.images,
+        )
+        return FamilyData(
+            data.tokenizer, data.train, data.valid, ImageTextLoader, loader_takes_group=True
+        )
+
+    def shape(self, config: LlavaConfig):
+        return llava_shape(config)
+
+    def generate(self, model: Llava, tokenizer, prompt: str, max_new_tokens: int, top_k=None,
+                 temperature: float = 1.0, generator=None, image=None) -> str:  # fmt: skip
+        """The answer to ``prompt`` about ``image`` (a path; None: no image), rendered as the
+        data pipeline renders a user turn; greedy or top-k sampling."""
+        batch = prompt_batch(prompt, image, tokenizer, model.config)
+        device = next(model.parameters()).device
+        batch = {name: t.to(device) for name, t in batch.items()}
+        out = model.generate(batch, max_new_tokens, top_k, temperature, generator, tokenizer.eod_id)
+        new = out[0, batch["tokens"].shape[1] :].tolist()
+        if new and new[-1] == tokenizer.eod_id:
+            new = new[:-1]
+        return tokenizer.decode(new).strip()
 
 
-def _loss_counts(config: LlavaConfig, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Target tokens (captions and answers; never image positions or masked prompts)."""
-    return {"lm": (batch["labels"] != IGNORE_INDEX).sum()}
-
-
-def _metric_names(config: LlavaConfig) -> tuple[str, ...]:
-    return ("caption_accuracy",)
-
-
-def _data(data_config, model_config: LlavaConfig) -> FamilyData:
-    """Image-text records, or the embedded shapes (``mtcore.data.image_text``)."""
-    from mtcore.data.image_text import ImageTextLoader, build_image_text_data
-
-    data = build_image_text_data(
-        data_config,
-        model_config.seq_len,
-        model_config.image_tokens,
-        model_config.vision.image_size,
-        model_config.images,
-    )
-    return FamilyData(data.tokenizer, data.train, data.valid, ImageTextLoader)
-
-
-def _generate(model: Llava, tokenizer, prompt: str, max_new_tokens: int, top_k=None,
-              temperature: float = 1.0, generator=None, image=None) -> str:  # fmt: skip
-    """The answer to ``prompt`` about ``image`` (a path; None: no image), rendered as the
-    data pipeline renders a user turn; greedy or top-k sampling."""
-    from mtcore.data.image_text import prompt_batch
-
-    batch = prompt_batch(prompt, image, tokenizer, model.config)
-    device = next(model.parameters()).device
-    batch = {name: t.to(device) for name, t in batch.items()}
-    out = model.generate(batch, max_new_tokens, top_k, temperature, generator, tokenizer.eod_id)
-    new = out[0, batch["tokens"].shape[1] :].tolist()
-    if new and new[-1] == tokenizer.eod_id:
-        new = new[:-1]
-    return tokenizer.decode(new).strip()
-
-
-FAMILY = ModelFamily(
-    name="llava",
-    config=LlavaConfig,
-    build=build,
-    one_process=_one_process,
-    messages=hidden_state_messages,  # image embeddings join the hidden states on stage 0
-    loss_counts=_loss_counts,
-    data=_data,
-    checkpoint_aliases={"output.weight": "embed.tok.weight"},
-    metric_names=_metric_names,
-    hf=HFAdapter(("llava",), hf.import_llava, hf.export_llava, tokenizer_tokens=(hf.IMAGE_TOKEN,)),
-    generate=_generate,
-    description="vision-language: a ViT and a projector in front of a GPT (LLaVA)",
-)
+FAMILY = LlavaFamily()

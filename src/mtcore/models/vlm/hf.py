@@ -3,7 +3,7 @@
 A LLaVA directory is ``config.json`` (``model_type: llava`` with a CLIP
 ``vision_config`` and a Llama ``text_config``), the safetensors files and, usually, a
 tokenizer and ``preprocessor_config.json``. The language model maps as the GPT family's
-HF models do (``mtcore.models.gpt.hf``: Llama, and the Mistral, Qwen2 and Mixtral it
+HF models do (``mtcore.models.common.decoder.hf``: Llama, and the Mistral, Qwen2 and Mixtral it
 also reads; the tests use Llama); the rest is renaming and (un)fusing:
 
 =============================================  =============================================
@@ -32,13 +32,16 @@ installed transformers writes. The image processor's mean and std come from
 one with a square resize).
 
 Refused, naming the setting: a vision tower other than CLIP's, several feature layers,
-a projector activation other than ``gelu``; on export, a tower without class token or
+a projector activation other than ``gelu``, a ``tokenizer.json`` whose ``<image>`` id is
+not ``image_token_index`` (mtcore marks image positions with the tokenizer's ``<image>``
+and export writes that id, so import keeps the two equal); on export, a tower without class token or
 ``pre_norm``, a patch bias, a ``linear`` projector (HF's is always two layers), and a
 checkpoint without the tokenizer that names ``<image>``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -46,15 +49,18 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from mtcore.models.gpt import hf as gpt_hf
-from mtcore.models.hf_files import (
+from mtcore.models.common.decoder import hf as decoder_hf
+from mtcore.models.common.decoder.config import DecoderConfig
+from mtcore.models.common.hf_files import (
     DTYPE_NAMES,
     HFInteropError,
     TensorTaker,
     added_token_ids,
     as_interop_error,
+    begin_of_sequence_token,
     check_model_type,
     copy_tokenizer,
+    end_of_document_token,
     need,
     read_config,
     read_safetensors,
@@ -106,7 +112,9 @@ def model_config_from_llava(
     strategy = hf.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise HFInteropError(f"vision_feature_select_strategy={strategy!r}: default or full map")
-    gpt = gpt_hf.model_config_from_hf(text, seq_len)
+    language = decoder_hf.model_config_from_hf(
+        text, seq_len, functools.partial(DecoderConfig, family="llava")
+    )
     images = {}
     if preprocessor:
         images = {
@@ -116,7 +124,7 @@ def model_config_from_llava(
         }
     try:
         config = LlavaConfig(
-            **{k: getattr(gpt, k) for k in type(gpt).model_fields if k != "family"},
+            **{k: getattr(language, k) for k in type(language).model_fields if k != "family"},
             vision=dict(
                 image_size=need(vision, "image_size"), patch_size=need(vision, "patch_size"),
                 channels=vision.get("num_channels", 3), hidden_size=need(vision, "hidden_size"),
@@ -170,7 +178,7 @@ def llava_config(
         "vision_feature_select_strategy": "full" if v.keep_class_token else "default",
         "tie_word_embeddings": config.tie_embeddings,
         "torch_dtype": DTYPE_NAMES[dtype],
-        "text_config": gpt_hf.hf_config(language_config(config), None, dtype),
+        "text_config": decoder_hf.hf_config(language_config(config), None, dtype),
         "vision_config": {
             "model_type": "clip_vision_model", "hidden_size": v.hidden_size,
             "intermediate_size": v.ffn_size, "num_hidden_layers": v.num_layers,
@@ -216,7 +224,7 @@ def from_llava_tensors(config: LlavaConfig, tensors: dict[str, Tensor], total_la
     (those past ``config.vision.num_layers`` are dropped)."""
     tensors = _normalised(tensors)
     text = {k: t for k, t in tensors.items() if k.startswith(("model.", "lm_head."))}
-    weights = gpt_hf.from_hf_tensors(language_config(config), text)
+    weights = decoder_hf.from_hf_tensors(language_config(config), text)
     source = TensorTaker({k: t for k, t in tensors.items() if k not in text})
     v, pre = config.vision, "vision_tower."
     weights["vision.embed.weight"] = source.take(pre + "embeddings.patch_embedding.weight").flatten(
@@ -259,7 +267,7 @@ def to_llava_tensors(config: LlavaConfig, weights: dict[str, Tensor]) -> dict[st
     check_full_weights(config, weights, "the weights to export")
     lm = {k: t for k, t in weights.items() if not k.startswith(("vision.", "projector."))}
     out = {}
-    for name, t in gpt_hf.to_hf_tensors(language_config(config), lm).items():
+    for name, t in decoder_hf.to_hf_tensors(language_config(config), lm).items():
         out[("language_model." + name) if name.startswith(("model.", "lm_head.")) else name] = t
     v, pre = config.vision, "vision_tower."
     h = v.hidden_size
@@ -298,9 +306,31 @@ def import_llava(
     if (directory / "preprocessor_config.json").is_file():
         preprocessor = json.loads((directory / "preprocessor_config.json").read_text())
     config = model_config_from_llava(hf, seq_len, preprocessor)
+    check_image_token(hf, directory / "tokenizer.json")
     total = need(hf["vision_config"], "num_hidden_layers")
     bias = bool(hf.get("multimodal_projector_bias", True))
     return config, from_llava_tensors(config, read_safetensors(directory), total, bias)
+
+
+def check_image_token(hf: dict, tokenizer_json: Path) -> None:
+    """Refuse a config.json whose ``image_token_index`` is not the id of ``<image>`` in the
+    directory's tokenizer.json: transformers looks for images at the config's id while the
+    processor writes the tokenizer's. A missing or unreadable tokenizer.json, or one
+    without ``<image>``, leaves nothing to compare: ``mtcore convert`` then carries no
+    tokenizer, and export writes the id of the tokenizer it is given."""
+    wanted = hf.get("image_token_index", hf.get("image_token_id"))
+    if wanted is None or not tokenizer_json.is_file():
+        return
+    try:
+        found = added_token_ids(read_tokenizer(tokenizer_json)).get(IMAGE_TOKEN)
+    except HFInteropError:  # unreadable: convert warns that it carries no tokenizer
+        return
+    if found is not None and found != wanted:
+        raise HFInteropError(
+            f"config.json has image_token_index={wanted} but {tokenizer_json.name} has "
+            f"{IMAGE_TOKEN} at id {found}: transformers would look for images at one and the "
+            "processor would write the other; make them agree before converting"
+        )
 
 
 def export_llava(
@@ -310,10 +340,11 @@ def export_llava(
     dtype: torch.dtype = torch.float32,
     tokenizer_json: str | Path | None = None,
 ) -> Path:
-    """Write a HuggingFace LLaVA directory (config.json, model.safetensors, the tokenizer
-    and a CLIP preprocessor_config.json) that ``LlavaForConditionalGeneration`` loads."""
+    """Write a HuggingFace LLaVA directory (config.json, model.safetensors, the tokenizer,
+    a CLIP preprocessor_config.json and a processor_config.json) that
+    ``LlavaForConditionalGeneration`` and ``AutoProcessor`` load."""
     if dtype not in DTYPE_NAMES:
-        raise HFInteropError(f"dtype {dtype} is not one of {sorted(gpt_hf.DTYPES)}")
+        raise HFInteropError(f"dtype {dtype} is not one of {sorted(decoder_hf.DTYPES)}")
     if tokenizer_json is None:
         raise HFInteropError(
             f"a LLaVA export needs the checkpoint's tokenizer.json (it names {IMAGE_TOKEN})"
@@ -325,16 +356,25 @@ def export_llava(
     tensors = to_llava_tensors(model_config, full_weights)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    eos = next((t for t in ("<|endoftext|>", "</s>") if ids.get(t) is not None), None)
-    copy_tokenizer(out, tokenizer_json, model_config.seq_len, **({"eos_token": eos} if eos else {}))
+    eos = end_of_document_token(Path(tokenizer_json))
+    bos = begin_of_sequence_token(Path(tokenizer_json)) or eos  # the tokenizer's own, if any
+    settings = {"bos_token": bos[0], "eos_token": eos[0]} if eos else {}
+    copy_tokenizer(out, tokenizer_json, model_config.seq_len, **settings)
     if eos is not None:
-        config["text_config"]["eos_token_id"] = config["text_config"]["bos_token_id"] = ids[eos]
+        text = config["text_config"]
+        text["bos_token_id"], text["eos_token_id"] = bos[1], eos[1]
     size, images = model_config.vision.image_size, model_config.images
     write_json(out / "preprocessor_config.json", {
         "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"height": size, "width": size},
         "do_center_crop": False, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": list(images.mean), "image_std": list(images.std), "resample": 3,
         "do_convert_rgb": True,
+    })  # fmt: skip
+    write_json(out / "processor_config.json", {
+        "processor_class": "LlavaProcessor", "image_token": IMAGE_TOKEN,
+        "patch_size": model_config.vision.patch_size,
+        "vision_feature_select_strategy": config["vision_feature_select_strategy"],
+        "num_additional_image_tokens": 1,  # the class token (export requires one)
     })  # fmt: skip
     write_weights_and_config(out, config, tensors, dtype)
     return out

@@ -32,10 +32,11 @@ import contextlib
 import torch
 from torch import Tensor
 
-from mtcore.models.chunks import build_chunks
+from mtcore.models.common.chunks import build_chunks
+from mtcore.models.common.decoder.model import GPT, IGNORE_INDEX
+from mtcore.models.common.layers import Context
+from mtcore.models.common.sampling import next_token
 from mtcore.models.family import BuiltModel
-from mtcore.models.gpt.model import GPT, IGNORE_INDEX
-from mtcore.models.layers import Context
 from mtcore.models.vlm.config import LlavaConfig
 from mtcore.models.vlm.vision import Projector, VisionTower
 from mtcore.parallel.recompute import checkpoint
@@ -144,23 +145,28 @@ class Llava(GPT):
     @torch.no_grad()
     def generate(self, batch: dict[str, Tensor], max_new_tokens: int, top_k: int | None = None,
                  temperature: float = 1.0, generator: torch.Generator | None = None,
-                 stop_id: int | None = None) -> Tensor:  # fmt: skip
+                 stop_id: int | None = None, use_cache: bool = True) -> Tensor:  # fmt: skip
         """``batch["tokens"] [1, s]`` (images expanded) continued by up to
-        ``max_new_tokens`` tokens (one process, tp=1), stopping after ``stop_id``."""
+        ``max_new_tokens`` tokens (one process, tp=1), stopping after ``stop_id``.
+        With ``use_cache`` the prompt (its images in place) fills each layer's KV cache
+        once and every later step runs one token (``GPT.cached_logits``)."""
         if self.tp.size != 1 or not (self.first and self.last):
             raise ValueError("generate() runs on the whole model in one process (tp=1, pp=1)")
         tokens, image_mask = batch["tokens"], batch["image_mask"]
+        caches = [{} for _ in self.layers] if use_cache else None
         for _ in range(max_new_tokens):
             if tokens.shape[1] >= self.config.seq_len:
                 break
             step = {**batch, "tokens": tokens, "image_mask": image_mask}
-            logits = self.stage({}, step)["logits"][:, -1].float()
-            if top_k is None or top_k <= 1:
-                nxt = logits.argmax(-1, keepdim=True)
+            if caches is None:
+                logits = self.stage({}, step)["logits"][:, -1].float()
+            elif "k" not in caches[0]:  # the prompt, images included
+                embedded = self.embed_multimodal(step)
+                logits = self.cached_logits(tokens, caches, 0, embedded)[:, -1].float()
             else:
-                values, index = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
-                probs = torch.softmax(values / max(temperature, 1e-6), dim=-1)
-                nxt = index.gather(-1, torch.multinomial(probs, 1, generator=generator))
+                logits = self.cached_logits(tokens[:, -1:], caches, tokens.shape[1] - 1)
+                logits = logits[:, -1].float()
+            nxt = next_token(logits, top_k, temperature, generator)
             tokens = torch.cat([tokens, nxt], dim=1)
             image_mask = torch.cat([image_mask, torch.zeros_like(nxt, dtype=torch.bool)], dim=1)
             if stop_id is not None and int(nxt) == stop_id:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtcore.models.layers import MLP, Attention, Context, Norm
+from mtcore.models.common.layers import MLP, Attention, Context, Norm
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import gather_from_sp, normal_init, scatter_to_sp
 

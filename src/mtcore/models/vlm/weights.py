@@ -12,21 +12,20 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor
 
-from mtcore.models.full_weights import check_weight_shapes, load_chunk_weights
-from mtcore.models.gpt.config import GPTConfig
-from mtcore.models.gpt.weights import full_weight_shapes as gpt_weight_shapes
+from mtcore.models.common.decoder.config import DecoderConfig
+from mtcore.models.common.decoder.weights import full_weight_shapes as decoder_weight_shapes
+from mtcore.models.common.full_weights import check_weight_shapes, load_chunk_weights
 from mtcore.models.vlm.config import LlavaConfig
 
 
-def language_config(config: LlavaConfig) -> GPTConfig:
-    """The language model alone, as a GPT family config (for the GPT's HF mapping)."""
-    fields = {k: getattr(config, k) for k in GPTConfig.model_fields if k != "family"}
-    return GPTConfig(**fields)
+def language_config(config: LlavaConfig) -> DecoderConfig:
+    """The language model alone, as the shared decoder's config (for its HF mapping)."""
+    return DecoderConfig(**{k: getattr(config, k) for k in DecoderConfig.model_fields})
 
 
 def full_weight_shapes(config: LlavaConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of ``Llava(config).state_dict()`` (vocab_size set)."""
-    shapes = gpt_weight_shapes(language_config(config))
+    shapes = decoder_weight_shapes(language_config(config))
     v, h = config.vision, config.vision.hidden_size
     shapes["vision.embed.weight"] = (h, v.channels * v.patch_size**2)
     if v.patch_bias:

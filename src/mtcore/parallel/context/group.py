@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from mtcore.backend.collective import Support
+from mtcore.distributed import Axis
 
 METHODS = ("ring", "allgather", "a2a")
 # What each method moves K/V (and their gradients) with.
@@ -54,9 +55,9 @@ class CPGroup:
         """The cp group of a ``ParallelLayout``, or None when cp is 1."""
         if layout.cp == 1:
             return None
-        ranks = layout.ranks_of["cp"]
+        ranks = layout.ranks_of[Axis.CP]
         return cls(
-            backend, layout.group("cp"), ranks, layout.coordinate("cp"), layout.cp,
+            backend, layout.group(Axis.CP), ranks, layout.coordinate(Axis.CP), layout.cp,
             layout.spec.cp_method,
         )  # fmt: skip
 

@@ -10,6 +10,11 @@
   head shards (``[b, h, S/cp, d]`` -> ``[b, h/cp, S, d]``), each rank attends its
   heads over the whole sequence, and a second all-to-all turns the output back.
   cp must divide the (local) query and key/value heads.
+
+A sliding window (causal only) reaches each method: all-gather attends each query
+chunk to the keys of its window only (the blocks before it are skipped), a2a passes
+it to the kernel over the whole sequence, and ring skips or bands its chunk pairs
+(``mtcore.parallel.context.window``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from mtcore.parallel.context.ring import ring_attention
 from mtcore.parallel.recompute import checkpoint
 
 
-def allgather_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels) -> Tensor:
+def allgather_attention(
+    q, k, v, causal: bool, key_mask, cp: CPGroup, kernels, window=None
+) -> Tensor:
     """Attention of the local queries over the gathered K/V (arguments: ``ring_attention``)."""
     kv = gather_sequence(torch.stack([k, v]), 3, cp)  # [2, b, hkv, S, d], cp order
     if not causal:
@@ -36,17 +43,32 @@ def allgather_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels) -
     # Recomputed in backward: what the chunks' kernels and merges would save (folded
     # queries, grouped-query K/V expanded per call, partial outputs) is several times
     # this rank's share of q, k, v; kept are only q and the gathered K/V.
-    return checkpoint(_causal_chunks, q, kv, mask, cp.rank, cp.size, kernels, backend=cp.backend)
+    return checkpoint(
+        _causal_chunks, q, kv, mask, cp.rank, cp.size, kernels, window, backend=cp.backend
+    )
 
 
-def _causal_chunks(q, kv, mask, rank: int, size: int, kernels) -> Tensor:
+def _causal_chunks(q, kv, mask, rank: int, size: int, kernels, window) -> Tensor:
     """Causal attention of this rank's two query chunks over the gathered K/V (global order)."""
     c = q.shape[2] // 2
     outs = []
     for half, chunk in enumerate(chunk_ids(size, rank)):
         rows = q[:, :, half * c : (half + 1) * c]
-        outs.append(_causal_chunk(rows, kv, mask, chunk * c, c, kernels))
+        if window is None:
+            outs.append(_causal_chunk(rows, kv, mask, chunk * c, c, kernels))
+        else:
+            outs.append(_window_chunk(rows, kv, mask, chunk * c, c, kernels, window))
     return torch.cat(outs, dim=2)
+
+
+def _window_chunk(rows, kv, mask, start: int, c: int, kernels, window: int) -> Tensor:
+    """Queries at ``start..start+c-1`` over the keys of their windows only: one causal
+    call whose keys end with the chunk, so the op's bottom-right band is the global one."""
+    keys = slice(max(0, start - window + 1), start + c)
+    return kernels.attention(
+        rows, kv[0][:, :, keys], kv[1][:, :, keys], causal=True,
+        key_padding_mask=mask[:, keys] if mask is not None else None, window=window,
+    )  # fmt: skip
 
 
 def _causal_chunk(rows, kv, mask, start: int, c: int, kernels) -> Tensor:
@@ -90,14 +112,14 @@ def _full_attention_lse(q, k, v, key_mask, kernels) -> tuple[Tensor, Tensor]:
     return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)
 
 
-def a2a_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels) -> Tensor:
+def a2a_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels, window=None) -> Tensor:
     """Ulysses attention: heads sharded, the whole sequence per rank (arguments: ``ring_attention``)."""
     qh, kh, vh = (sequence_to_heads(t, cp) for t in (q, k, v))  # [b, h / cp, S, d], cp order
     if causal:
         order = cp_to_global(qh.shape[2], cp.size, q.device)
         qh, kh, vh = (t.index_select(2, order) for t in (qh, kh, vh))
         key_mask = key_mask.index_select(1, order) if key_mask is not None else None
-    out = kernels.attention(qh, kh, vh, causal=causal, key_padding_mask=key_mask)
+    out = kernels.attention(qh, kh, vh, causal=causal, key_padding_mask=key_mask, window=window)
     if causal:
         out = out.index_select(2, torch.argsort(order))
     return heads_to_sequence(out, cp)
@@ -108,19 +130,23 @@ METHOD_FUNCTIONS = {"ring": ring_attention, "allgather": allgather_attention, "a
 
 def context_attention(
     q: Tensor, k: Tensor, v: Tensor, cp: CPGroup, kernels, causal: bool = True,
-    key_padding_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None, window: int | None = None,
 ) -> Tensor:  # fmt: skip
     """Self-attention of a sequence split over the cp ranks, by ``cp.method``.
 
     q ``[b, hq, S/cp, d]``, k/v ``[b, hkv, S/cp, d]``: this rank's local sequence
     (``mtcore.parallel.context.group``). ``key_padding_mask``: bool ``[b, S]`` for the
-    whole sequence in cp order (``gather_key_mask``), True = a real token. Returns
-    ``[b, hq, S/cp, d]``: equal to one process's attention at this rank's positions.
+    whole sequence in cp order (``gather_key_mask``), True = a real token. ``window``:
+    sliding window over global positions (causal only; ``mtcore.ops.attention``).
+    Returns ``[b, hq, S/cp, d]``: equal to one process's attention at this rank's
+    positions.
     """
+    if window is not None and not causal:
+        raise ValueError(f"a sliding window (window={window}) needs causal attention")
     try:
         fn = METHOD_FUNCTIONS[cp.method]
     except KeyError:
         raise ValueError(
             f"unknown cp method {cp.method!r}; known: {', '.join(METHOD_FUNCTIONS)}"
         ) from None
-    return fn(q, k, v, causal, key_padding_mask, cp, kernels)
+    return fn(q, k, v, causal, key_padding_mask, cp, kernels, window)

@@ -16,7 +16,10 @@ Causal blocks under the load-balanced split (rank ``r`` holds chunks ``r`` and
 - ``j > r``: only the second half of the queries (chunk ``2cp-1-r``) sees anything,
   and it sees the whole block.
 
-So every step is one plain (causal or full) attention call of equal size. The
+So every step is one plain (causal or full) attention call of equal size. With a
+sliding window each step attends the chunk pairs inside the window instead
+(``mtcore.parallel.context.window``): a pair wholly outside it is skipped (the K/V
+block still travels, as later ranks need it). The
 backward runs the ring again: it recomputes each block, gets its gradients from
 the merged output and LSE, keeps dQ, and sends the block's dK/dV accumulator on
 after it. That hop is posted once the block's gradients are added and waited for
@@ -31,14 +34,15 @@ from torch import Tensor
 
 from mtcore.backend.collective import P2P
 from mtcore.ops import merge_attention
-from mtcore.parallel.context.group import CPGroup
+from mtcore.parallel.context.group import CPGroup, chunk_ids
+from mtcore.parallel.context.window import windowed_chunks_lse
 
 _ALL = slice(None)
 
 
-def _plan(step: int, cp: CPGroup, causal: bool, length: int) -> tuple[slice, slice, bool]:
+def _plan(step: int, cp: CPGroup, causal: bool, length: int, window) -> tuple[slice, slice, bool]:
     """(query slice, key slice, causal) of the block this rank attends at ``step``."""
-    if not causal:
+    if not causal or window is not None:
         return _ALL, _ALL, False
     src = (cp.rank - step) % cp.size
     half = length // 2
@@ -47,6 +51,15 @@ def _plan(step: int, cp: CPGroup, causal: bool, length: int) -> tuple[slice, sli
     if src < cp.rank:
         return _ALL, slice(0, half), False
     return slice(half, length), _ALL, False
+
+
+def _block_lse(q, k, v, causal: bool, mask, step: int, cp: CPGroup, window, kernels):
+    """``(out, lse)`` of one step's block (q, k, v already sliced by ``_plan``)."""
+    if window is None:
+        return kernels.attention_lse(q, k, v, causal, mask)
+    src = (cp.rank - step) % cp.size
+    mine, theirs = chunk_ids(cp.size, cp.rank), chunk_ids(cp.size, src)
+    return windowed_chunks_lse(q, k, v, mask, mine, theirs, window, kernels)
 
 
 def _block_mask(mask: Tensor | None, src: int, length: int, keys: slice) -> Tensor | None:
@@ -82,7 +95,7 @@ class RingAttention(torch.autograd.Function):
     """``(q, k, v)`` of the local sequence -> attention over the whole sequence."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, key_mask, cp: CPGroup, kernels):
+    def forward(ctx, q, k, v, causal: bool, key_mask, cp: CPGroup, kernels, window):
         b, hq, length, d = q.shape
         acc = torch.promote_types(q.dtype, torch.float32)
         out = q.new_zeros((b, hq, length, d), dtype=acc)
@@ -93,12 +106,12 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp.size:
                 pending = _rotate(cp, kv)
                 _note(cp, "post", step + 1)
-            rows, keys, block_causal = _plan(step, cp, causal, length)
+            rows, keys, block_causal = _plan(step, cp, causal, length, window)
             src = (cp.rank - step) % cp.size
             _note(cp, "compute", step)
-            o, o_lse = kernels.attention_lse(
+            o, o_lse = _block_lse(
                 q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], block_causal,
-                _block_mask(key_mask, src, length, keys),
+                _block_mask(key_mask, src, length, keys), step, cp, window, kernels,
             )  # fmt: skip
             out[:, :, rows], lse[:, :, rows] = merge_attention(
                 out[:, :, rows], lse[:, :, rows], o, o_lse
@@ -106,13 +119,13 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = _wait(cp, pending, "wait", step + 1)
         ctx.save_for_backward(q, k, v, out, lse, key_mask)
-        ctx.causal, ctx.cp, ctx.kernels = causal, cp, kernels
+        ctx.causal, ctx.cp, ctx.kernels, ctx.window = causal, cp, kernels, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, key_mask = ctx.saved_tensors
-        cp, causal, kernels = ctx.cp, ctx.causal, ctx.kernels
+        cp, causal, kernels, window = ctx.cp, ctx.causal, ctx.kernels, ctx.window
         length, acc = q.shape[2], out.dtype
         dout = dout.to(acc)
         dq = torch.zeros_like(q, dtype=acc)
@@ -126,16 +139,17 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp.size:
                 pending = _rotate(cp, kv)
                 _note(cp, "post", step + 1)
-            rows, keys, block_causal = _plan(step, cp, causal, length)
+            rows, keys, block_causal = _plan(step, cp, causal, length, window)
             src = (cp.rank - step) % cp.size
             _note(cp, "grad", step)
             with torch.enable_grad():
                 qb = q[:, :, rows].detach().requires_grad_()
                 kb = kv[0][:, :, keys].detach().requires_grad_()
                 vb = kv[1][:, :, keys].detach().requires_grad_()
-                o, o_lse = kernels.attention_lse(
-                    qb, kb, vb, block_causal, _block_mask(key_mask, src, length, keys)
-                )
+                o, o_lse = _block_lse(
+                    qb, kb, vb, block_causal, _block_mask(key_mask, src, length, keys),
+                    step, cp, window, kernels,
+                )  # fmt: skip
                 # The merged output is sum_j w_j o_j with w_j = exp(lse_j - lse): o_j gets
                 # w_j dO, and lse_j gets w_j <dO, o_j - O> (the softmax normalisation).
                 w = torch.exp(o_lse.to(acc) - lse_safe[:, :, rows])
@@ -156,13 +170,15 @@ class RingAttention(torch.autograd.Function):
                 kv = _wait(cp, pending, "wait", step + 1)
         # One last hop brings this rank its own block's dK/dV.
         dkv = _wait(cp, dkv_pending, "wait dkv", cp.size - 1)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        grads = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return (*grads, None, None, None, None, None)
 
 
-def ring_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels) -> Tensor:
+def ring_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels, window=None) -> Tensor:
     """Attention of the local queries over the whole sequence's keys, K/V in a ring.
 
     q ``[b, hq, S/cp, d]``, k/v ``[b, hkv, S/cp, d]`` (local sequence); ``key_mask``
-    ``[b, S]`` in cp order or None. Returns ``[b, hq, S/cp, d]``.
+    ``[b, S]`` in cp order or None; ``window``: sliding window (causal only) or None.
+    Returns ``[b, hq, S/cp, d]``.
     """
-    return RingAttention.apply(q, k, v, causal, key_mask, cp, kernels)
+    return RingAttention.apply(q, k, v, causal, key_mask, cp, kernels, window)

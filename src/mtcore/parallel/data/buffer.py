@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from mtcore.distributed import Axis
+
 
 @dataclass
 class BufferRange:
@@ -80,7 +82,7 @@ class GradBuffer:
         pad_to: int = 1,
         first_bucket_index: int = 0,
         grad_dtype: torch.dtype = torch.float32,
-        reduce_group: str = "dp_cp",
+        reduce_group: Axis = Axis.DP_CP,
     ):
         if not params:
             raise ValueError("a GradBuffer needs at least one parameter")

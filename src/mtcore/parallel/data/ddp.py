@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from mtcore.distributed import Axis
 from mtcore.parallel.clip import is_expert_parallel
 from mtcore.parallel.data.buffer import Bucket, GradBuffer
 
@@ -104,17 +105,17 @@ class DataParallel(torch.nn.Module):
         self.layout = layout
         self.backend = backend
         self.collective = backend.collective
-        self.group = layout.group("dp_cp")
-        self.dp_size = layout.size("dp_cp")
-        self.dp_rank = layout.coordinate("dp_cp")
+        self.group = layout.dp_cp.group
+        self.dp_size = layout.dp_cp.size
+        self.dp_rank = layout.dp_cp.rank
         # The average's 1/dp is applied as gradients enter the buffer (free inside
         # the accumulating add) so the reduction is a plain sum: no extra pass
         # over the bucket where a backend lacks a native average (gloo).
         self._grad_scale = 1.0 / self.dp_size if self.config.average else 1.0
 
         # (group, size, this rank's index) of each reduction group a buffer may use.
-        self.reductions: dict[str, tuple[object, int, int]] = {
-            "dp_cp": (self.group, self.dp_size, self.dp_rank)
+        self.reductions: dict[Axis, tuple[object, int, int]] = {
+            Axis.DP_CP: (self.group, self.dp_size, self.dp_rank)
         }
         params = [p for p in module.parameters() if p.requires_grad]
         chunk_of = {id(p): c for c, ch in enumerate(chunks or [module]) for p in ch.parameters()}
@@ -123,19 +124,19 @@ class DataParallel(torch.nn.Module):
             raise ValueError(f"{len(missing)} trainable params of the module are in no chunk")
         deferred_ids = {id(p) for p in deferred}
         # (reduce group, chunk, deferred, dtype) -> params, in module order
-        by_kind: dict[tuple[str, int, bool, torch.dtype], list] = {}
+        by_kind: dict[tuple[Axis, int, bool, torch.dtype], list] = {}
         for p in params:
-            kind = "edp" if is_expert_parallel(p) else "dp_cp"
+            kind = Axis.EDP if is_expert_parallel(p) else Axis.DP_CP
             key = (kind, chunk_of[id(p)], id(p) in deferred_ids, p.dtype)
             by_kind.setdefault(key, []).append(p)
-        if any(key[0] == "edp" for key in by_kind):
-            self.reductions["edp"] = (
-                layout.group("edp"),
-                layout.size("edp"),
-                layout.coordinate("edp"),
+        if any(key[0] is Axis.EDP for key in by_kind):
+            self.reductions[Axis.EDP] = (
+                layout.edp.group,
+                layout.edp.size,
+                layout.edp.rank,
             )
         self.grad_buffers: list[GradBuffer] = []
-        order = sorted(by_kind.items(), key=lambda item: (item[0][0] == "edp", *item[0][1:3]))
+        order = sorted(by_kind.items(), key=lambda item: (item[0][0] is Axis.EDP, *item[0][1:3]))
         for (kind, chunk, later, _), group in order:
             pad_to = self.reductions[kind][1] if self.config.shard_optimizer else 1
             first = sum(len(b.buckets) for b in self.grad_buffers)
@@ -254,7 +255,7 @@ class DataParallel(torch.nn.Module):
             return
         grads = [p.main_grad for p in self._sp_params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.collective.all_reduce(flat, op="sum", group=self.layout.group("tp"))
+        self.collective.all_reduce(flat, op="sum", group=self.layout.group(Axis.TP))
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

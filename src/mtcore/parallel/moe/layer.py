@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mtcore.distributed import Axis
 from mtcore.parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from mtcore.parallel.moe.dispatch_dedup import DedupAllToAllDispatcher
 from mtcore.parallel.moe.experts import GroupedExperts
@@ -64,7 +65,7 @@ def ep_group(layout, backend) -> TPGroup:
     """The expert-parallel group of ``layout`` as a group handle (single when ep == 1)."""
     if layout is None or layout.ep == 1:
         return TPGroup.single(backend)
-    return TPGroup(backend, layout.group("ep"), layout.ep, layout.coordinate("ep"))
+    return TPGroup(backend, layout.group(Axis.EP), layout.ep, layout.coordinate(Axis.EP))
 
 
 def cp_group(layout, backend) -> TPGroup:
@@ -72,7 +73,7 @@ def cp_group(layout, backend) -> TPGroup:
     the ranks holding the other parts of this rank's sequences."""
     if layout is None or layout.cp == 1:
         return TPGroup.single(backend)
-    return TPGroup(backend, layout.group("cp"), layout.cp, layout.coordinate("cp"))
+    return TPGroup(backend, layout.group(Axis.CP), layout.cp, layout.coordinate(Axis.CP))
 
 
 DISPATCHERS = {

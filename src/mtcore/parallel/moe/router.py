@@ -65,14 +65,29 @@ def route(logits: Tensor, spec: MoESpec, bias: Tensor | None = None) -> Routing:
         chooser = logits if spec.topk_then_softmax else scores
     if bias is not None:
         chooser = chooser + bias.float()
-    experts = torch.topk(chooser.detach(), k, dim=-1).indices
+    chooser = chooser.detach()
+    if spec.top_groups is not None and spec.top_groups < spec.expert_groups:
+        chooser = _best_groups_only(chooser, spec.expert_groups, spec.top_groups)
+    experts = torch.topk(chooser, k, dim=-1).indices
     if spec.topk_then_softmax:
         probs = torch.softmax(logits.gather(-1, experts), dim=-1)
     else:
         probs = (raw if spec.score == "sigmoid" else scores).gather(-1, experts)
         if spec.norm_topk and k > 1:  # at k=1 it would make every weight 1: no gradient
             probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-20)
+    if spec.routed_scale != 1.0:
+        probs = probs * spec.routed_scale
     return Routing(probs, experts, scores)
+
+
+def _best_groups_only(chooser: Tensor, groups: int, keep: int) -> Tensor:
+    """``chooser [T, E]`` with ``-inf`` outside each token's ``keep`` best of ``groups``
+    expert groups, a group scored by the sum of its (at most) two best entries."""
+    grouped = chooser.view(chooser.shape[0], groups, -1)
+    best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, groups]
+    chosen = best.topk(keep, dim=-1).indices
+    allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
+    return grouped.masked_fill(~allowed[..., None], float("-inf")).view_as(chooser)
 
 
 def tokens_per_expert(experts: Tensor, num_experts: int) -> Tensor:

@@ -33,6 +33,12 @@ class MoESpec(BaseModel):
     z_loss_coeff: router z-loss mean(logsumexp(logits)^2) (ST-MoE).
     bias_update_rate: > 0 turns on auxiliary-loss-free balancing: a per-expert
       bias added to the scores for the top-k choice only (DeepSeek-V3).
+    expert_groups, top_groups: group-limited routing (DeepSeek-V3's n_group,
+      topk_group): the experts form ``expert_groups`` equal groups, each scored by
+      the sum of its two best choice scores, and a token picks its ``top_k`` among
+      the ``top_groups`` best groups only (None: all groups).
+    routed_scale: multiplies the routed experts' combine weights (DeepSeek's
+      routed_scaling_factor), after ``norm_topk``.
     capacity_factor: None is dropless; otherwise each expert takes at most
       ceil(factor * tokens * top_k / num_experts) assignments per micro-batch.
     dispatcher: how tokens reach experts on other ranks of the expert group:
@@ -56,6 +62,9 @@ class MoESpec(BaseModel):
     aux_loss_coeff: float = Field(1e-2, ge=0.0)
     z_loss_coeff: float = Field(0.0, ge=0.0)
     bias_update_rate: float = Field(0.0, ge=0.0)
+    expert_groups: int = Field(1, ge=1)
+    top_groups: int | None = Field(None, ge=1)
+    routed_scale: float = Field(1.0, gt=0.0)
     capacity_factor: float | None = Field(None, gt=0.0)
     dispatcher: Literal["alltoall", "alltoall_dedup", "allgather"] = "alltoall"
     shared_ffn_size: int = Field(0, ge=0)
@@ -66,6 +75,20 @@ class MoESpec(BaseModel):
             raise ValueError(f"top_k={self.top_k} is larger than num_experts={self.num_experts}")
         if self.topk_then_softmax and self.score != "softmax":
             raise ValueError("topk_then_softmax needs score='softmax'")
+        if self.num_experts % self.expert_groups:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by expert_groups={self.expert_groups}"
+            )
+        groups = self.top_groups or self.expert_groups
+        if groups > self.expert_groups:
+            raise ValueError(
+                f"top_groups={groups} is larger than expert_groups={self.expert_groups}"
+            )
+        if groups * (self.num_experts // self.expert_groups) < self.top_k:
+            raise ValueError(
+                f"top_groups={groups} groups of {self.num_experts // self.expert_groups} experts "
+                f"hold fewer than top_k={self.top_k}"
+            )
         return self
 
     def check(self, ep: int, tp: int, cp: int = 1) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mtcore.distributed import Axis
 from mtcore.parallel.clip import clip_by_total_norm_, global_norm
 from mtcore.parallel.optimizer.segments import (
     Segment,
@@ -104,7 +105,7 @@ class AdamW:
             _chunked([s for s in self.segments if s.group == i], chunk_size)
             for i in range(len(self.param_groups))
         ]
-        dp_group, mp_group = self.layout.group("dp_cp"), self.layout.group("mp")
+        dp_group, mp_group = self.layout.dp_cp.group, self.layout.mp.group
         self._found_inf_groups = [dp_group, mp_group]
         self._norm_groups = [dp_group, mp_group] if self.sharded else [mp_group]
         tp_rank = self.layout.tp_rank
@@ -113,11 +114,11 @@ class AdamW:
         ]
         # Expert weights differ across the ep ranks: their squares add up over ep (under
         # ZeRO-1 the dp_cp reduction, which spans ep x edp, already does that).
-        self._norm_segments = [s for s in counted if s.buffer.reduce_group != "edp"]
-        self._expert_norm_segments = [s for s in counted if s.buffer.reduce_group == "edp"]
-        has_experts = "edp" in ddp.reductions
+        self._norm_segments = [s for s in counted if s.buffer.reduce_group is not Axis.EDP]
+        self._expert_norm_segments = [s for s in counted if s.buffer.reduce_group is Axis.EDP]
+        has_experts = Axis.EDP in ddp.reductions
         self._expert_norm_groups = (
-            [self.layout.group("ep")] if has_experts and not self.sharded else []
+            [self.layout.group(Axis.EP)] if has_experts and not self.sharded else []
         )
 
     # -- the training-loop API ----------------------------------------------------

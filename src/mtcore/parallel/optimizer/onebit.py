@@ -38,6 +38,7 @@ import math
 import torch
 from torch import Tensor
 
+from mtcore.distributed import Axis
 from mtcore.parallel.clip import global_norm
 from mtcore.parallel.optimizer.adamw import AdamW
 
@@ -180,7 +181,7 @@ class OneBitAdam(AdamW):
                 "onebit_adam cannot run with ZeRO-1 (parallel.zero1): every rank compresses "
                 "its whole local momentum, so the momentum cannot be sharded over dp"
             )
-        if "edp" in ddp.reductions:
+        if Axis.EDP in ddp.reductions:
             raise ValueError(
                 "onebit_adam compresses the dense data-parallel reduction only; a model with "
                 "expert-parallel (MoE expert) params is not supported"
@@ -189,7 +190,7 @@ class OneBitAdam(AdamW):
             raise ValueError(f"freeze_step must be >= 1 (steps of plain Adam), got {freeze_step}")
         super().__init__(ddp, **kwargs)
         self.freeze_step = freeze_step
-        group, size, rank = ddp.reductions["dp_cp"]
+        group, size, rank = ddp.reductions[Axis.DP_CP]
         self._dp_size = size
         buffers = [b for b in ddp.grad_buffers if any(s.buffer is b for s in self.segments)]
         self._flat = list(zip(buffers, self._state["exp_avg"], strict=True))
@@ -222,7 +223,7 @@ class OneBitAdam(AdamW):
         total = global_norm(
             [s.grad for s in self._norm_segments],
             self.collective,
-            [self.layout.group("dp_cp"), self.layout.group("mp")],
+            [self.layout.dp_cp.group, self.layout.mp.group],
             device=self.ddp.device,
         )
         return total * math.sqrt(self._dp_size)

@@ -1,7 +1,7 @@
 """Pipeline parallelism: schedules as data, one runner, model splitting, tied weights.
 
 ``schedules`` builds per-rank action lists (no pipelining, GPipe, 1F1B,
-interleaved 1F1B); ``simulate`` checks and times them on paper; ``runner``
+interleaved 1F1B, zero-bubble ZB-H1 and its interleaved form); ``simulate`` checks and times them on paper; ``runner``
 executes one rank's list over ``Collective.batch_send_recv``; ``split`` says
 which layers each (rank, chunk) owns and validates batch sizes; ``groups``
 holds the pipeline and tied-embedding groups.
@@ -21,8 +21,10 @@ from mtcore.parallel.pipeline.schedules import (
     build_schedule,
     gpipe,
     interleaved_1f1b,
+    interleaved_zb,
     no_pipelining,
     one_f_one_b,
+    zb_h1,
 )
 from mtcore.parallel.pipeline.simulate import Timeline, simulate
 from mtcore.parallel.pipeline.split import (
@@ -53,6 +55,7 @@ __all__ = [
     "build_schedule",
     "gpipe",
     "interleaved_1f1b",
+    "interleaved_zb",
     "layer_counts",
     "no_pipelining",
     "num_microbatches",
@@ -62,4 +65,5 @@ __all__ = [
     "stage_plans",
     "sync_tied_weights",
     "validate_pipeline",
+    "zb_h1",
 ]

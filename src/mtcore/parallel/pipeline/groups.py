@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtcore.distributed import Axis
+
 
 @dataclass
 class PipelineGroups:
@@ -38,15 +40,15 @@ class PipelineGroups:
     @classmethod
     def build(cls, layout, collective) -> PipelineGroups:
         """All ranks call this together (it creates the embedding groups)."""
-        mine = tuple(layout.ranks_of["pp"])
-        out = cls(mine, mine.index(layout.rank), layout.group("pp"))
+        mine = tuple(layout.ranks_of[Axis.PP])
+        out = cls(mine, mine.index(layout.rank), layout.group(Axis.PP))
         if layout.pp > 1:
             # NCCL-style backends set a communicator up on its first call, which
             # must involve every member; a pipeline's first transfers do not.
             collective.barrier(out.group)
             if "embed" in layout.ranks_of:
-                out.embedding_ranks = layout.ranks_of["embed"]
-                out.embedding_group = layout.group("embed")
+                out.embedding_ranks = layout.ranks_of[Axis.EMBED]
+                out.embedding_group = layout.group(Axis.EMBED)
         return out
 
 

@@ -20,6 +20,15 @@ Two ways to describe what crosses a stage boundary:
   backpropagated (already weighted; the runner does not divide by m). Gradients
   travel back for the floating-point tensors.
 
+In a schedule that splits the backward (zero bubble: ``backward`` and ``weight``
+actions), a forward runs under ``deferring_weight_grads`` with a store of its own;
+``backward`` (B) takes, in one ``torch.autograd.grad`` call, the gradients of the
+chunk's inputs and of its parameters but the linears' weights (which go to the
+store), and sends the former at once; ``weight`` (W) computes the deferred
+products and hands every parameter gradient of the micro-batch to autograd
+(``weight_grad.hand_over``): accumulation and the data-parallel hooks see what they
+see in an unsplit backward, only later.
+
 Per step the runner records compute time (busy) and time in communication
 calls (wait: posting batches, waiting for receives and, at the end, sends);
 the rest of the step (bookkeeping) is neither. For a bubble measurement, synchronise the ranks before and after
@@ -45,12 +54,18 @@ from mtcore.parallel.pipeline.schedules import (
     RECV_FWD,
     SEND_BWD,
     SEND_FWD,
+    WEIGHT,
     Action,
     Schedule,
     ScheduleError,
     is_first_stage,
     is_last_stage,
     peer,
+)
+from mtcore.parallel.tensor.weight_grad import (
+    WeightGradStore,
+    deferring_weight_grads,
+    hand_over,
 )
 
 
@@ -134,8 +149,11 @@ class PipelineRunner:
         if self.has_last and loss_fn is None:
             raise ValueError("the last pipeline stage needs a loss_fn")
         self._delivered_by = schedule.delivered_by(self.rank)
-        last_b = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == BACKWARD}
-        self._reduce_at = set(last_b.values())
+        # the action after which a chunk's gradients are complete: its last B, or W
+        self.split = schedule.splits_backward
+        accumulates = WEIGHT if self.split else BACKWARD
+        last = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == accumulates}
+        self._reduce_at = set(last.values())
 
     # -- one step ----------------------------------------------------------------------
     def step(self, inputs: Sequence | None = None, targets: Sequence | None = None) -> StepStats:
@@ -147,7 +165,8 @@ class PipelineRunner:
         if self.has_last and not self.named and (targets is None or len(targets) != m):
             raise ValueError(f"the last stage needs {m} micro-batch targets, got {_len(targets)}")
         self._inputs, self._targets = inputs, targets
-        self._saved: dict[tuple[int, int], tuple[dict[str, Tensor], object]] = {}
+        self._saved: dict[tuple[int, int], tuple[dict[str, Tensor], object, object]] = {}
+        self._weights_due: dict[tuple[int, int], tuple[WeightGradStore, list]] = {}
         self._outgoing: dict[Action, dict[str, Tensor]] = {}
         self._recv: dict[Action, tuple[dict[str, Tensor], list]] = {}
         self._sends: dict[Action, tuple[dict[str, Tensor], list, bool]] = {}
@@ -172,7 +191,7 @@ class PipelineRunner:
             self._wait_all(handles)
         self._sends = {}  # delivered: keep no sent tensor through the optimizer step
         total = time.perf_counter() - self._t0
-        if self._saved or self._outgoing or self._recv:
+        if self._saved or self._outgoing or self._recv or self._weights_due:
             raise ScheduleError(
                 f"rank {self.rank}: step ended with unfinished work (action list is inconsistent)"
             )
@@ -295,40 +314,77 @@ class PipelineRunner:
                     if tensor.dtype.is_floating_point:
                         tensor.requires_grad_()
             start = time.perf_counter()
-            out = self._forward(c, inputs, self._inputs[mb] if self.named or first else None)
+            store = WeightGradStore() if self.split else None
+            with deferring_weight_grads(store):
+                out = self._forward(c, inputs, self._inputs[mb] if self.named or first else None)
             if last:
                 out = self._loss(out, mb)
                 self._losses.append(out.detach())
             else:
                 self._to_send(Action(SEND_FWD, mb, c), out)
-            self._saved[(mb, c)] = (inputs, out)
-            self._peak = max(self._peak, len(self._saved))
-        else:
-            inputs, out = self._saved.pop((mb, c))
+            self._saved[(mb, c)] = (inputs, out, store)
+            self._peak = max(self._peak, len(self._saved) + len(self._weights_due))
+        elif a.kind == BACKWARD:
+            inputs, out, store = self._saved.pop((mb, c))
             grads = None if last else self._received(RECV_BWD, mb, c)
             start = time.perf_counter()
-            sync = self.grad_sync if self.grad_sync is not None else self.chunks[c]
-            quiet = index not in self._reduce_at and hasattr(sync, "no_sync")
-            with sync.no_sync() if quiet else contextlib.nullcontext():
-                if last:
-                    torch.autograd.backward(out)
-                else:
-                    names = [n for n in grads if out[n].requires_grad]
-                    if names:  # a message computed from the batch alone carries no gradient
-                        torch.autograd.backward([out[n] for n in names], [grads[n] for n in names])
+            if last:
+                roots, root_grads = [out], None
+            else:  # a message computed from the batch alone carries no gradient
+                names = [n for n in grads if out[n].requires_grad]
+                roots, root_grads = [out[n] for n in names], [grads[n] for n in names]
+            floats = {n: t for n, t in inputs.items() if t.dtype.is_floating_point}
+            if self.split:
+                back = self._input_grads(c, mb, store, floats, roots, root_grads)
+            else:
+                with self._sync_context(c, index):
+                    if roots:
+                        torch.autograd.backward(roots, root_grads)
+                back = {n: t.grad for n, t in floats.items()}
             if not first:
-                back = {
-                    n: t.grad if t.grad is not None else torch.zeros_like(t)
-                    for n, t in inputs.items()
-                    if t.dtype.is_floating_point
-                }
+                back = {n: torch.zeros_like(t) if back[n] is None else back[n] for n, t in floats.items()}
                 self._to_send(Action(SEND_BWD, mb, c), back)
+        else:
+            start = time.perf_counter()
+            store, own = self._weights_due.pop((mb, c))
+            params = [p for p, _ in own] + store.weights()
+
+            def grads(own=own, store=store) -> list[Tensor]:
+                found = [g for _, g in own] + [g for _, g in store.compute()]
+                own.clear()  # accumulation takes them over
+                return found
+
+            with self._sync_context(c, index):
+                if params:  # accumulate as an unsplit backward would, hooks included
+                    hand_over(params, grads)
         if self.timing:
             self._sync()
         end = time.perf_counter()
         self._busy += end - start
         if self.trace:
             self._trace.append((a, start - self._t0, end - self._t0))
+
+
+    def _sync_context(self, c: int, index: int):
+        """``no_sync`` of the chunk's data-parallel wrapper but where its gradients
+        complete, so each chunk's gradients are reduced once per step."""
+        sync = self.grad_sync if self.grad_sync is not None else self.chunks[c]
+        quiet = index not in self._reduce_at and hasattr(sync, "no_sync")
+        return sync.no_sync() if quiet else contextlib.nullcontext()
+
+    def _input_grads(self, c, mb, store, floats, roots, root_grads) -> dict[str, Tensor | None]:
+        """B of the split backward: the gradients of the chunk's inputs (returned) and
+        of its parameters but the deferred weights (kept with ``store`` for W)."""
+        params = [p for p in self.chunks[c].parameters() if p.requires_grad]
+        wanted = list(floats.values()) + params
+        found = [None] * len(wanted)
+        if roots and wanted:  # recompute runs the forward again here: the same linears
+            with deferring_weight_grads(store):
+                found = torch.autograd.grad(roots, wanted, root_grads, allow_unused=True)
+        back = dict(zip(floats, found[: len(floats)], strict=True))
+        own = [(p, g) for p, g in zip(params, found[len(floats) :], strict=True) if g is not None]
+        self._weights_due[(mb, c)] = (store, own)
+        return back
 
 
 def _len(x) -> str:

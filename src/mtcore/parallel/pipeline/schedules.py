@@ -23,13 +23,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-FORWARD, BACKWARD = "forward", "backward"
+FORWARD, BACKWARD, WEIGHT = "forward", "backward", "weight"
 SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD = "send_fwd", "recv_fwd", "send_bwd", "recv_bwd"
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
 COMM = (SEND_FWD, RECV_FWD, SEND_BWD, RECV_BWD)
 KINDS = COMPUTE + COMM
-_CODE = {FORWARD: "F", BACKWARD: "B", SEND_FWD: "sF", RECV_FWD: "rF", SEND_BWD: "sB", RECV_BWD: "rB"}
-SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
+_CODE = {
+    FORWARD: "F",
+    BACKWARD: "B",
+    WEIGHT: "W",
+    SEND_FWD: "sF",
+    RECV_FWD: "rF",
+    SEND_BWD: "sB",
+    RECV_BWD: "rB",
+}
+SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
 
 
 class ScheduleError(ValueError):
@@ -38,7 +46,11 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank: compute (``forward``/``backward``) or one transfer.
+    """One step of a rank: compute (``forward``/``backward``/``weight``) or one transfer.
+
+    In a schedule with ``weight`` actions (zero bubble), ``backward`` computes only
+    the input gradients (B) and ``weight`` the deferred weight gradients (W) of the
+    same (micro-batch, chunk); elsewhere ``backward`` computes both.
 
     ``microbatch`` and ``chunk`` name the tensor: for a transfer, the
     (micro-batch, chunk) *on this rank* whose activation or gradient moves.
@@ -94,11 +106,18 @@ class Schedule:
             out.append((tuple(batch), None))
         return out
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backward is split into B (input gradients) and W (weight gradients)."""
+        return any(a.kind == WEIGHT for actions in self.actions for a in actions)
+
     def max_in_flight(self, rank: int) -> int:
-        """Most (micro-batch, chunk) forwards whose backward has not run yet."""
+        """Most (micro-batch, chunk) forwards whose backward has not run yet (with
+        the backward split, whose W has not run: W still holds what it needs)."""
+        release = WEIGHT if self.splits_backward else BACKWARD
         live = peak = 0
         for a in self.compute_order(rank):
-            live += 1 if a.kind == FORWARD else -1
+            live += 1 if a.kind == FORWARD else -1 if a.kind == release else 0
             peak = max(peak, live)
         return peak
 
@@ -201,6 +220,32 @@ def interleaved_1f1b(pp: int, vpp: int, microbatches: int) -> Schedule:
     on chunk ``(k % (pp*v)) // pp``; backwards go through the chunks in reverse.
     Warmup: ``2 (pp - r - 1) + (v - 1) pp`` forwards (all of them when m == pp).
     """
+    units = _interleaved_units(pp, vpp, microbatches)
+    return _with_comm("interleaved_1f1b", units, pp, vpp, microbatches)
+
+
+def interleaved_zb(pp: int, vpp: int, microbatches: int) -> Schedule:
+    """Interleaved 1F1B with the backward split as in ZB-H1: rank r holds back each
+    W by r backwards and runs it at the start of a later unit, after the unit's fused
+    transfers went out, so a B's gradient never waits for a W. Idle with equal F, B, W:
+    (p - 1)(F + B - W) / v against interleaving's (p - 1)(F + B + W) / v; rank r holds
+    r more chunks than under interleaving, rank 0's peak at most."""
+    units = _interleaved_units(pp, vpp, microbatches)
+    orders = []
+    for r, order in enumerate(units):
+        out, held, due = [], [], ()
+        for unit in order:
+            out.append(due + unit)
+            held += [Action(WEIGHT, a.microbatch, a.chunk) for a in unit if a.kind == BACKWARD]
+            due, held = tuple(held[: max(0, len(held) - r)]), held[max(0, len(held) - r) :]
+        if due or held:
+            out.append(due + tuple(held))
+        orders.append(out)
+    return _with_comm("interleaved_zb", orders, pp, vpp, microbatches)
+
+
+def _interleaved_units(pp: int, vpp: int, microbatches: int) -> list[list[tuple[Action, ...]]]:
+    """Each rank's compute units under interleaved 1F1B (see ``interleaved_1f1b``)."""
     _check(pp, microbatches, vpp)
     if pp < 2:
         raise ScheduleError(f"interleaving needs pp >= 2 (got pp={pp}); use 1f1b or no_pipelining")
@@ -227,7 +272,36 @@ def interleaved_1f1b(pp: int, vpp: int, microbatches: int) -> Schedule:
             order += [(Action(FORWARD, *unit(k + warmup, True)), Action(BACKWARD, *unit(k, False)))]
         order += [(Action(BACKWARD, *unit(k, False)),) for k in range(total - warmup, total)]
         orders.append(order)
-    return _with_comm("interleaved_1f1b", orders, pp, vpp, microbatches)
+    return orders
+
+
+def zb_h1(pp: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with each
+    backward split into B (input gradients, sent upstream at once) and W (weight
+    gradients, which nothing waits for).
+
+    Rank r runs 1F1B's forwards and B's and holds back its W's by r micro-batches:
+    the k-th B is followed by the W of micro-batch k - r, and the r W's left over
+    fill the drain, where 1F1B waits for gradients. A micro-batch is held from its
+    F to its W, so rank r holds at most (pp - r) + r = pp of them: rank 0's 1F1B
+    peak, on every rank. With F, B and W of equal time the bubble shrinks from
+    1F1B's (pp - 1)(F + B + W) to (pp - 1)(F + B - W).
+    """
+    _check(pp, microbatches)
+    orders = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, microbatches)
+        order = [(Action(FORWARD, i),) for i in range(warmup)]
+        weights = iter(range(microbatches))
+        for k in range(microbatches):
+            if k + warmup < microbatches:
+                order.append((Action(FORWARD, k + warmup),))
+            order.append((Action(BACKWARD, k),))
+            if k >= r:
+                order.append((Action(WEIGHT, next(weights)),))
+        order += [(Action(WEIGHT, i),) for i in weights]
+        orders.append(order)
+    return _with_comm("zb_h1", orders, pp, 1, microbatches)
 
 
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
@@ -242,6 +316,14 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Sched
         return one_f_one_b(pp, microbatches)
     if name in ("1f1b", "interleaved_1f1b"):
         return interleaved_1f1b(pp, vpp, microbatches)
+    if name == "zb_h1":
+        if vpp != 1:
+            raise ScheduleError(f"zb_h1 runs one chunk per rank; got vpp={vpp}; use interleaved_zb")
+        return zb_h1(pp, microbatches)
+    if name == "interleaved_zb":
+        if vpp < 2:
+            raise ScheduleError(f"interleaved_zb needs vpp > 1 chunks per rank; got vpp={vpp}")
+        return interleaved_zb(pp, vpp, microbatches)
     raise ScheduleError(f"unknown schedule {name!r} (vpp={vpp}); known: {', '.join(SCHEDULES)}")
 
 

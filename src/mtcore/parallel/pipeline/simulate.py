@@ -9,7 +9,9 @@ anything else would silently deliver the wrong tensor, and is an error here.
 
 Modes (see ``simulate``) go from gloo's behaviour to NCCL's worst case. Compute takes ``forward``
 or ``backward`` time units per micro-batch through one rank's whole share of
-the model (a chunk takes 1/vpp of it); transfers take ``latency``.
+the model (a chunk takes 1/vpp of it); transfers take ``latency``. Where a
+schedule splits the backward (zero bubble), ``weight`` of the ``backward`` time
+is its W pass and the rest its B pass.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mtcore.parallel.pipeline.schedules import (
+    BACKWARD,
     FORWARD,
     RECV_BWD,
     RECV_FWD,
     SEND_FWD,
+    WEIGHT,
     Action,
     Schedule,
     ScheduleError,
@@ -55,11 +59,13 @@ class Timeline:
         for r, items in enumerate(self.compute):
             row = ["."] * width
             for a, start, end in items:
-                mark = str(a.microbatch % 10) if a.kind == FORWARD else "abcdefghij"[a.microbatch % 10]
+                letter = "abcdefghij"[a.microbatch % 10]
+                mark = {FORWARD: str(a.microbatch % 10), WEIGHT: letter.upper()}.get(a.kind, letter)
                 for i in range(round(start / unit), round(end / unit)):
                     row[i] = mark
             lines.append(f"rank {r}: " + "".join(row))
-        return "\n".join(lines) + "\n(digits: forward of micro-batch n, letters: backward)"
+        legend = "(digits: forward of micro-batch n, letters: backward, capitals: weight)"
+        return "\n".join(lines) + "\n" + legend
 
 
 def channel_of(action: Action, split_directions: bool = True) -> str:
@@ -98,6 +104,7 @@ def simulate(
     mode: str = "async",
     split_directions: bool = True,
     cost: Callable[[int, Action], float] | None = None,
+    weight: float | None = None,
 ) -> Timeline:
     """Simulate ``schedule``; raise ScheduleError on a deadlock or a message mix-up.
 
@@ -107,10 +114,16 @@ def simulate(
     on one rank run one after another (NCCL's one stream per communicator).
     ``cost(rank, action)``, when given, is the duration of each compute action
     (e.g. measured ones, to replay a real step without its transfer costs).
+    ``weight``: the W share of ``backward`` where the schedule splits it (default half).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     pp, v = schedule.pp, schedule.vpp
+    w_time = backward / 2 if weight is None else weight
+    if not 0 <= w_time <= backward:
+        raise ValueError(f"weight ({w_time}) must lie in [0, backward={backward}]")
+    b_time = backward - w_time if schedule.splits_backward else backward
+    durations = {FORWARD: forward, BACKWARD: b_time, WEIGHT: w_time}
     queues: dict[tuple, dict[str, list[_Op]]] = {}
     ops_of: list[list[_Op]] = [[] for _ in range(pp)]
     recv_of: list[dict[Action, _Op]] = [{} for _ in range(pp)]
@@ -196,7 +209,7 @@ def simulate(
             if t is None:
                 return False
             start = max(start, t)
-        dur = cost(r, a) if cost is not None else (forward if a.kind == FORWARD else backward) / v
+        dur = cost(r, a) if cost is not None else durations[a.kind] / v
         timeline[r].append((a, start, start + dur))
         clock[r], busy[r] = start + dur, busy[r] + dur
         ptr[r] += 1
@@ -218,6 +231,8 @@ def simulate(
 
 
 def _needed(a: Action, rank: int, pp: int, vpp: int) -> Action | None:
+    if a.kind == WEIGHT:  # its input came with its B
+        return None
     if a.kind == FORWARD:
         return None if is_first_stage(rank, a.chunk) else Action(RECV_FWD, a.microbatch, a.chunk)
     if is_last_stage(rank, a.chunk, pp, vpp):

@@ -31,8 +31,17 @@ class StagePlan:
     has_head: bool
 
 
-def layer_counts(num_layers: int, pp: int, vpp: int = 1, counts: Sequence[int] | None = None) -> list[int]:
-    """Layers per virtual stage (index ``c * pp + r``); even unless ``counts`` says otherwise."""
+def layer_counts(
+    num_layers: int,
+    pp: int,
+    vpp: int = 1,
+    counts: Sequence[int] | None = None,
+    first: int | None = None,
+    last: int | None = None,
+) -> list[int]:
+    """Layers per virtual stage (index ``c * pp + r``); even unless ``counts`` says otherwise,
+    or ``first`` / ``last`` give the first / last pipeline rank its own number of layers
+    (``uneven_counts``)."""
     stages = pp * vpp
     if counts is not None:
         counts = list(counts)
@@ -42,14 +51,61 @@ def layer_counts(num_layers: int, pp: int, vpp: int = 1, counts: Sequence[int] |
                 "virtual stages need one each (in order chunk * pp + rank)"
             )
         if any(c < 0 for c in counts) or sum(counts) != num_layers:
-            raise SplitError(f"layer counts {counts} sum to {sum(counts)}, but the model has {num_layers} layers")
+            raise SplitError(
+                f"layer counts {counts} sum to {sum(counts)}, but the model has {num_layers} layers"
+            )
         return counts
+    if first is not None or last is not None:
+        return uneven_counts(num_layers, pp, vpp, first, last)
     if num_layers % stages:
         raise SplitError(
             f"{num_layers} layers are not divisible by pp*vpp = {pp}*{vpp} = {stages}; "
             "pass explicit per-stage layer counts for an uneven split"
         )
     return [num_layers // stages] * stages
+
+
+def uneven_counts(
+    num_layers: int, pp: int, vpp: int, first: int | None, last: int | None
+) -> list[int]:
+    """Layers per virtual stage when the first pipeline rank holds ``first`` layers and the
+    last ``last`` (None: an even share), Megatron's ``--decoder-first-pipeline-num-layers``
+    and ``--decoder-last-pipeline-num-layers``: the ranks between share the rest evenly.
+
+    A rank's layers are spread over its ``vpp`` chunks as evenly as they go; where they
+    do not divide, the chunk at the model's end holds the fewer (the first rank's chunk 0,
+    the last rank's last chunk), as Llama 3 balanced its pipeline: one layer fewer on
+    the first and the last stage, the first chunk holding only the embedding.
+    """
+    if pp < 2:
+        raise SplitError(f"first/last stage layer counts need pp > 1 (pp={pp})")
+    given = {rank: n for rank, n in ((0, first), (pp - 1, last)) if n is not None}
+    for rank, n in given.items():
+        if n < 0:
+            raise SplitError(f"pipeline rank {rank} cannot hold {n} layers")
+    rest, middle = num_layers - sum(given.values()), pp - len(given)
+    if rest < 0 or (middle == 0 and rest):
+        raise SplitError(
+            f"first/last stage layers {first}/{last} leave {rest} of the model's {num_layers} "
+            f"layers for {middle} other pipeline ranks"
+        )
+    if middle and (rest % (middle * vpp) or rest == 0):
+        raise SplitError(
+            f"the {rest} layers between the first and last stage ({num_layers} - {first or 0} "
+            f"- {last or 0}) do not split evenly over {middle} pipeline ranks x vpp={vpp} "
+            f"= {middle * vpp} chunks"
+        )
+    share = rest // (middle * vpp) if middle else 0
+    counts = [share] * (pp * vpp)
+    for rank, n in given.items():
+        low, extra = divmod(n, vpp)
+        chunks = [low] * vpp
+        # the extras go away from the model's end: the first rank's last chunks, the last's first
+        for i in range(extra):
+            chunks[vpp - 1 - i if rank == 0 else i] += 1
+        for chunk, count in enumerate(chunks):
+            counts[chunk * pp + rank] = count
+    return counts
 
 
 def encoder_decoder_counts(
@@ -99,12 +155,19 @@ def encoder_decoder_counts(
 
 
 def stage_plan(
-    num_layers: int, pp: int, rank: int, vpp: int = 1, chunk: int = 0, counts: Sequence[int] | None = None
+    num_layers: int,
+    pp: int,
+    rank: int,
+    vpp: int = 1,
+    chunk: int = 0,
+    counts: Sequence[int] | None = None,
+    first: int | None = None,
+    last: int | None = None,
 ) -> StagePlan:
     """The layers and the extras (embedding, head) of ``(rank, chunk)``."""
     if not (0 <= rank < pp and 0 <= chunk < vpp):
         raise SplitError(f"rank {rank}, chunk {chunk} is outside pp={pp}, vpp={vpp}")
-    sizes = layer_counts(num_layers, pp, vpp, counts)
+    sizes = layer_counts(num_layers, pp, vpp, counts, first, last)
     stage = chunk * pp + rank
     start = sum(sizes[:stage])
     return StagePlan(
@@ -112,16 +175,26 @@ def stage_plan(
     )
 
 
-def stage_plans(num_layers: int, pp: int, rank: int, vpp: int = 1, counts: Sequence[int] | None = None) -> list[StagePlan]:
+def stage_plans(
+    num_layers: int,
+    pp: int,
+    rank: int,
+    vpp: int = 1,
+    counts: Sequence[int] | None = None,
+    first: int | None = None,
+    last: int | None = None,
+) -> list[StagePlan]:
     """Every chunk of ``rank``, chunk 0 first."""
-    return [stage_plan(num_layers, pp, rank, vpp, c, counts) for c in range(vpp)]
+    return [stage_plan(num_layers, pp, rank, vpp, c, counts, first, last) for c in range(vpp)]
 
 
 def num_microbatches(global_batch: int, micro_batch: int, dp: int = 1) -> int:
     """Micro-batches per step and data-parallel rank; the trainer calls this before any
     process group exists so that a batch that does not divide fails early."""
     if global_batch < 1 or micro_batch < 1 or dp < 1:
-        raise SplitError(f"need positive sizes; got global batch {global_batch}, micro-batch {micro_batch}, dp {dp}")
+        raise SplitError(
+            f"need positive sizes; got global batch {global_batch}, micro-batch {micro_batch}, dp {dp}"
+        )
     if global_batch % (micro_batch * dp):
         raise SplitError(
             f"global batch {global_batch} is not divisible by micro-batch x dp = "
@@ -138,10 +211,12 @@ def validate_pipeline(
     num_layers: int,
     vpp: int = 1,
     counts: Sequence[int] | None = None,
+    first: int | None = None,
+    last: int | None = None,
 ) -> int:
     """Check batch and layer split together; return the number of micro-batches."""
     m = num_microbatches(global_batch, micro_batch, dp)
-    layer_counts(num_layers, pp, vpp, counts)
+    layer_counts(num_layers, pp, vpp, counts, first, last)
     if vpp > 1 and m % pp:
         raise SplitError(
             f"interleaved 1F1B needs the number of micro-batches ({m} = {global_batch} / "

@@ -38,6 +38,7 @@ from mtcore.parallel.tensor.sharding import (
     shard_tensor,
 )
 from mtcore.parallel.tensor.vocab_check import check_vocab_ids
+from mtcore.parallel.tensor.weight_grad import linear
 from mtcore.precision.fp8 import FP8Recipe, FP8Scaling, accept_fp8_state, fp8_linear
 
 InitMethod = Callable[[Tensor, torch.Generator | None], None]
@@ -195,7 +196,7 @@ class RowParallelLinear(nn.Module):
         if self.fp8 is not None:
             y = fp8_linear(x, self.weight, None, self.fp8)
         else:
-            y = F.linear(x, self.weight)
+            y = linear(x, self.weight)
         # y is the fresh matmul output: reduce it in place (no copy).
         y = (
             reduce_scatter_to_sp(y, self.tp)

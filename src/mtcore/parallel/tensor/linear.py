@@ -21,6 +21,10 @@ them concurrently with compute (NCCL/MCCL streams, gloo's worker threads).
 ``MTCORE_TP_OVERLAP=0`` (``overlaps_backward_collectives``) takes the blocking order
 instead, each collective to completion before the next matmul: the same numbers,
 for a host whose ranks have no core to spare for the collective's thread.
+
+Inside ``weight_grad.deferring_weight_grads`` (the B/W split of a zero-bubble
+schedule) backward computes only ``dx`` and its collective; ``dW`` is left to the
+W pass, which re-gathers the saved shard under sequence parallel.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from torch import Tensor
 
 from mtcore.parallel.tensor.mappings import SEQ_DIM, TPGroup
+from mtcore.parallel.tensor.weight_grad import active_store, linear, weight_grad
 
 OVERLAP_ENV = "MTCORE_TP_OVERLAP"
 
@@ -60,17 +65,21 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.tp, ctx.sp, ctx.has_bias = tp, sequence_parallel, bias is not None
         ctx.overlap = overlaps_backward_collectives()
+        ctx.store = active_store() if weight.requires_grad else None
+        ctx.param = weight if ctx.store is not None else None  # not an alias (recompute)
         return torch.nn.functional.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         tp, sp = ctx.tp, ctx.sp
+        grad = grad.contiguous()
+        if ctx.store is not None:
+            return _ColumnParallelMatmul._input_grads(ctx, grad, x, weight)
         gather = tp.all_gather_async(x, SEQ_DIM) if sp else None
         if gather is not None and not ctx.overlap:
             gathered = gather()
             gather = lambda: gathered  # noqa: E731
-        grad = grad.contiguous()
         grad_x = finish = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)  # [b, s, in], a partial sum over tp
@@ -85,12 +94,30 @@ class _ColumnParallelMatmul(torch.autograd.Function):
                 grad_x, finish = finish(), None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_w = grad.flatten(0, -2).t().matmul(total.flatten(0, -2))
+            grad_w = weight_grad(grad, total)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.flatten(0, -2).sum(0)
         if finish is not None:
             grad_x = finish()
         return grad_x, grad_w, grad_b, None, None
+
+    @staticmethod
+    def _input_grads(ctx, grad: Tensor, x: Tensor, weight: Tensor):
+        """B of the B/W split: ``dx`` and its collective now, ``dW`` to the store."""
+        tp, sp = ctx.tp, ctx.sp
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight)
+            if sp:
+                grad_x = tp.reduce_scatter_async(grad_x, SEQ_DIM)()
+            else:
+                tp.collective.all_reduce(grad_x, group=tp.group)
+        ctx.store.defer(
+            ctx.param, lambda: weight_grad(grad, tp.all_gather(x, SEQ_DIM) if sp else x)
+        )
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.flatten(0, -2).sum(0)
+        return grad_x, None, grad_b, None, None
 
 
 def column_parallel_matmul(
@@ -98,8 +125,8 @@ def column_parallel_matmul(
 ) -> Tensor:
     """``x [b, s(/tp), in]`` -> ``[b, s, out/tp]`` with ``weight [out/tp, in]``.
 
-    With one rank it is ``F.linear``: no collective, nothing to overlap.
+    With one rank it is ``F.linear`` (``weight_grad.linear``): no collective.
     """
     if tp.size == 1:
-        return torch.nn.functional.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _ColumnParallelMatmul.apply(x, weight, bias, tp, sequence_parallel)

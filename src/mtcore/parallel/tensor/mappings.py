@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mtcore.distributed import Axis
+
 SEQ_DIM = 1
 
 
@@ -60,7 +62,7 @@ class TPGroup:
     @classmethod
     def from_layout(cls, layout, backend) -> TPGroup:
         """The tp group of a ``ParallelLayout``."""
-        return cls(backend, layout.group("tp"), layout.tp, layout.tp_rank)
+        return cls(backend, layout.group(Axis.TP), layout.tp, layout.tp_rank)
 
     @classmethod
     def single(cls, backend) -> TPGroup:

@@ -19,8 +19,9 @@ ones, and each tensor is quantized once. Blockwise scaling quantizes ``x`` and
 ``dy`` along a different dimension in each GEMM: the fused quantize-and-transpose
 (``FP8.quantize_transpose``) writes both 1x128 forms in one pass, and backward
 keeps the FP8 ``x^T``. ``W^T`` in 128x128 blocks has the same blocks (and scales)
-as ``W``, so it is ``W``'s FP8 bytes and scales transposed. Either way only FP8
-copies are saved for backward.
+as ``W``, so it is ``W``'s FP8 bytes and scales transposed (``Quantized.transpose``: a
+view, which a fallback GEMM widens through its source, once). Either way only
+FP8 copies are saved for backward.
 
 The parameters stay in the model dtype and the optimizer keeps fp32 master
 weights; the FP8 copies exist only inside one forward/backward.
@@ -35,13 +36,6 @@ from mtcore.backend.fp8 import Quantized
 from mtcore.precision.fp8.state import FP8Scaling
 
 
-def _transposed(q: Quantized) -> Quantized:
-    """The same values transposed (an FP8 byte copy, no rounding): per tensor, or in
-    128x128 blocks, whose scales transpose with them."""
-    scale_inv, amax = (t.t().contiguous() if t.dim() == 2 else t for t in (q.scale_inv, q.amax))
-    return Quantized(q.data.t().contiguous(), scale_inv, amax, q.granularity)
-
-
 class _FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, scaling: FP8Scaling, record: bool):
@@ -50,13 +44,14 @@ class _FP8Matmul(torch.autograd.Function):
         ctx.per_tensor = recipe.granularity("input") == "tensor"
         if ctx.per_tensor:
             qx, qw = scaling.quantize_forward(x, weight, record)
-            keep = (qx, qw)
+            keep = qx
         else:  # blockwise: x along K for this GEMM, along M (x^T) for wgrad, in one pass
-            qx, x_t = fp8.quantize_transpose(x, recipe.dtype("input"), "1x128")
+            qx, keep = fp8.quantize_transpose(x, recipe.dtype("input"), "1x128")
             qw = scaling.quantize_weight(weight, record)  # 128x128 blocks
-            keep = (x_t, qw)
-        ctx.granularities = [q.granularity for q in keep]
-        ctx.save_for_backward(*(t for q in keep for t in (q.data, q.scale_inv)))
+        # The FP8 weight object itself (a weight, not an activation): a fallback GEMM's
+        # dequantized copy of it serves dgrad, and later micro-batches of the step.
+        ctx.granularity, ctx.weight = keep.granularity, qw
+        ctx.save_for_backward(keep.data, keep.scale_inv)
         return fp8.scaled_matmul(qx, qw, out_dtype=x.dtype)
 
     @staticmethod
@@ -64,19 +59,15 @@ class _FP8Matmul(torch.autograd.Function):
         scaling = ctx.scaling
         fp8, recipe = scaling.fp8, scaling.recipe
         dy = dy.contiguous()
-        saved = ctx.saved_tensors
-        kept = [
-            Quantized(saved[2 * i], saved[2 * i + 1], saved[2 * i + 1], g)
-            for i, g in enumerate(ctx.granularities)
-        ]
+        data, scale_inv = ctx.saved_tensors
+        kept = Quantized(data, scale_inv, scale_inv, ctx.granularity)
+        w_t = ctx.weight.transpose()
         if ctx.per_tensor:
-            qx, qw = kept
             qg = scaling.quantize(dy, "grad")
-            w_t, g_t, x_t = _transposed(qw), _transposed(qg), _transposed(qx)
+            g_t, x_t = qg.transpose(), kept.transpose()
         else:
-            x_t, qw = kept
+            x_t = kept
             qg, g_t = fp8.quantize_transpose(dy, recipe.dtype("grad"), "1x128")
-            w_t = _transposed(qw)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = fp8.scaled_matmul(qg, w_t, out_dtype=ctx.x_dtype)

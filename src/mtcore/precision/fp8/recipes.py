@@ -20,7 +20,7 @@ Scaling (``scaling``):
 
 Only the FP8 interface of the backend is used (``quantize``, ``scaled_matmul``);
 where the backend has no native GEMM for a granularity pair, that interface
-dequantizes and multiplies in higher precision (``FP8.describe``).
+multiplies in higher precision instead (``FP8.describe``).
 """
 
 from __future__ import annotations
@@ -100,9 +100,14 @@ class FP8Recipe:
         return {"forward": (x, w), "dgrad": (g, w), "wgrad": (g, x)}
 
     def paths(self, fp8) -> dict[str, str]:
-        """'native' or 'fallback (dequantize + matmul)' per GEMM on the FP8 interface ``fp8``."""
+        """'native' or 'fallback (matmul in higher precision)' per GEMM on the FP8 interface ``fp8``
+        (a GEMM of two formats, hybrid's dgrad and wgrad, only where ``fp8`` takes them)."""
+        x, w, g = (self.dtype(r) for r in ROLES)
+        formats = {"forward": (x, w), "dgrad": (g, w), "wgrad": (g, x)}
         return {
-            gemm: "native" if fp8.is_native(a, b) else "fallback (dequantize + matmul)"
+            gemm: "native"
+            if fp8.is_native(a, b) and (len(set(formats[gemm])) == 1 or fp8.mixed_formats_native)
+            else "fallback (matmul in higher precision)"
             for gemm, (a, b) in self.gemm_pairs().items()
         }
 

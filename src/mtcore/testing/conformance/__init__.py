@@ -9,13 +9,14 @@ installed plugins, on backend NAME (default:
 * device: placement, synchronize, streams and events, memory stats, RNG,
   autocast, capabilities (``test_device.py``);
 * collective: every operation on 2 and 4 ranks, with exact expected values,
-  FP8 through its fallback, async handles, subgroups (``test_collective.py``,
-  ``collective_checks.py``); skipped when the backend sees fewer devices than
+  FP8 through its fallback, async handles, subgroups (``test_collective.py``;
+  the checks are ``mtcore.backend.checks.collective_checks``); skipped when the backend sees fewer devices than
   ranks;
 * kernel: every implementation the kernel table can select, forward and
   backward, against the reference ops of ``mtcore.ops`` with stated
   tolerances, and bfloat16 results free of systematic bias
-  (``test_kernels.py``, ``kernel_cases.py``);
+  (``test_kernels.py``; the cases are
+  ``mtcore.backend.checks.kernel_cases``, which `mtcore train`'s self-check shares);
 * fp8: quantize/dequantize round trip per granularity, scaled matmul per
   granularity pair (each granularity with itself, blockwise 1x128 x 128x128,
   and every pair the backend declares native), with the path (native or

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from mtcore.testing.conformance.collective_checks import CHECK_NAMES, merge, run_all
+from mtcore.backend.checks.collective_checks import CHECK_NAMES, merge, run_all
 from mtcore.testing.conformance.plugin import CAPABILITY
 from mtcore.testing.distributed import RankFailure, run_ranks
 

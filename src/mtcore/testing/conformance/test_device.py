@@ -182,3 +182,22 @@ def test_capabilities(backend):
     assert cc is None or (
         isinstance(cc, tuple) and len(cc) == 2 and all(isinstance(v, int) for v in cc)
     )
+
+
+def test_peak_memory_never_falls_until_reset(backend, device):
+    """``max_memory_allocated`` is a high-water mark: it grows with each larger allocation,
+    stays when memory is freed, and only ``reset_peak_memory_stats`` lowers it."""
+    dev = backend.device
+    dev.synchronize()
+    dev.reset_peak_memory_stats()
+    peaks, blocks = [], []
+    for size in (_ALLOC_BYTES // 8, _ALLOC_BYTES // 4, _ALLOC_BYTES // 2):
+        blocks.append(torch.ones(size // 4, device=device))
+        dev.synchronize()
+        peaks.append(dev.max_memory_allocated())
+    blocks.clear()
+    dev.synchronize()
+    peaks.append(dev.max_memory_allocated())
+    assert peaks == sorted(peaks), f"the peak fell without a reset: {peaks}"
+    assert peaks[2] - peaks[0] >= _ALLOC_BYTES // 4, f"the peak did not grow: {peaks}"
+    assert peaks[3] == peaks[2], f"freeing memory moved the peak: {peaks}"

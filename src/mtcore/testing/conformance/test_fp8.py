@@ -105,23 +105,27 @@ def test_quantize_round_trip(backend, device, granularity, fmt):
 @pytest.mark.parametrize("formats", list(MATMUL_BOUND), ids=lambda f: f"{f[0]}x{f[1]}")
 def test_scaled_matmul(backend, device, kit, pair, formats):
     fp8 = backend.fp8
-    path = "native" if fp8.is_native(*pair) else "fallback"
     label = pair[0] if pair[0] == pair[1] else f"{pair[0]} x {pair[1]}"
-    where = f"scaled_matmul {label} {formats[0]}x{formats[1]} ({path} path)"
     a = _randn(600, M, K, device=device)
     b = _randn(601, N, K, device=device)
+    qa = qb = None
     try:
         qa = fp8.quantize(a, FORMATS[formats[0]], pair[0])
         qb = fp8.quantize(b, FORMATS[formats[1]], pair[1])
+        path = "native" if fp8.takes_natively(qa, qb) else "fallback"
         out = fp8.scaled_matmul(qa, qb, out_dtype=torch.float32)
     except Exception as exc:
+        path = "native" if qb is not None and fp8.takes_natively(qa, qb) else "fallback"
+        where = f"scaled_matmul {label} {formats[0]}x{formats[1]} ({path} path)"
         claim = (
-            f"{backend.name} declares {pair[0]} x {pair[1]} native, so FP8.scaled_matmul "
-            "hands it to torch._scaled_mm; declare only pairs the device runs"
+            f"{backend.name} declares {pair[0]} x {pair[1]} ({formats[0]} x {formats[1]}) "
+            "native, so FP8.scaled_matmul hands it to torch._scaled_mm; declare only pairs "
+            "and formats the device runs"
             if path == "native"
-            else "the dequantize fallback must serve every pair"
+            else "the fallback matmul must serve every pair"
         )
-        raise AssertionError(f"{where} raised {exc!r}: {claim}") from exc
+        raise AssertionError(f"{where}: {claim}; it raised {exc!r}") from exc
+    where = f"scaled_matmul {label} {formats[0]}x{formats[1]} ({path} path)"
     assert out.dtype == torch.float32 and tuple(out.shape) == (M, N), (
         f"{where}: got {out.dtype} {list(out.shape)}"
     )
@@ -141,4 +145,33 @@ def test_scaled_matmul(backend, device, kit, pair, formats):
     )
     assert err <= bound, (
         f"{where}: relative error {err:.3g} against the float32 matmul (bound {bound})"
+    )
+
+
+# The rounding of the output on top of DEQUANT_BOUND: bfloat16 keeps 8 significant bits,
+# float16 11 (a Frobenius error of about the unit roundoff, 2**-9 and 2**-12).
+LOW_PRECISION_OUT = {
+    torch.bfloat16: DEQUANT_BOUND + 2.0**-8,
+    torch.float16: DEQUANT_BOUND + 2.0**-11,
+}
+
+
+@pytest.mark.parametrize("out_dtype", list(LOW_PRECISION_OUT), ids=str)
+def test_scaled_matmul_into_low_precision(backend, device, pair, out_dtype):
+    """The product in the dtype training asks for (bf16 or fp16 activations): of that dtype,
+    and the product of the dequantized operands up to that dtype's rounding; a path that
+    drops the scales when it narrows the output fails here."""
+    fp8 = backend.fp8
+    a = _randn(610, M, K, device=device) * 30.0  # scales far from 1: dropping them shows
+    b = _randn(611, N, K, device=device) / 20.0
+    qa = fp8.quantize(a, FORMATS["e4m3"], pair[0])
+    qb = fp8.quantize(b, FORMATS["e4m3"], pair[1])
+    out = fp8.scaled_matmul(qa, qb, out_dtype=out_dtype)
+    where = f"scaled_matmul {pair[0]} x {pair[1]} into {str(out_dtype).removeprefix('torch.')}"
+    assert out.dtype == out_dtype, f"{where}: got {out.dtype}"
+    deq = qa.dequantize().cpu().double() @ qb.dequantize().cpu().double().t()
+    err = ((out.cpu().double() - deq).norm() / deq.norm()).item()
+    assert err <= LOW_PRECISION_OUT[out_dtype], (
+        f"{where}: relative error {err:.3g} against the dequantized product "
+        f"(bound {LOW_PRECISION_OUT[out_dtype]:.3g}): scales applied wrongly, or lost"
     )

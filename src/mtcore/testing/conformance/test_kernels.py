@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from mtcore.backend import KernelQuery
-from mtcore.testing.conformance.kernel_cases import (
+from mtcore.backend.checks.kernel_cases import (
     CASES,
     KERNEL_DTYPES,
     check_adamw,
@@ -49,7 +49,7 @@ def test_kernel(op, impl, dtype, device):
             ran = check_op(op, impl.fn, impl.fallback_ok, dtype, device)
         else:
             pytest.fail(
-                f"the conformance kit has no cases for op {op!r}; add them to kernel_cases.py"
+                f"the conformance kit has no cases for op {op!r}; add them to mtcore/backend/checks/kernel_cases.py"
             )
     except AssertionError as exc:
         raise AssertionError(

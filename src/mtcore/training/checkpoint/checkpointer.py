@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import AsyncStager
 
 from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.checkpoint.compat import check_model_matches
@@ -73,13 +72,38 @@ class Loaded:
     rng: bool
     kind: str
     notes: tuple[str, ...] = ()  # numerics-only differences from the checkpoint's model
+    resharded: str | None = None  # "4 ranks (dp=2) -> 2 ranks (dp=1)" when the layout changed
+
+
+def describe_reshard(saved: dict | None, now: dict) -> str | None:
+    """How the layout that saved a checkpoint differs from ``now`` (``Checkpointer``'s layout
+    records), e.g. ``4 ranks (dp=2) -> 2 ranks (dp=1)``; None when they are equal or the
+    checkpoint recorded none (weights only)."""
+    if not isinstance(saved, dict) or saved == now:
+        return None
+    keys = [k for k in now if k != "world_size" and saved.get(k) != now[k]]
+    before = ", ".join(f"{k}={saved.get(k)}" for k in keys)
+    after = ", ".join(f"{k}={now[k]}" for k in keys)
+    return f"{saved.get('world_size', '?')} ranks ({before}) -> {now['world_size']} ranks ({after})"
 
 
 class Checkpointer:
     """One per rank. ``save``/``load`` are collective: call them on every rank."""
 
-    def __init__(self, engine, *, keep_last: int = 0, async_save: bool = False):
+    def __init__(
+        self,
+        engine,
+        *,
+        keep_last: int = 0,
+        async_save: bool = False,
+        owner=None,
+        run_id: str | None = None,
+    ):
+        """``owner``: the job's ``owner.Ownership`` of the root it saves into (its
+        incarnation names the staging directories; rank 0 asks its fence before every
+        commit); ``run_id``: the elastic job's id, recorded in every manifest."""
         self.engine, self.layout = engine, engine.layout
+        self.owner, self.run_id = owner, run_id
         self.backend, self.collective = engine.backend, engine.collective
         self.rank, self.world = self.layout.rank, self.layout.world_size
         self.state = EngineState(engine)
@@ -119,7 +143,8 @@ class Checkpointer:
         sections = self._gathered_sections()
         tensors = self.state.save_tensors(optimizer=True)  # collective under ZeRO-1
         tensors.update(self._rng_tensors())
-        staging = root / (mf.step_dir_name(step) + mf.PARTIAL_SUFFIX)
+        incarnation = self.owner.incarnation if self.owner is not None else None
+        staging = mf.staging_dir(root, step, incarnation)
         error = None
         if self.is_main:
             try:
@@ -135,6 +160,7 @@ class Checkpointer:
             # load() refuses a checkpoint without one: default to the engine's model.
             "model_config": (model_config or self.engine.config).model_dump(mode="json"),
             "sections": sections,
+            "run": {"id": self.run_id, "incarnation": incarnation},
         }
         if self.async_save:
             future = dcp_save(
@@ -143,7 +169,6 @@ class Checkpointer:
                 self.world,
                 run_async=True,
                 process_group=self._group,
-                async_stager=_AlreadyStaged(),
             )
             self._pending = (future, staging, header)
             return None
@@ -158,7 +183,7 @@ class Checkpointer:
 
     def _prepare(self, staging, root, step, trainer_state, files) -> None:
         """Rank 0: the staging directory with the trainer's JSON and extra files."""
-        mf.begin(root, step)
+        mf.begin(root, step, self.owner.incarnation if self.owner is not None else None)
         opt = self.engine.optimizer
         state = {
             "step": step,
@@ -214,6 +239,8 @@ class Checkpointer:
                 delay = float(os.environ.get(COMMIT_DELAY_ENV, "0") or 0)
                 if delay > 0:
                     time.sleep(delay)
+                if self.owner is not None and (left_behind := self.owner.fence()):
+                    raise mf.CheckpointError(f"not committing step {header['step']}: {left_behind}")
                 done = mf.commit(staging, header, self.keep_last)
             except Exception as e:
                 error = self._disk_full_error(e, staging, header["step"]) or e
@@ -303,14 +330,27 @@ class Checkpointer:
             if rng_targets:
                 self._restore_rng(rng_targets)
         kind = manifest.get("kind", "?")
-        return Loaded(directory, step, trainer_state, bool(rng_targets), kind, tuple(notes))
+        resharded = describe_reshard(manifest.get("layout"), self.layout_record)
+        return Loaded(
+            directory, step, trainer_state, bool(rng_targets), kind, tuple(notes), resharded
+        )
 
-    def holds_checkpoint(self, root: str | Path) -> bool:
-        """Whether ``root`` holds a committed checkpoint, as rank 0 sees it, on every rank
-        (collective): ranks that judged it from their own view of a shared file system
-        could split between resuming and starting fresh, and hang in different collectives."""
-        found = {"holds": mf.has_checkpoint(root)} if self.is_main else {}
-        return bool(gather_json(found, self.collective, self.world, self.engine.ddp.device)["holds"])
+    def latest_commit(self, root: str | Path) -> dict | None:
+        """``{"step": N, "run_id": ID or None}`` of ``root``'s latest committed checkpoint as
+        rank 0 sees it, on every rank (collective; None: it holds none): ranks that judged it
+        from their own view of a shared file system could split between resuming and
+        starting fresh, and hang in different collectives."""
+        found = {}
+        if self.is_main:
+            found = {"latest": None}
+            if mf.has_checkpoint(root):
+                try:
+                    manifest = mf.read_manifest(mf.resolve_checkpoint(root))
+                    run = manifest.get("run") if isinstance(manifest.get("run"), dict) else {}
+                    found = {"latest": {"step": manifest["step"], "run_id": run.get("id")}}
+                except mf.CheckpointError:  # loading it reports the problem
+                    found = {"latest": {"step": None, "run_id": None}}
+        return gather_json(found, self.collective, self.world, self.engine.ddp.device)["latest"]
 
     def _resolve_on_rank0(self, path: str | Path) -> Path:
         """Rank 0 picks the step directory and every rank loads that one: a root's
@@ -424,12 +464,3 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[key] = value.detach().to("cpu", copy=True)
     return out
-
-
-class _AlreadyStaged(AsyncStager):
-    """The state dict is a host copy already (``host_copy``): nothing left to stage."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict):
-        return state_dict

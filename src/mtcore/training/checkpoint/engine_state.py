@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from mtcore.distributed import Axis
 from mtcore.parallel.moe import named_expert_parameters
 from mtcore.parallel.tensor import named_tp_parameters
 from mtcore.training.checkpoint.logical import (
@@ -106,8 +107,8 @@ class EngineState:
                 # Every ep peer has this rank's tp coordinate (tp is the fastest axis):
                 # its tp group is the tp consecutive ranks from r - r % tp.
                 tp = self.tp
-                grid = [[r - r % tp + i for i in range(tp)] for r in self.layout.ranks_of["ep"]]
-                if grid[self.layout.coordinate("ep")] != list(self.layout.ranks_of["tp"]):
+                grid = [[r - r % tp + i for i in range(tp)] for r in self.layout.ranks_of[Axis.EP]]
+                if grid[self.layout.coordinate(Axis.EP)] != list(self.layout.ranks_of[Axis.TP]):
                     raise CheckpointError(
                         f"rank {self.layout.rank}: its tp group {self.layout.ranks_of['tp']} is "
                         f"not a row of the ep x tp grid {grid} (rank order changed?)"

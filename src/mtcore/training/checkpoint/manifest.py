@@ -168,6 +168,7 @@ def verify_files(directory: Path, manifest: dict) -> None:
     """Every file the manifest lists exists with its size and sha256, and every file in
     ``directory`` is listed; raise naming the first one that is not (truncated, altered,
     missing or unlisted)."""
+    check_no_links(directory)
     listed = {entry["path"] for entry in manifest["files"]}
     for path in sorted(p for p in directory.rglob("*") if not p.is_dir()):
         name = path.relative_to(directory).as_posix()
@@ -190,6 +191,25 @@ def verify_files(directory: Path, manifest: dict) -> None:
             raise CheckpointError(
                 f"checkpoint file {path} is corrupted: its sha256 differs from the manifest's"
             )
+
+
+def check_no_links(directory: Path) -> None:
+    """A CheckpointError naming the first symbolic link in ``directory`` (itself included):
+    a checkpoint holds its own files, and a link would have a load read a file outside it
+    (whatever the manifest's checksum of the link's target said when it was written)."""
+    if directory.is_symlink():
+        raise CheckpointError(
+            f"checkpoint {directory} is a symbolic link (to {os.readlink(directory)}); "
+            "load the directory it names instead"
+        )
+    for parent, dirs, files in os.walk(directory):  # never follows a linked directory
+        for name in sorted(dirs + files):
+            path = Path(parent) / name
+            if path.is_symlink():
+                raise CheckpointError(
+                    f"checkpoint file {path} is a symbolic link (to {os.readlink(path)}): a "
+                    "checkpoint holds only its own files; replace it with the file itself"
+                )
 
 
 def partial_dirs(root: Path) -> list[Path]:
@@ -284,13 +304,25 @@ def has_checkpoint(root: str | Path) -> bool:
     return bool(committed_steps(Path(root).expanduser()))
 
 
-def begin(root: Path, step: int) -> Path:
-    """The empty staging directory for a save of ``step`` (a stale one is reported, removed)."""
+def staging_dir(root: Path, step: int, incarnation: str | None = None) -> Path:
+    """Where a save of ``step`` is written before its commit: ``step_N.partial``, or
+    ``step_N.<incarnation>.partial`` for a job that owns ``root`` (``owner.Ownership``), so
+    a rank of an earlier incarnation left running can never write into this one's save."""
+    middle = f".{incarnation}" if incarnation else ""
+    return root / f"{step_dir_name(step)}{middle}{PARTIAL_SUFFIX}"
+
+
+def begin(root: Path, step: int, incarnation: str | None = None) -> Path:
+    """The empty staging directory for a save of ``step``; stale saves of the same step
+    (of any incarnation) are reported and removed."""
     root.mkdir(parents=True, exist_ok=True)
-    staging = root / (step_dir_name(step) + PARTIAL_SUFFIX)
-    if staging.exists():
-        log.warning("removing incomplete checkpoint %s before saving step %d again", staging, step)
-        shutil.rmtree(staging)
+    staging = staging_dir(root, step, incarnation)
+    for stale in partial_dirs(root):
+        if stale.name.startswith(step_dir_name(step) + ".") or stale == staging:
+            log.warning(
+                "removing incomplete checkpoint %s before saving step %d again", stale, step
+            )
+            shutil.rmtree(stale, ignore_errors=True)
     staging.mkdir()
     return staging
 
@@ -301,7 +333,7 @@ def commit(staging: Path, header: dict, keep_last: int = 0) -> Path:
     write_manifest(staging, header)
     _fsync_dir(staging)
     root = staging.parent
-    final = root / staging.name.removesuffix(PARTIAL_SUFFIX)
+    final = root / step_dir_name(header["step"])
     old = None
     if final.exists():  # the same step saved again: swap, then drop the old one
         old = root / f"{final.name}.replaced-{os.getpid()}"

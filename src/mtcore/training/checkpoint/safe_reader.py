@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import pickle
 import warnings
@@ -33,8 +34,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.futures import Future
 
 from mtcore.training.checkpoint.manifest import CheckpointError, check_inside
+from mtcore.training.checkpoint.safe_pickle import allowed_global
 
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",  # Megatron-Core keeps the save plans in it
+)
 _DCP_NAMES = {
     "ChunkStorageMetadata",
     "TensorProperties",
@@ -45,18 +51,10 @@ _DCP_NAMES = {
     "MetadataIndex",
     "_MEM_FORMAT_ENCODING",
     "_StorageInfo",
-}
-_OTHER = {
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch.serialization", "_get_layout"),  # a look-up of torch.strided and friends by name
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
+    "SavePlan",
+    "WriteItem",
+    "WriteItemType",
+    "TensorWriteData",
 }
 
 
@@ -64,22 +62,16 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module in _DCP_MODULES and name in _DCP_NAMES:
             return super().find_class(module, name)
-        if (module, name) in _OTHER:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "torch" and name in (
-            "layout",
-            "memory_format",
-            "strided",
-            "contiguous_format",
-        ):
-            return getattr(torch, name)
+        found = allowed_global(module, name)
+        if found is not None:
+            return found
         raise CheckpointError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
 
 
-def load_metadata(path: Path) -> Metadata:
-    """Unpickle a DCP ``.metadata`` file with the allow-list."""
+def load_metadata(path: Path, skip_bytes: bool = False) -> Metadata:
+    """Unpickle a DCP ``.metadata`` file with the allow-list. Non-tensor entries are
+    refused, or with ``skip_bytes`` left out (never read: Megatron-Core's per-layer
+    ``_extra_state``)."""
     try:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except CheckpointError as e:
@@ -88,8 +80,10 @@ def load_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"{path} is unreadable: {type(e).__name__}: {e}") from e
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} does not hold DCP metadata ({type(metadata).__name__})")
-    for key, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, BytesStorageMetadata) or not isinstance(entry, TensorStorageMetadata):
+    for key, entry in list(metadata.state_dict_metadata.items()):
+        if skip_bytes and isinstance(entry, BytesStorageMetadata):
+            del metadata.state_dict_metadata[key]
+        elif not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"{path}: entry {key!r} is not a tensor; refusing to load it")
     _check_storage(metadata, path)
     return metadata
@@ -110,12 +104,17 @@ def _check_storage(metadata: Metadata, path: Path) -> None:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata goes through the allow-listed unpickler."""
+    """``FileSystemReader`` whose metadata goes through the allow-listed unpickler
+    (``skip_bytes``: as ``load_metadata``'s)."""
+
+    def __init__(self, path, skip_bytes: bool = False, **kwargs):
+        super().__init__(path, **kwargs)
+        self.skip_bytes = skip_bytes
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        metadata = load_metadata(Path(self.path) / name)
+        metadata = load_metadata(Path(self.path) / name, self.skip_bytes)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -149,26 +148,40 @@ def tensor_shapes(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     }
 
 
+class _StagedWriter(FileSystemWriter):
+    """A writer for tensors that are a host copy already (``host_copy``): it stages them
+    as they are. DCP's own staging deep-copies a DTensor, mesh and process group
+    included, which fails. A writer that is an ``AsyncStager`` is its own stager in
+    every DCP (torch 2.7's ``async_save`` has no ``async_stager`` argument)."""
+
+    def stage(self, state_dict):
+        return state_dict
+
+
 def dcp_save(tensors: dict, directory: Path, world: int, **kwargs):
-    """``dcp.save`` (or ``async_save`` with ``run_async``) into ``directory``; one process
-    (``world == 1``) runs without a process group."""
+    """``dcp.save`` (or ``async_save`` with ``run_async``, of a ``host_copy``) into
+    ``directory``; one process (``world == 1``) runs without a process group."""
     run_async = kwargs.pop("run_async", False)
-    writer = FileSystemWriter(str(directory))
+    writer = (_StagedWriter if run_async else FileSystemWriter)(str(directory))
+    fn = dcp.async_save if run_async else dcp.save
     with _quiet():
         if world == 1:
             kwargs.pop("process_group", None)
-            kwargs["no_dist"] = True
-        fn = dcp.async_save if run_async else dcp.save
+            # torch 2.7's async_save has no no_dist: without a process group it runs
+            # the save without one anyway.
+            if "no_dist" in inspect.signature(fn).parameters:
+                kwargs["no_dist"] = True
         return fn(tensors, storage_writer=writer, **kwargs)
 
 
-def dcp_load(targets: dict, directory: Path, world: int) -> None:
+def dcp_load(targets: dict, directory: Path, world: int, skip_bytes: bool = False) -> None:
     """``dcp.load`` through ``SafeFileSystemReader``, in place into ``targets``. A
     CheckpointError on any rank is raised as itself (DCP wraps it, with tracebacks)."""
     with _quiet():
         kwargs = {"no_dist": True} if world == 1 else {}
+        reader = SafeFileSystemReader(str(directory), skip_bytes=skip_bytes)
         try:
-            dcp.load(targets, storage_reader=SafeFileSystemReader(str(directory)), **kwargs)
+            dcp.load(targets, storage_reader=reader, **kwargs)
         except CheckpointException as e:
             failures = [error for _, (error, _) in sorted(e.failures.items())]
             ours = [error for error in failures if isinstance(error, CheckpointError)]
@@ -179,7 +192,14 @@ def dcp_load(targets: dict, directory: Path, world: int) -> None:
 
 @contextlib.contextmanager
 def _quiet():
-    """DCP warns on every one-process call that it assumes one process: it is meant. (A
-    background save warns from its own thread, so the filter stays installed.)"""
+    """DCP warns on every one-process call that it assumes one process: it is meant. Its
+    writer in torch 2.7 calls ``tensor.storage()``, which warns "TypedStorage is
+    deprecated" on every rank: torch's own call, nothing a user can act on. (A
+    background save warns from its own thread, so the filters stay installed.)"""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+    warnings.filterwarnings(
+        "ignore",
+        message="TypedStorage is deprecated",
+        module="torch.distributed.checkpoint.filesystem",
+    )
     yield

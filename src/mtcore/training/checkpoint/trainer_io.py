@@ -6,6 +6,11 @@ root: its latest committed step); ``checkpoint.resume`` continues from
 starts fresh otherwise; ``checkpoint.finetune`` takes the weights only. A
 weights-only checkpoint (``write_model_weights``, ``mtcore convert``) always
 starts at step 0 with a fresh optimizer.
+
+An elastic job resumes by itself: when ``checkpoint.dir``'s latest commit was
+written by the same run (``training.elastic``: the rendezvous id), a restarted
+rank, a replacement node or a requeued job continues from it whatever
+``checkpoint.resume`` says; a commit of another run is resumed only when asked.
 """
 
 from __future__ import annotations
@@ -17,18 +22,24 @@ import yaml
 from mtcore.data import DataError
 from mtcore.training.checkpoint.checkpointer import Checkpointer
 from mtcore.training.checkpoint.manifest import MANIFEST, CheckpointError, partial_dirs
+from mtcore.training.elastic import ElasticRun
 
 
 class TrainerCheckpoints:
     """Save/restore for ``trainer._Loop``: every rank makes the same calls."""
 
-    def __init__(self, config, engine, prep, say):
+    def __init__(self, config, engine, prep, say, owner=None, elastic: ElasticRun | None = None):
         self.config, self.ck, self.say = config, config.checkpoint, say
         self.tokenizer, self.model_config = prep.data.tokenizer, prep.model
+        self.elastic = elastic or ElasticRun()
         self.checkpointer = None
         if self.ck.dir is not None or self.ck.load is not None:
             self.checkpointer = Checkpointer(
-                engine, keep_last=self.ck.keep_last, async_save=self.ck.async_save
+                engine,
+                keep_last=self.ck.keep_last,
+                async_save=self.ck.async_save,
+                owner=owner,
+                run_id=self.elastic.run_id,
             )
 
     def restore(self, loader) -> int:
@@ -41,13 +52,17 @@ class TrainerCheckpoints:
         if self.checkpointer is None:
             return 0
         path, finetune = self.ck.load, self.ck.finetune
-        if self.ck.resume and self.ck.dir is not None:
+        if self.ck.dir is not None:
             root = Path(self.ck.dir).expanduser()
-            self._report_partials(root)
-            if self.checkpointer.holds_checkpoint(root):  # collective: rank 0 decides
-                path, finetune = str(root), False
-            elif path is None:
-                self.say(f"checkpoint: nothing to resume under {root}; starting at step 0")
+            latest = self.checkpointer.latest_commit(root)  # collective: rank 0 decides
+            ours = latest is not None and self._our_run(latest)
+            self._say_restart(latest, ours)
+            if self.ck.resume or ours:
+                self._report_partials(root)
+                if latest is not None:
+                    path, finetune = str(root), False
+                elif path is None and self.ck.resume:
+                    self.say(f"checkpoint: nothing to resume under {root}; starting at step 0")
         if path is None:
             return 0
         given = Path(path).expanduser()
@@ -64,11 +79,32 @@ class TrainerCheckpoints:
             self.say(f"checkpoint: model weights from {loaded.directory}; fresh optimizer, step 0")
         else:
             rng = "restored" if loaded.rng else "reseeded (the layout changed)"
+            moved = f", resharded from {loaded.resharded}" if loaded.resharded else ""
             self.say(
-                f"checkpoint: resumed from {loaded.directory} at step {loaded.step} "
+                f"checkpoint: resumed from {loaded.directory} at step {loaded.step}{moved} "
                 f"(optimizer, data position; RNG streams {rng})"
             )
         return loaded.step
+
+    def _our_run(self, latest: dict) -> bool:
+        run_id = self.elastic.run_id
+        return run_id is not None and latest.get("run_id") == run_id
+
+    def _say_restart(self, latest: dict | None, ours: bool) -> None:
+        """One line when the agent restarted this rank, or when a new agent (a replacement
+        node, a requeued job) finds its own run's commit."""
+        run = self.elastic
+        what = "resuming from checkpoint.dir's latest commit"
+        if not (ours or self.ck.resume):
+            what = "no commit of this run yet: starting at step 0"
+        if run.restart > 0:
+            most = run.max_restarts if run.max_restarts is not None else "?"
+            self.say(f"mtcore train: restart {run.restart} of at most {most} (a rank died): {what}")
+        elif ours and not self.ck.resume:
+            self.say(
+                f"checkpoint: the latest commit (step {latest['step']}) is this run's "
+                f"({run.run_id}): resuming it"
+            )
 
     def save(self, step: int, loader, final: bool = False) -> Path | None:
         """Save ``step`` (collective); the committed directory on rank 0 once it is."""

@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from mtcore.distributed import LayoutError
-from mtcore.models import FamilyConfig, FamilyData, ModelFamily, TensorSpec
+from mtcore.models import Capabilities, FamilyConfig, FamilyData, ModelFamily, TensorSpec
 
 IGNORE_INDEX = -100  # label of a position without a next token (none in packed data)
 
@@ -91,66 +90,52 @@ class GMLPConfig(FamilyConfig):
         return {"norm_eps": self.norm_eps, "dropout": self.dropout}
 
 
-def _build(config: GMLPConfig, layout, backend, seed: int = 0, fp8=None):
-    from mtcore_example_family.model import build
+class GMLPFamily(ModelFamily):
+    name = "gmlp"
+    config = GMLPConfig
+    capabilities = Capabilities(generates=True)
+    description = "causal gMLP language model: token mixing by spatial gating, no attention"
 
-    return build(config, layout, backend, seed, fp8)
+    def build_chunks(self, config: GMLPConfig, layout, backend, seed: int = 0, fp8=None):
+        from mtcore_example_family.model import build
 
+        return build(config, layout, backend, seed, fp8)
 
-def _one_process(config: GMLPConfig, backend=None):
-    from mtcore_example_family.model import GMLP
+    def one_process(self, config: GMLPConfig, backend=None):
+        from mtcore_example_family.model import GMLP
 
-    return GMLP(config, backend=backend)
+        return GMLP(config, backend=backend)
 
+    def messages(self, config: GMLPConfig, layout, micro_batch_size: int, dtype: torch.dtype):
+        """The hidden states cross every boundary: a sequence shard under sequence parallel."""
+        sp = layout.spec.sequence_parallel and layout.tp > 1
+        seq = config.seq_len // layout.tp if sp else config.seq_len
+        spec = {"hidden": TensorSpec((micro_batch_size, seq, config.hidden_size), dtype)}
+        return lambda boundary: spec
 
-def _messages(config: GMLPConfig, layout, micro_batch_size: int, dtype: torch.dtype):
-    """The hidden states cross every boundary: a sequence shard under sequence parallel."""
-    sp = layout.spec.sequence_parallel and layout.tp > 1
-    seq = config.seq_len // layout.tp if sp else config.seq_len
-    spec = {"hidden": TensorSpec((micro_batch_size, seq, config.hidden_size), dtype)}
-    return lambda boundary: spec
+    def loss_counts(self, config: GMLPConfig, batch) -> dict[str, torch.Tensor]:
+        return {"lm": (batch["labels"] != IGNORE_INDEX).sum()}
 
+    def metric_names(self, config: GMLPConfig) -> tuple[str, ...]:
+        return ("accuracy",)
 
-def _loss_counts(config: GMLPConfig, batch) -> dict[str, torch.Tensor]:
-    return {"lm": (batch["labels"] != IGNORE_INDEX).sum()}
+    def data(self, data_config, model_config: GMLPConfig) -> FamilyData:
+        """Packed next-token batches from mtcore's shared data pipeline."""
+        from mtcore.data import LMLoader, build_datasets
 
+        datasets = build_datasets(data_config)
+        return FamilyData(datasets.tokenizer, datasets.train, datasets.valid, LMLoader)
 
-def _data(data_config, model_config: GMLPConfig) -> FamilyData:
-    """Packed next-token batches from mtcore's data pipeline, as the GPT family has them."""
-    from mtcore.data import build_datasets
-    from mtcore.models.gpt import LMLoader
+    def generate(self, model, tokenizer, prompt: str, max_new_tokens: int, top_k=None,
+                 temperature: float = 1.0, generator=None, image=None) -> str:  # fmt: skip
+        """The prompt and its continuation: greedy, or top-k sampling with ``generator``."""
+        from mtcore.models.common.sampling import continue_tokens
 
-    datasets = build_datasets(data_config)
-    return FamilyData(datasets.tokenizer, datasets.train, datasets.valid, LMLoader)
-
-
-@torch.no_grad()
-def _generate(model, tokenizer, prompt: str, max_new_tokens: int, top_k=None,
-              temperature: float = 1.0, generator=None) -> str:  # fmt: skip
-    """The prompt and its continuation: greedy, or top-k sampling with ``generator``."""
-    ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
-    tokens = torch.tensor([ids], device=next(model.parameters()).device)
-    for _ in range(max_new_tokens):
-        logits = model(tokens[:, -model.config.seq_len :])[:, -1].float()
-        if top_k is None or top_k <= 1:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            values, index = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
-            probs = F.softmax(values / max(temperature, 1e-6), dim=-1)
-            nxt = index.gather(-1, torch.multinomial(probs, 1, generator=generator))
-        tokens = torch.cat([tokens, nxt], dim=1)
-    return tokenizer.decode(tokens[0].tolist())
+        ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
+        tokens = torch.tensor([ids], device=next(model.parameters()).device)
+        out = continue_tokens(model, tokens, max_new_tokens, model.config.seq_len, top_k,
+                              temperature, generator)  # fmt: skip
+        return tokenizer.decode(out[0].tolist())
 
 
-FAMILY = ModelFamily(
-    name="gmlp",
-    config=GMLPConfig,
-    build=_build,
-    one_process=_one_process,
-    messages=_messages,
-    loss_counts=_loss_counts,
-    data=_data,
-    metric_names=lambda config: ("accuracy",),
-    generate=_generate,
-    description="causal gMLP language model: token mixing by spatial gating, no attention",
-)
+FAMILY = GMLPFamily()

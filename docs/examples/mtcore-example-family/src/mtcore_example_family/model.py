@@ -19,7 +19,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtcore.models import BuiltModel
-from mtcore.models.layers import Context, Norm, linear_kwargs, make_context, out_std, single_context
+from mtcore.models.common.layers import (
+    Context,
+    Norm,
+    linear_kwargs,
+    make_context,
+    out_std,
+    single_context,
+)
 from mtcore.parallel.pipeline import stage_plans
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,

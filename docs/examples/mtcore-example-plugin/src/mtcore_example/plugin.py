@@ -10,15 +10,16 @@ from mtcore.backend import (
     FP8,
     BackendSpec,
     Collective,
-    CollectiveCapabilities,
     CpuDevice,
     KernelImpl,
-    fp8_fallback_everywhere,
+    cpu_scaled_mm_pairs,
+    gloo_capabilities,
     hookimpl,
 )
 from mtcore_example.kernels import floating_on_cpu, sigmoid_swiglu
 
 BACKEND = "example"
+TENSOR_WISE = frozenset({("tensor", "tensor")})
 
 
 @hookimpl
@@ -27,14 +28,15 @@ def mtcore_backends():
         BackendSpec(
             name=BACKEND,
             device=CpuDevice(),
-            # gloo carries no FP8 dtype: say so, and the collective takes its fallback
-            # (bytes for data movement, float32 for reductions). It has ReduceOp.AVG
-            # from torch 2.8; a library without it sets avg_supported=False and gets
-            # sum-then-divide.
-            collective=Collective("gloo", CollectiveCapabilities(fp8_fallback_everywhere())),
-            # torch._scaled_mm runs tensor-wise scales on the CPU; other granularities
-            # take the dequantize fallback.
-            fp8=FP8(native_granularities=frozenset({("tensor", "tensor")})),
+            # gloo carries no FP8 dtype, and before torch 2.8 no ReduceOp.AVG and a
+            # reduce-scatter that only sums: gloo_capabilities() says so for the torch
+            # installed, and the collective takes its fallbacks (bytes for data
+            # movement, float32 for reductions, sum-then-divide for AVG).
+            collective=Collective("gloo", gloo_capabilities()),
+            # torch._scaled_mm runs tensor-wise scales on the CPU from torch 2.8; the
+            # host's probe says whether this torch does. Other granularities take the
+            # fallback matmul.
+            fp8=FP8(native_granularities=lambda: cpu_scaled_mm_pairs() & TENSOR_WISE),
             # Not an accelerator: automatic selection never picks it; users ask for it
             # by name (MTCORE_BACKEND=example).
             accelerator=False,

@@ -1,0 +1,376 @@
+"""Where `mtcore train`'s ranks run: this host alone, or one of several nodes.
+
+`mtcore train` runs torch's elastic agent (``torch.distributed.run``, the launcher
+behind ``torchrun``) in its own process. Alone, the agent's rendezvous is local
+(``--standalone``); with ``--nnodes`` or ``--rdzv-endpoint`` it is the c10d
+rendezvous every node's agent joins, as ``torchrun`` does on a cluster, and the
+same environment variables set the same options when a flag is absent
+(``PET_NNODES``, ``PET_RDZV_ENDPOINT``, ...: what Kubeflow's training operator
+sets for an elastic PyTorchJob).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import sys
+from contextlib import nullcontext, suppress
+from dataclasses import dataclass
+
+DEFAULT_PORT = 29400  # torchrun's for the c10d rendezvous
+# Flag -> torchrun's environment variable for it (torch.distributed.run reads PET_<NAME>).
+ENVIRONMENT = {
+    "--nproc": "PET_NPROC_PER_NODE",
+    "--nnodes": "PET_NNODES",
+    "--rdzv-backend": "PET_RDZV_BACKEND",
+    "--rdzv-endpoint": "PET_RDZV_ENDPOINT",
+    "--rdzv-id": "PET_RDZV_ID",
+    "--rdzv-conf": "PET_RDZV_CONF",
+    "--max-restarts": "PET_MAX_RESTARTS",
+}
+_COUNT = re.compile(r"[0-9]+")
+_NNODES = re.compile(r"([0-9]+)(?::([0-9]+))?")
+_CONF = re.compile(r"[A-Za-z_]+=[^,=]+(,[A-Za-z_]+=[^,=]+)*")
+RENDEZVOUS_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+
+
+class LaunchError(ValueError):
+    """A launch option that cannot work; the message names the option and the value."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the ranks start: ``nproc`` per node on ``min_nodes``..``max_nodes`` nodes."""
+
+    nproc: int = 1
+    min_nodes: int = 1
+    max_nodes: int = 1
+    endpoint: str | None = None  # HOST:PORT of the rendezvous; None: this host alone
+    run_id: str | None = None
+    backend: str = "c10d"  # the rendezvous backend (torchrun's --rdzv-backend)
+    rdzv_conf: str | None = None
+    max_restarts: int = 0
+
+    @property
+    def multi_node(self) -> bool:
+        return self.endpoint is not None
+
+    @property
+    def in_process(self) -> bool:
+        """One rank, no restarts, no other node: the job runs in the `mtcore` process."""
+        return self.nproc == 1 and not self.max_restarts and not self.multi_node
+
+    def world_sizes(self) -> list[int]:
+        return [nodes * self.nproc for nodes in range(self.min_nodes, self.max_nodes + 1)]
+
+    def describe(self) -> str:
+        nodes = (
+            str(self.min_nodes)
+            if self.min_nodes == self.max_nodes
+            else f"{self.min_nodes}:{self.max_nodes}"
+        )
+        return f"--nnodes {nodes} --nproc {self.nproc}"
+
+    def torchrun_arguments(self) -> list[str]:
+        argv = [f"--nproc-per-node={self.nproc}", f"--max-restarts={self.max_restarts}"]
+        if not self.multi_node:
+            return ["--standalone", *argv]
+        argv += [
+            f"--nnodes={self.min_nodes}:{self.max_nodes}",
+            f"--rdzv-backend={self.backend}",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+        ]
+        return argv + ([f"--rdzv-conf={self.rdzv_conf}"] if self.rdzv_conf else [])
+
+
+def read_launch(flags: dict[str, str], environ: dict[str, str] | None = None) -> Launch:
+    """The launch that ``flags`` (option -> text, as typed) and torchrun's environment
+    variables describe; a LaunchError names the first option that cannot work."""
+    environ = os.environ if environ is None else environ
+
+    def value(option: str) -> tuple[str | None, str]:
+        if option in flags:
+            return flags[option], option
+        name = ENVIRONMENT[option]
+        return environ.get(name), f"{name} (for {option})"
+
+    nproc_text, where = value("--nproc")
+    nproc = 1
+    if nproc_text == "auto":  # torchrun's: one rank per accelerator, else per CPU core
+        nproc = _local_devices()
+    elif nproc_text is not None:
+        nproc = _count(nproc_text, where, least=1)
+    restarts_text, where = value("--max-restarts")
+    restarts = _count(restarts_text, where, least=0) if restarts_text is not None else 0
+    nnodes_text, nnodes_where = value("--nnodes")
+    low, high = _nnodes(nnodes_text, nnodes_where) if nnodes_text is not None else (1, 1)
+    endpoint, where = value("--rdzv-endpoint")
+    run_id, run_id_where = value("--rdzv-id")
+    conf, conf_where = value("--rdzv-conf")
+    backend, backend_where = value("--rdzv-backend")
+    if endpoint is None:
+        if high > 1:
+            raise LaunchError(
+                f"{nnodes_where} {nnodes_text} needs --rdzv-endpoint HOST[:PORT] (the host of one "
+                "node, where every node's agent meets), and the same --rdzv-id on every node"
+            )
+        for given, where_given in (
+            (run_id, run_id_where),
+            (conf, conf_where),
+            (backend, backend_where),
+        ):
+            if given is not None:
+                raise LaunchError(f"{where_given} needs --rdzv-endpoint")
+        return Launch(nproc=nproc, max_restarts=restarts)
+    endpoint = _endpoint(endpoint, where)
+    if not run_id:
+        raise LaunchError(
+            f"--rdzv-endpoint {endpoint} needs --rdzv-id ID, the same on every node (a job "
+            "name, or $SLURM_JOB_ID); it also tells a restarted node which checkpoints are its job's"
+        )
+    if conf is not None and not _CONF.fullmatch(conf):
+        raise LaunchError(f"{conf_where} needs KEY=VALUE[,KEY=VALUE...], got {conf!r}")
+    if backend is not None and backend not in RENDEZVOUS_BACKENDS:
+        known = ", ".join(RENDEZVOUS_BACKENDS)
+        raise LaunchError(f"{backend_where} needs one of {known}, got {backend!r}")
+    return Launch(
+        nproc=nproc,
+        min_nodes=low,
+        max_nodes=high,
+        endpoint=endpoint,
+        run_id=run_id,
+        backend=backend or "c10d",
+        rdzv_conf=conf,
+        max_restarts=restarts,
+    )
+
+
+def _local_devices() -> int:
+    """``--nproc auto``: the selected backend's accelerators, else this host's CPU cores."""
+    from mtcore.backend import select_backend
+
+    backend = select_backend()
+    if backend.device.type != "cpu":
+        return max(1, backend.device.device_count())
+    return os.cpu_count() or 1
+
+
+def _count(text: str, where: str, least: int) -> int:
+    if not _COUNT.fullmatch(text) or int(text) < least:
+        kind = "a positive" if least else "a non-negative"
+        raise LaunchError(f"{where} needs {kind} number, got {text!r}")
+    return int(text)
+
+
+def _nnodes(text: str, where: str) -> tuple[int, int]:
+    match = _NNODES.fullmatch(text)
+    low = int(match.group(1)) if match else 0
+    high = int(match.group(2) or low) if match else 0
+    if not match or low < 1 or high < low:
+        raise LaunchError(
+            f"{where} needs N or MIN:MAX (node counts, 1 <= MIN <= MAX), got {text!r}"
+        )
+    return low, high
+
+
+def _endpoint(text: str, where: str) -> str:
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        host, port = text, str(DEFAULT_PORT)
+    if not host or not _COUNT.fullmatch(port) or not 0 < int(port) < 65536:
+        raise LaunchError(f"{where} needs HOST or HOST:PORT, got {text!r}")
+    return f"{host}:{port}"
+
+
+class RendezvousWatch:
+    """Ends this launcher when the rendezvous endpoint stays unreachable for ``limit_s``.
+
+    torch's agent talks to the c10d store over one TCP connection; on a node cut off from
+    the network it waits on that connection until TCP gives up (about 15 minutes), long
+    after its ranks stopped (their collectives time out). A fresh connection to the
+    endpoint every ``every_s`` tells whether the store's node can still be reached; the
+    watch starts counting only after one succeeded (before that, the agent's join timeout
+    applies). Firing prints one line and ends the process (its ranks end with it: they
+    armed a parent-death signal) with ``PREEMPTED_EXIT``: nothing committed is lost, and
+    the same command continues once the node is back."""
+
+    def __init__(self, endpoint: str, limit_s: float, every_s: float = 2.0):
+        import threading
+
+        host, _, port = endpoint.rpartition(":")
+        self.address, self.limit_s, self.every_s = (host, int(port)), limit_s, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="mtcore-rdzv-watch", daemon=True)
+
+    def __enter__(self) -> RendezvousWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def reachable(self) -> bool:
+        import socket
+
+        try:
+            socket.create_connection(self.address, timeout=self.every_s).close()
+        except OSError:
+            return False
+        return True
+
+    def _watch(self) -> None:
+        import time
+
+        from mtcore.training.preemption import PREEMPTED_EXIT
+
+        last_seen = None
+        while not self._stop.wait(self.every_s):
+            if self.reachable():
+                last_seen = time.monotonic()
+            elif last_seen is not None and time.monotonic() - last_seen > self.limit_s:
+                host, port = self.address
+                print(
+                    f"mtcore train: stopped: lost the rendezvous at {host}:{port} (unreachable "
+                    f"for {self.limit_s:g} s: this node is cut off, or that one is down); the "
+                    "last commit is intact, and the same command continues from it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(PREEMPTED_EXIT)
+
+
+class BadInputWatch:
+    """Ends the agent's restarts when a rank stopped on bad input (exit 2): the ranks create
+    a file this launcher watches (``mtcore.train.BAD_INPUT_FILE_ENV``), and the launcher
+    then signals itself, so the agent stops its ranks and returns (``SignalException``)
+    instead of restarting ranks that would find the same problem."""
+
+    def __init__(self, every_s: float = 0.1):
+        import tempfile
+        import threading
+
+        from mtcore.train import BAD_INPUT_FILE_ENV
+
+        handle, path = tempfile.mkstemp(prefix="mtcore-bad-input-")
+        os.close(handle)
+        os.unlink(path)  # it appears when a rank reports
+        self.path, self.every_s = path, every_s
+        os.environ[BAD_INPUT_FILE_ENV] = path
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="mtcore-bad-input", daemon=True)
+
+    @property
+    def fired(self) -> bool:
+        return os.path.exists(self.path)
+
+    def __enter__(self) -> BadInputWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        with suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every_s):
+            if self.fired:
+                os.kill(os.getpid(), signal.SIGTERM)  # the agent's handler ends the run
+                return
+
+
+def launch(
+    plan: Launch, config: str | None, overrides: list[str], unreachable_s: float = 600.0
+) -> int:
+    """Start this node's ranks of ``python -m mtcore.train`` through the elastic agent; when
+    one dies, it restarts all of them up to ``max_restarts`` times (they resume). A
+    multi-node launch ends when the rendezvous stays unreachable for ``unreachable_s``
+    (``RendezvousWatch``)."""
+    from torch.distributed import DistNetworkError, DistStoreError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as elastic_run
+
+    from mtcore.training.preemption import PREEMPTED_EXIT
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
+    # The ranks' parent is this process (the elastic agent runs in it): each rank arms a
+    # parent-death signal and checks this pid, so no rank outlives a killed launcher.
+    os.environ["MTCORE_LAUNCHER_PID"] = str(os.getpid())
+    if plan.max_restarts or plan.multi_node:
+        # The agent's shared store outlives a restart, and restarted gloo ranks would read
+        # the dead ranks' addresses from it: a fresh store for every round instead.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    argv = [*plan.torchrun_arguments(), "-m", "mtcore.train"]
+    argv += ([config] if config else []) + list(overrides)
+    # The agent logs a failed rank, a signal, each rank it stops; one line says it instead
+    # (the rank's own, or the one below). Only the agent logs in this process.
+    quiet = logging.root.manager.disable
+    logging.disable(logging.ERROR)
+    watch = RendezvousWatch(plan.endpoint, unreachable_s) if plan.multi_node else nullcontext()
+    if plan.multi_node:
+        import socket
+
+        print(
+            f"mtcore train: node {socket.gethostname()} joins the {plan.backend} rendezvous at "
+            f"{plan.endpoint} (job {plan.run_id}, {plan.describe()} "
+            f"--max-restarts {plan.max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+    bad_input = BadInputWatch()
+    try:
+        with watch, bad_input:
+            try:
+                elastic_run(get_args_parser().parse_args(argv))
+            except SignalException:
+                if bad_input.fired:  # the ranks said what was wrong; no restart repeats it
+                    return 2
+                raise
+    except ChildFailedError as e:
+        return 2 if bad_input.fired else failed(e.failures)
+    except (RendezvousError, DistNetworkError, DistStoreError) as e:
+        # The node hosting the rendezvous is gone or cut off: this node cannot go on, and
+        # nothing is lost (the last commit stands); the job continues when it is back.
+        where = plan.endpoint or "this host"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(
+            f"mtcore train: stopped: lost the rendezvous at {where} ({first}); the last commit "
+            "is intact, and the same command continues from it once that node is back",
+            file=sys.stderr,
+        )
+        return PREEMPTED_EXIT
+    except SignalException as e:  # Ctrl-C (or a kill) of the launcher: the ranks got it too
+        if e.sigval == signal.SIGINT:
+            print("mtcore train: interrupted", file=sys.stderr)
+            return 128 + signal.SIGINT
+        print(f"mtcore train: stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + e.sigval
+    finally:
+        logging.disable(quiet)
+    return 0
+
+
+def failed(failures: dict) -> int:
+    """The exit status for ranks that failed: 2 when they stopped on bad input (exit 2,
+    its line printed by the rank; the others only stopped by the agent), 143 when a signal
+    stopped them after a commit (rank 0 printed where), else 1 and a line."""
+    from mtcore.training.preemption import PREEMPTED_EXIT
+
+    codes = {rank: failure.exitcode for rank, failure in sorted(failures.items())}
+    if 2 in codes.values() and all(code == 2 or code < 0 for code in codes.values()):
+        return 2
+    if PREEMPTED_EXIT in codes.values() and all(
+        code == PREEMPTED_EXIT or code < 0 for code in codes.values()
+    ):
+        return PREEMPTED_EXIT  # rank 0 said where it saved
+    failed_ranks = ", ".join(f"rank {rank} (exit {code})" for rank, code in codes.items())
+    print(
+        f"mtcore train: error: {failed_ranks} failed; the rank's message is above", file=sys.stderr
+    )
+    return 1

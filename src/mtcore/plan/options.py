@@ -1,0 +1,103 @@
+"""What the planner assumes about the software a layout runs on: ``Options``.
+
+These are facts about the training software, not the layout: whether attention is a
+fused (flash) kernel, which communication overlaps compute, the dtype gradients are
+accumulated and reduced in, the ZeRO stage, and whether a tensor-parallel group may
+span nodes. Each is a ``mtcore plan`` option and a ``--compare`` key; the report says
+which value it assumed and where that value came from (``Options.assumed``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DP_OVERLAP = ("mtcore", "none", "full")
+"""How the data-parallel gradient reduction meets backward: ``mtcore`` as the trainer
+does it (overlapped with the last micro-batch's backward at pp=1, after the pipeline
+at pp>1), ``none`` (always after backward) or ``full`` (always overlapped)."""
+OVERLAP_AXES = ("tp", "cp", "ep", "pp")
+GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class OptionsError(ValueError):
+    """An option value the planner cannot take (the message names it)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Planner settings that are facts about the software measured, not the layout.
+
+    dp_overlap: see ``DP_OVERLAP``. fused_attention: a flash-style attention kernel
+    (Megatron's ``--use-flash-attn``); None takes the hardware file's.
+    grad_reduce_dtype: the dtype of the gradient buffers and of the data-parallel
+    reduction (Megatron's ``--grad-reduce-in-bf16``). mtcore accumulates and reduces
+    fp32 buffers; Megatron in 2021 reduced fp16 ones; Megatron-Core in bf16 fp32 ones
+    (its arguments.py turns ``accumulate_allreduce_grads_in_fp32`` on for bf16).
+    overlapped: axes whose communication the software hides behind compute
+    (Megatron-Core's ``--tp-comm-overlap``, its overlapped p2p); mtcore: none. Only what
+    exceeds the micro-batch's compute stays exposed.
+    zero: the ZeRO stage, None: the config's ``parallel.zero1`` (1 or 0). 2 and 3 shard
+    the gradients (reduce-scattered every micro-batch) and 3 the parameters too
+    (all-gathered layer by layer for each micro-batch's forward and again for its
+    backward): DeepSpeed's ZeRO-2/3, FSDP's SHARD_GRAD_OP / FULL_SHARD. mtcore trains
+    with 0 or 1 only.
+    cross_node: let a tp group (or an ep x tp block) span nodes; it is priced on the
+    network. Off: such a layout is refused.
+    """
+
+    dp_overlap: str = "mtcore"
+    fused_attention: bool | None = None
+    grad_reduce_dtype: str = "fp32"
+    overlapped: tuple[str, ...] = ()
+    zero: int | None = None
+    cross_node: bool = False
+
+    def __post_init__(self):
+        if self.dp_overlap not in DP_OVERLAP:
+            raise OptionsError(
+                f"dp overlap must be one of {', '.join(DP_OVERLAP)}, not {self.dp_overlap!r}"
+            )
+        if self.fused_attention is not None and not isinstance(self.fused_attention, bool):
+            raise OptionsError(f"flash attention must be on or off, not {self.fused_attention!r}")
+        if self.grad_reduce_dtype not in GRAD_DTYPES:
+            raise OptionsError(
+                f"gradient reduction dtype must be one of {', '.join(GRAD_DTYPES)}, "
+                f"not {self.grad_reduce_dtype!r}"
+            )
+        unknown = [a for a in self.overlapped if a not in OVERLAP_AXES]
+        if unknown or len(set(self.overlapped)) != len(self.overlapped):
+            raise OptionsError(
+                f"comm overlap takes distinct axes of {', '.join(OVERLAP_AXES)} (or none), "
+                f"not {','.join(self.overlapped)!r}"
+            )
+        if self.zero is not None and (isinstance(self.zero, bool) or self.zero not in ZERO_STAGES):
+            raise OptionsError(f"ZeRO stage must be 0, 1, 2 or 3, not {self.zero!r}")
+        if not isinstance(self.cross_node, bool):
+            raise OptionsError(f"cross-node groups must be on or off, not {self.cross_node!r}")
+
+    @property
+    def grad_bytes(self) -> int:
+        return GRAD_DTYPES[self.grad_reduce_dtype]
+
+    def zero_stage(self, config) -> int:
+        return self.zero if self.zero is not None else int(config.parallel.zero1)
+
+    def flash(self, hardware) -> bool:
+        return hardware.fused_attention if self.fused_attention is None else self.fused_attention
+
+    def assumed(self, config, hardware) -> dict[str, str]:
+        """Each software assumption of a plan, as the report prints it, with its source."""
+        flash = "on" if self.flash(hardware) else "off"
+        flash += f" ({hardware.name} file)" if self.fused_attention is None else ""
+        zero = str(self.zero_stage(config))
+        zero += " (parallel.zero1)" if self.zero is None else ""
+        return {
+            "flash attention": flash,
+            "comm overlap": ",".join(self.overlapped) or "none",
+            "dp overlap": self.dp_overlap,
+            "grad reduce dtype": self.grad_reduce_dtype,
+            "zero": zero,
+            "vpp": str(config.parallel.vpp),
+            "cross-node groups": "allowed" if self.cross_node else "refused",
+        }

@@ -1,0 +1,249 @@
+"""One pipeline rank's work for one micro-batch: its blocks, its transient memory, its time.
+
+The planner (``planner._plan``) calls these for each kind of pipeline stage (the middle
+ones repeat); ``Stage`` says what the stage is: its blocks, grouped as ``((block, how
+many), ...)``, and whether it holds the embedding (first) and the head (last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtcore.plan import network, timing
+from mtcore.plan.memory import (
+    backward_transient_bytes,
+    head_saved_bytes,
+    head_transient_bytes,
+    layer_activation_bytes,
+)
+from mtcore.plan.shapes import Block, ModelShape
+
+
+@dataclass(frozen=True)
+class Stage:
+    blocks: tuple[tuple[Block, int], ...]
+    first: bool
+    last: bool
+
+
+def rank_blocks(shape: ModelShape, counts: list[int], pp: int, vpp: int, rank: int):
+    """The blocks of every chunk of pipeline rank ``rank`` (virtual stage ``c * pp + rank``),
+    as ``((block, how many), ...)``: a stack has few kinds of block, so each is costed once."""
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    groups: dict[Block, int] = {}
+    for chunk in range(vpp):
+        stage = chunk * pp + rank
+        for block in shape.blocks[starts[stage] : starts[stage] + counts[stage]]:
+            groups[block] = groups.get(block, 0) + 1
+    if rank == pp - 1:  # the last stage's blocks after the pipeline's (MTP modules)
+        for block in shape.last_blocks:
+            groups[block] = groups.get(block, 0) + 1
+    return tuple(groups.items())
+
+
+def transient(shape, stage: Stage, b, spec, recompute, fused, e, heads=1) -> float:
+    """Memory a stage's peak holds beyond its layers' kept activations, for one micro-batch:
+    what the backward allocates as it starts (``memory.backward_transient_bytes``: the
+    gradient received, the first weight gradient; the last stage's loss and head,
+    ``memory.head_transient_bytes``, whichever is larger) and, with full recompute, one
+    layer's activations rebuilt for its backward. The first stage's embedding output
+    is its first layer's input, counted with that layer's activations. A schedule that
+    runs ``heads`` last-stage forwards before their backwards (``memory.heads_in_flight``)
+    keeps each other one's ``memory.head_saved_bytes`` too."""
+    sp = spec.sequence_parallel
+    out = max(
+        (
+            backward_transient_bytes(bl, b, spec.tp, spec.ep, spec.cp, sp, e, True)
+            for bl, _ in stage.blocks
+        ),
+        default=0.0,
+    )
+    if stage.last:
+        tokens = b * shape.head_seq / spec.cp
+        trains = not shape.embed_frozen
+        head = head_transient_bytes(tokens, shape.hidden, shape.vocab, spec.tp, sp, e, trains)
+        saved = head_saved_bytes(tokens, shape.hidden, shape.vocab, spec.tp, sp, e)
+        out = max(out, head + (heads * shape.head_passes - 1) * saved)
+    if recompute == "full" and stage.blocks:
+        out += max(
+            layer_activation_bytes(bl, b, spec.tp, spec.cp, sp, "none", fused, e)
+            for bl, _ in stage.blocks
+        )
+    return out
+
+
+def recompute_flops(shape: ModelShape, recompute: str) -> float:
+    """Extra FLOPs of one sequence that recompute spends (a forward of each block for
+    full; the attention products for selective)."""
+    blocks = shape.blocks + shape.last_blocks
+    if recompute == "full":
+        return sum(bl.forward_flops() for bl in blocks)
+    if recompute == "selective":
+        return sum(bl.attention_product_flops() for bl in blocks)
+    return 0.0
+
+
+def weight_products(bl: Block, tokens: float, tp: int, ep: int):
+    """``((M, K, N), calls)`` of one block's weight products, forward, on one tp rank for
+    ``tokens`` tokens: their FLOPs sum to ``2 tokens active_weights / tp`` (latent
+    attention's down-projections whole on each rank, its norms no product)."""
+    h, q, kv = bl.hidden, bl.q_width, bl.kv_width
+    gate = 2 if bl.gated else 1
+    if bl.latent is not None:
+        out = _latent_products(bl, tokens, tp)
+    else:
+        out = [((tokens, h, (q + 2 * kv) / tp), 1), ((tokens, q / tp, h), 1)]
+    if bl.cross_seq:  # a cross-attention over the encoder tokens, costed at the query count
+        out += [((tokens, h, (q + 2 * kv) / tp), 1), ((tokens, q / tp, h), 1)]
+    for inner in (bl.ffn, bl.shared_ffn):
+        if inner:
+            out += [((tokens, h, gate * inner / tp), 1), ((tokens, inner / tp, h), 1)]
+    if bl.experts:
+        out.append(((tokens, h, bl.experts / tp), 1))  # the router
+        local = bl.experts / ep
+        rows = tokens * bl.top_k / local  # balanced: every expert gets top_k / E of the rows
+        out += [
+            ((rows, h, gate * bl.expert_ffn / tp), local),
+            ((rows, bl.expert_ffn / tp, h), local),
+        ]
+    return out
+
+
+def _latent_products(bl: Block, tokens: float, tp: int):
+    """Latent attention's products: the down-projections whole on every tp rank, the
+    up-projections and output split over heads."""
+    lat, h, heads = bl.latent, bl.hidden, bl.heads / tp
+    return [
+        ((tokens, h, lat.q_rank + lat.kv_rank + lat.rope), 1),
+        ((tokens, lat.q_rank or h, heads * lat.qk_dim), 1),
+        ((tokens, lat.kv_rank, heads * (lat.nope + lat.v_dim)), 1),
+        ((tokens, heads * lat.v_dim, h), 1),
+    ]
+
+
+def score_products(bl: Block, b: int, tp: int, cp: int):
+    """``((M, K, N), calls)`` of the attention's ``QK^T`` and ``AV`` per head, forward:
+    their FLOPs sum to ``attention_product_flops() b / (tp cp)``."""
+    heads = b * bl.heads / tp
+    queries, d = bl.seq / cp, bl.head_dim
+    out = [((queries, d, bl.kv_seq), heads), ((queries, bl.kv_seq, d), heads)]
+    if bl.cross_seq:
+        out += [((queries, d, bl.cross_seq), heads), ((queries, bl.cross_seq, d), heads)]
+    return out
+
+
+def _forward_seconds(products: timing.Products, items, block: bool) -> float:
+    return sum(products.seconds(shape, calls, block) for shape, calls in items)
+
+
+def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, products) -> dict:
+    """Seconds of one micro-batch through ``stage`` by cause: products (forward and the
+    backward's passes, ``Block.passes``), recompute, memory-bound work, and tp/cp/ep/pp
+    communication as mtcore runs it (exposed)."""
+    tp, cp, ep = spec.tp, spec.cp, spec.ep
+    tokens = b * shape.seq_len / cp  # per rank; T5's decoder uses its own length below
+    fwd = back = live_w = live_s = 0.0
+    for bl, n in stage.blocks:
+        weights = _forward_seconds(products, weight_products(bl, b * bl.seq / cp, tp, ep), True)
+        scores = _forward_seconds(products, score_products(bl, b, tp, cp), False)
+        fwd += n * (weights + scores)
+        # the backward's passes after the forward (Block.passes - 1: 2 with weight
+        # gradients, 1 for frozen weights passing the gradient on, 0 under no_grad; the
+        # score products have no weights, so 2 whenever there is a backward)
+        back += n * ((bl.passes - 1) * weights + (bl.product_passes - 1) * scores)
+        if bl.keeps_activations:
+            live_w, live_s = live_w + n * weights, live_s + n * scores
+    head = _head_seconds(shape, stage, b, spec, products)
+    head *= 2 if shape.embed_frozen else 3  # frozen: no weight gradient
+    head *= shape.head_passes  # MTP modules run the head again
+    # a fused attention's backward recomputes the scores (Q K^T) per block
+    compute = fwd + back + head + (0.5 * live_s if fused else 0.0)
+    if stage.first and shape.first_stage_flops:  # outside the blocks, whole on every tp rank
+        flops = b * shape.first_stage_flops
+        compute += products.flops_seconds(flops, flops / 3)
+    if stage.last and shape.last_stage_params:  # MTP's W_k, whole on every tp rank
+        flops = 6.0 * b * shape.seq_len / cp * shape.last_stage_params
+        compute += products.flops_seconds(flops, flops / 3)
+    redo = {"full": live_w + live_s, "selective": live_s}.get(recompute, 0.0)
+    kept = sum(
+        n * layer_activation_bytes(bl, b, tp, cp, spec.sequence_parallel, "none", fused, e)
+        for bl, n in stage.blocks
+    )
+    passes = timing.ELEMENTWISE_PASSES + (2 if recompute == "full" else 0)
+    loss_traffic = 0.0
+    if stage.last:  # the loss over the vocabulary shard, in fp32 (timing.cross_entropy_bytes)
+        loss_traffic = b * shape.head_seq / cp * shape.vocab / tp * timing.cross_entropy_bytes(e)
+        loss_traffic *= shape.head_passes
+    memory_bound = timing.memory_bound(hw, passes * kept + loss_traffic)
+    return {
+        "compute": compute,
+        "recompute": redo,
+        "memory_bound": memory_bound,
+        **_communication(shape, stage, b, spec, hw, recompute, e, tokens),
+    }
+
+
+def weight_grad_seconds(shape, stage: Stage, b, spec, products) -> float:
+    """The part of a micro-batch's compute through ``stage`` that a zero-bubble
+    schedule's W pass runs: one weight-gradient product per trained weight product."""
+    seconds = 0.0
+    for bl, n in stage.blocks:
+        if bl.passes == 3:  # weights with gradients (Block.passes)
+            products_of = weight_products(bl, b * bl.seq / spec.cp, spec.tp, spec.ep)
+            seconds += n * _forward_seconds(products, products_of, True)
+    if not shape.embed_frozen:
+        seconds += _head_seconds(shape, stage, b, spec, products) * shape.head_passes
+    return seconds
+
+
+def _head_seconds(shape, stage: Stage, b, spec, products) -> float:
+    """One pass of the output head's products (forward), on the last stage."""
+    if not stage.last:
+        return 0.0
+    rows = b * shape.head_seq / spec.cp
+    head = products.seconds((rows, shape.hidden, shape.vocab / spec.tp))
+    if shape.head_dense:
+        head += products.seconds((rows, shape.hidden, shape.head_dense / spec.tp))
+    return head
+
+
+def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens) -> dict:
+    tp, cp, ep = spec.tp, spec.cp, spec.ep
+    tp_comm = cp_comm = ep_comm = 0.0
+    calls = 4 + (2 if recompute == "full" else 0)
+    for bl, count in stage.blocks:
+        activation = e * b * bl.seq / cp * bl.hidden
+        n = calls + (2 if bl.cross_seq else 0) if bl.keeps_activations else 2  # forward only
+        tp_comm += count * n * network.all_reduce(hw, activation, tp, 1)
+        if cp > 1:
+            kv = e * b * bl.seq / cp * 2 * bl.kv_width / tp
+            sends = 3 + (1 if recompute == "full" else 0)  # fwd, 2x bwd (dK, dV), recompute
+            if spec.cp_method == "ring":
+                cp_comm += count * sends * (cp - 1) * network.p2p(hw, kv, cp, tp)
+            elif spec.cp_method == "allgather":
+                cp_comm += count * sends * network.all_gather(hw, kv * cp, cp, tp)
+            else:  # a2a: q, k, v in and the output back, forward and backward
+                qkvo = e * b * bl.seq / cp * (2 * bl.q_width + 2 * bl.kv_width) / tp
+                cp_comm += count * sends * network.all_to_all(hw, qkvo, cp, tp)
+        if bl.experts and ep > 1:
+            rows = e * b * bl.seq / cp * bl.top_k * bl.hidden
+            ep_comm += count * calls * network.all_to_all(hw, rows, ep, tp)
+    pp_comm = 0.0
+    if spec.pp > 1:
+        boundary = e * tokens * shape.hidden / (tp if spec.sequence_parallel else 1)
+        sends = 2 * spec.vpp  # every chunk: its activation forward, its gradient back
+        pp_comm = sends * network.p2p(hw, boundary, spec.pp, tp * cp * spec.dp)
+    return {"tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm}
+
+
+def replicated_grad_seconds(shape, stage: Stage, spec, hw, grad_bytes: int) -> float:
+    """Once a step under sequence parallel: the tp all-reduce of the gradients of the
+    weights every tp rank holds whole but runs on its sequence shard (latent attention's
+    down-projections, MTP's ``W_k``; mtcore's ``allreduce_sequence_parallel_grads``)."""
+    if not spec.sequence_parallel or spec.tp == 1:
+        return 0.0
+    weights = sum(n * bl.replicated_weights() for bl, n in stage.blocks)
+    weights += shape.last_stage_params if stage.last else 0
+    if not weights:
+        return 0.0
+    return network.all_reduce(hw, grad_bytes * weights, spec.tp, 1)

@@ -1,0 +1,188 @@
+"""Megatron-LM / Megatron-Core checkpoint directories: read one as a ``GPTConfig`` and
+full weights, write mtcore weights as one.
+
+A Megatron checkpoint root holds ``latest_checkpointed_iteration.txt`` and
+``iter_0000100/`` directories (or ``release/``); an iteration directory is either
+
+* **torch_dist** (Megatron-Core ``dist_checkpointing``): ``metadata.json`` naming the
+  backend, DCP's ``.metadata`` and ``__R_K.distcp`` files, and ``common.pt`` (the
+  arguments). Read with DCP through ``SafeFileSystemReader``: every tensor whole, the
+  layers (and experts) stacked on leading axes; or
+* **legacy**: ``mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt``, one ``torch.save`` file
+  per tensor (TT), pipeline (PPP) and expert (EEE) rank, each with that rank's layers
+  numbered from 0 (``model0``, ``model1`` ... under virtual pipeline stages).
+
+Pickles go through ``safe_pickle`` (the allow-list). The tensors' arrangement is the
+family's ``MegatronAdapter`` (the GPT family's: ``mtcore.models.gpt.megatron``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mtcore.models import FamilyConfig, MegatronAdapter, get_family
+from mtcore.training.checkpoint.manifest import CheckpointError
+from mtcore.training.checkpoint.safe_pickle import torch_file
+from mtcore.training.checkpoint.safe_reader import dcp_load, load_metadata
+
+LATEST = "latest_checkpointed_iteration.txt"
+LEGACY_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+FAMILY = "gpt"  # Megatron-LM's pretrain_gpt.py models
+
+
+def _adapter() -> MegatronAdapter:
+    return get_family(FAMILY).megatron
+
+
+def iteration_dir(path: str | Path) -> Path:
+    """The iteration directory of a Megatron checkpoint root (its latest) or itself."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    latest = path / LATEST
+    if latest.is_file():
+        text = latest.read_text().strip()
+        name = (
+            "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        )
+        if name is None or not (path / name).is_dir():
+            raise CheckpointError(f"{latest} names {text!r}, which is not a directory here")
+        return path / name
+    if (path / "metadata.json").is_file() or any(path.glob(f"mp_rank_*/{LEGACY_FILE}")):
+        return path
+    raise CheckpointError(
+        f"{path} is not a Megatron checkpoint: no {LATEST}, metadata.json or "
+        f"mp_rank_*/{LEGACY_FILE}"
+    )
+
+
+def read_megatron(path: str | Path) -> tuple[FamilyConfig, dict[str, Tensor], int]:
+    """``(config, full weights, iteration)`` of a Megatron checkpoint (root or
+    iteration directory, torch_dist or legacy)."""
+    directory = iteration_dir(path)
+    adapter = _adapter()
+    if (directory / "metadata.json").is_file():
+        args, stacked = _read_torch_dist(directory)
+        vocab = stacked.get("embedding.word_embeddings.weight")
+        config = adapter.config_from_args(args, None if vocab is None else vocab.shape[0])
+        weights = adapter.from_dist(config, stacked)
+    else:
+        args, ranks = _read_legacy(directory)
+        vocab = ranks[(0, 0, 0)][0].get("embedding.word_embeddings.weight")
+        tp = 1 + max(key[0] for key in ranks)
+        config = adapter.config_from_args(args, None if vocab is None else vocab.shape[0] * tp)
+        weights = adapter.from_ranks(config, args, ranks)
+    return config, weights, int(args.get("iteration") or 0)
+
+
+def _args_of(saved: object, where: Path) -> dict:
+    args = saved.get("args") if isinstance(saved, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(
+            f"{where} holds no Megatron-LM arguments ('args'): cannot tell the model"
+        )
+    found = dict(vars(args))
+    found["iteration"] = saved.get("iteration")
+    return found
+
+
+def _read_torch_dist(directory: Path) -> tuple[dict, dict[str, Tensor]]:
+    try:
+        backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{directory / 'metadata.json'} is not a JSON object: {e}") from None
+    if backend != "torch_dist":
+        raise CheckpointError(
+            f"{directory}: sharded_backend {backend!r} is not supported (torch_dist)"
+        )
+    args = _args_of(torch_file(directory / "common.pt"), directory / "common.pt")
+    metadata = load_metadata(directory / ".metadata", skip_bytes=True)
+    stacked = {
+        key: torch.zeros(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if not key.startswith("optimizer.") and "_extra_state" not in key
+    }
+    dcp_load(stacked, directory, world=1, skip_bytes=True)
+    return args, stacked
+
+
+def _read_legacy(directory: Path) -> tuple[dict, dict[tuple[int, int, int], list[dict]]]:
+    """The arguments and ``{(tp, pp, ep): model chunks}`` of a legacy iteration directory.
+
+    Megatron-LM names a rank's directory ``mp_rank_TT``, then ``_PPP`` with pipeline
+    parallelism, then ``_EEE`` with expert parallelism: ``mp_rank_00_001`` is pipeline
+    rank 1, or expert rank 1 without pipeline parallelism. The saved arguments tell."""
+    numbered: dict[tuple[int, ...], Path] = {}
+    for sub in sorted(directory.iterdir()):
+        match = _RANK_DIR.match(sub.name)
+        if match and (sub / LEGACY_FILE).is_file():
+            numbered[tuple(int(g) for g in match.groups() if g is not None)] = sub / LEGACY_FILE
+    first = min(numbered)
+    args = _args_of(torch_file(numbered[first]), numbered[first])
+    pipeline = int(args.get("pipeline_model_parallel_size") or 1) > 1
+    paths = {}
+    for numbers, path in numbered.items():
+        tp_rank, *rest = numbers
+        pp_rank = rest.pop(0) if pipeline and rest else 0
+        paths[(tp_rank, pp_rank, rest[0] if rest else 0)] = path
+    tp, pp, ep = (1 + max(key[axis] for key in paths) for axis in range(3))
+    said = (
+        int(args.get("tensor_model_parallel_size") or 1),
+        int(args.get("pipeline_model_parallel_size") or 1),
+        int(args.get("expert_model_parallel_size") or 1),
+    )
+    if said != (tp, pp, ep):
+        raise CheckpointError(
+            f"{directory}: the saved arguments say tp x pp x ep = {' x '.join(map(str, said))}, "
+            f"the mp_rank directories {tp} x {pp} x {ep}"
+        )
+    grid = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)]
+    missing = [key for key in grid if key not in paths]
+    if missing:
+        raise CheckpointError(f"{directory}: no {LEGACY_FILE} for (tp, pp, ep) ranks {missing[:3]}")
+    return args, {key: _model_chunks(torch_file(paths[key]), paths[key]) for key in grid}
+
+
+def _model_chunks(saved: object, where: Path) -> list[dict]:
+    """The model state dicts of one file: ``model``, or ``model0``, ``model1`` ... (one
+    per virtual pipeline stage)."""
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        return [saved["model"]]
+    chunks = []
+    while isinstance(saved, dict) and isinstance(saved.get(f"model{len(chunks)}"), dict):
+        chunks.append(saved[f"model{len(chunks)}"])
+    if not chunks:
+        raise CheckpointError(f"{where} holds no model state dict ('model' or 'model0')")
+    return chunks
+
+
+def write_megatron_legacy(
+    config: FamilyConfig, weights: dict[str, Tensor], out: str | Path, tp: int, pp: int,
+    iteration: int = 0, ep: int = 1,
+) -> Path:  # fmt: skip
+    """Write ``weights`` as a legacy Megatron checkpoint at ``tp`` x ``pp`` (x ``ep``)
+    under the root ``out`` (``iter_N/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` and
+    ``latest_checkpointed_iteration.txt``); returns the iteration directory. Each file
+    holds ``args`` (the adapter's ``args_for``: what Megatron-LM needs to build the
+    model), ``iteration``, ``checkpoint_version`` and ``model``, that rank's state dict."""
+    adapter = _adapter()
+    ranks = adapter.to_ranks(config, weights, tp, pp, ep)
+    args = argparse.Namespace(**adapter.args_for(config, tp, pp), expert_model_parallel_size=ep)
+    directory = Path(out) / f"iter_{iteration:07d}"
+    for (tp_rank, stage, expert_rank), model in ranks.items():
+        name = f"mp_rank_{tp_rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+        name += f"_{expert_rank:03d}" if ep > 1 else ""
+        (directory / name).mkdir(parents=True, exist_ok=True)
+        saved = {"args": args, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                 "model": model}  # fmt: skip
+        torch.save(saved, directory / name / LEGACY_FILE)
+    (Path(out) / LATEST).write_text(str(iteration))
+    return directory

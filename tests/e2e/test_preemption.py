@@ -1,0 +1,157 @@
+"""A SIGTERM (Slurm's and Kubernetes' preemption signal) saves, and the next run continues.
+
+Real processes, real signals, tp2 on 2 local ranks with dropout (so the RNG streams
+matter), ``checkpoint.interval 0`` (no save of its own before the end):
+
+1. SIGTERM to rank 1 alone (tp rank 1: the flag must reach rank 0 through the loss
+   reduction): both ranks stop after the same step, commit it, and the job exits 143
+   with one line naming the step and the commit;
+2. the same command with ``--checkpoint.resume true``, SIGTERM to the launcher this time
+   (what an agent or ``mtcore train`` receives from the cluster): exit 143 again, a later
+   commit;
+3. resumed once more to the end: every loss (full precision, TensorBoard, steps trained
+   twice logged twice with the same value) and the final weights equal an uninterrupted
+   run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mtcore.testing.runs import by_step, tensorboard_scalars, weight_differences
+
+# Long enough that a signal sent when a step's line is read lands well before the end,
+# even at 0.01 s a step (a quiet machine): the stop comes a step or two after it.
+STEPS = 60
+PREEMPTED = re.compile(
+    r"mtcore train: preempted: SIGTERM stopped the job after step (\d+): committed (\S+) "
+    r"[0-9.]+ s after the signal; the same command continues from it"
+)
+OTHER_RANK = re.compile(
+    r"mtcore train: preempted: a signal to another rank stopped the job after step (\d+): "
+    r"committed (\S+); the same command"
+)
+
+
+def _config(tmp_path: Path, corpus: Path, name: str) -> Path:
+    config = {
+        "model": dict(hidden_size=32, num_layers=2, num_heads=4, seq_len=16, dropout=0.1),
+        "parallel": {"tp": 2},
+        "precision": {"dtype": "fp32"},
+        "data": dict(paths=[str(corpus)], vocab_size=300, cache_dir=str(tmp_path / "cache")),
+        "optimizer": dict(lr=1e-2, min_lr=1e-3, warmup_steps=2),
+        "training": dict(steps=STEPS, global_batch_size=4, micro_batch_size=2, eval_interval=0,
+                         sample_prompt=None),
+        "checkpoint": {"dir": str(tmp_path / name / "checkpoints"), "interval": 0},
+        "logging": dict(interval=1, tensorboard_dir=str(tmp_path / name / "tensorboard"),
+                        progress="lines"),
+    }  # fmt: skip
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class Run:
+    """`mtcore train` in the background, its output collected line by line."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def wait_for_step(self, step: int, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
+        mark = re.compile(rf"^step (\d+)/{STEPS} \|")
+        while not any((m := mark.match(line)) and int(m.group(1)) >= step for line in self.lines):
+            assert self.process.poll() is None, self.text()
+            assert time.monotonic() < deadline, f"no step {step}:\n{self.text()}"
+            time.sleep(0.02)
+
+    def finish(self, timeout_s: float = 240) -> str:
+        self.process.wait(timeout=timeout_s)
+        self._reader.join(timeout=10)
+        return self.text()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no rank {rank} under pid {launcher}")
+
+
+@pytest.mark.slow  # make test-cluster (about 25 s)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_sigterm_commits_an_agreed_step_and_the_next_run_continues_exactly(
+    tmp_path, write_code_corpus, mtcore_script, cli_env, run_mtcore
+):
+    corpus = write_code_corpus(tmp_path / "docs", n_docs=10, n_lines=30)
+    reference = run_mtcore("train", _config(tmp_path, corpus, "plain"), "--nproc", "2")
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    expected = by_step(tensorboard_scalars(tmp_path / "plain" / "tensorboard"))
+    assert sorted(expected) == list(range(1, STEPS + 1))
+
+    command = [str(mtcore_script), "train", str(_config(tmp_path, corpus, "cut")), "--nproc", "2"]
+    env = cli_env(PYTHONUNBUFFERED="1")
+    checkpoints = tmp_path / "cut" / "checkpoints"
+
+    # 1. One rank alone gets the signal.
+    first = Run(command, env)
+    first.wait_for_step(3)
+    os.kill(_rank_pid(first.process.pid, 1), signal.SIGTERM)
+    log = first.finish()
+    assert first.process.returncode == 143, log
+    stopped = PREEMPTED.search(log) or OTHER_RANK.search(log)
+    assert stopped, log
+    step = int(stopped.group(1))
+    assert 3 <= step < STEPS and stopped.group(2) == str(checkpoints / f"step_{step:06d}")
+    assert (checkpoints / "latest").read_text().strip() == f"step_{step:06d}"
+    assert "Traceback" not in log, log
+
+    # 2. The launcher gets it (the cluster signals the agent, which passes it on).
+    second = Run([*command, "--checkpoint.resume", "true"], env)
+    second.wait_for_step(step + 2)
+    second.process.send_signal(signal.SIGTERM)
+    log = second.finish()
+    assert second.process.returncode == 143, log
+    assert f"resumed from {checkpoints / f'step_{step:06d}'} at step {step}" in log, log
+    again = PREEMPTED.search(log)
+    assert again, log
+    later = int(again.group(1))
+    assert step + 2 <= later < STEPS, log
+    assert "mtcore train: stopped by SIGTERM" in log
+
+    # 3. To the end: bit for bit the uninterrupted run.
+    third = run_mtcore(*command[1:], "--checkpoint.resume", "true", PYTHONUNBUFFERED="1")
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert f"at step {later}" in third.stdout
+    got = by_step(tensorboard_scalars(tmp_path / "cut" / "tensorboard"))
+    assert got == expected
+    assert not weight_differences(tmp_path / "plain" / "checkpoints", checkpoints)
