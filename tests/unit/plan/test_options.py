@@ -57,7 +57,7 @@ def test_zero_stages_shard_what_they_say():
     assert plan(config(), 8, A100, Options(zero=2)).ranks[0].transient == one + bucket
     three = plan(config(), 8, A100, Options(zero=3)).ranks[0].transient
     assert three == pytest.approx(one + bucket + 2 * 2 * EMBED)
-    assert plan(config(), 8, A100, Options(zero=None)).assumed["zero"] == "0 (parallel.zero1)"
+    assert plan(config(), 8, A100, Options(zero=None)).assumed["zero"] == "0 (parallel.zero)"
 
 
 def test_zero_traffic_by_hand():
