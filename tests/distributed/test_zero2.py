@@ -13,6 +13,12 @@ shards), pp2 x dp2 (tied halves on two stages: whole-gradient buffers summed ove
 stages, then reduce-scattered), Llama pp2 x vpp2 x dp2 (interleaved: a chunk's buckets
 reduce during the other chunk's backward).
 
+In the 2-rank spawn, bf16 and fp16 (dynamic loss scaling) runs of ZeRO-2 against ZeRO-1
+on the same batches: the fp32 master weights and moments are sharded alike (ZeRO-2
+changes where gradients live, not the optimizer), so the losses and masters agree to the
+reduction-order rounding (ZeRO-2 sums each micro-batch over dp, ZeRO-1 the accumulated
+gradient once).
+
 A probe checks after the steps that no whole fp32 gradient is left: each sharded buffer
 holds ``1/dp`` of its gradients and no bucket keeps a ``full_grad``.
 """
@@ -20,11 +26,23 @@ holds ``1/dp`` of its gradients and no bucket keeps a ``full_grad``.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.bert import BertConfig
 from mtcore.models.gpt import GPTConfig
-from mtcore.testing.equivalence import Case, Setup, assert_matches, spawn, token_batches
+from mtcore.precision import MixedPrecision
+from mtcore.testing.compare import rel_error
+from mtcore.testing.equivalence import (
+    Case,
+    Setup,
+    assert_matches,
+    micro_batches,
+    spawn,
+    token_batches,
+)
 from mtcore.training.config import OptimizerConfig
+from mtcore.training.engine import Engine
 from tests.distributed.test_bert_equivalence import _batches as bert_batches
 
 STEPS, BATCH, MB = 3, 8, 2
@@ -37,6 +55,9 @@ MODELS = {
         num_layers=4, num_heads=4, seq_len=16,
     ),
 }  # fmt: skip
+# Measured: equal bitwise (sums of a few bf16/fp16 gradients are exact in fp32); the
+# tolerance only allows for a platform whose reduction rounds differently.
+LOW_PRECISION_RTOL = 1e-6
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
 
 
@@ -56,9 +77,31 @@ def _shards_only(engine, record: dict) -> None:
     )
 
 
+def _low_precision(ctx) -> dict | None:
+    """Per dtype and ZeRO stage 1 and 2 on dp2: losses, the gathered fp32 masters and
+    the master/moment bytes this rank holds."""
+    if ctx.world_size != 2:
+        return None
+    layout = ParallelLayout.build(LayoutSpec(dp=2), ctx.backend.collective, ctx.rank, 2)
+    rows = slice(ctx.rank * BATCH // 2, (ctx.rank + 1) * BATCH // 2)
+    batches = token_batches(STEPS, BATCH, SIZES["seq_len"], vocab=64)
+    out = {}
+    for dtype in ("bf16", "fp16"):
+        for zero in (1, 2):
+            engine = Engine(MODELS["gpt2"], layout, ctx.backend, micro_batch_size=MB,
+                            num_microbatches=BATCH // 2 // MB, optimizer=OPT, seed=3,
+                            precision=MixedPrecision(dtype), zero=zero, bucket_size=700)  # fmt: skip
+            losses = [engine.train_step(micro_batches(b, rows, MB)).loss for b in batches]
+            opt = engine.optimizer
+            masters = torch.cat([s.master for s in opt.segments])
+            state = sum(t.numel() for ts in opt.state_tensors().values() for t in ts)
+            out[dtype, zero] = (losses, masters, state, opt.loss_scaler is not None)
+    return out
+
+
 SETUP = Setup(MODELS, OPT, batch_size=BATCH, micro_batch_size=MB, seed=3,
               reference_micro_batch_size=MB, first_step_grads=False,
-              probe=_shards_only)  # fmt: skip
+              probe=_shards_only, extras=_low_precision)  # fmt: skip
 CASES = {
     "gpt2_dp2": Case(2, "gpt2", dict(dp=2), zero=2),
     "bert_dp2": Case(2, "bert", dict(dp=2), zero=2),
@@ -98,3 +141,16 @@ def test_zero2_keeps_only_gradient_shards(runs, case):
 def test_clipping_was_active(runs):
     _, ref = runs["gpt2_dp2"]
     assert min(ref["norm"]) > OPT.max_grad_norm, ref["norm"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_zero2_low_precision_matches_zero1(runs, dtype):
+    for rank, got in enumerate(runs.extras[2]):
+        (loss1, master1, state1, scaled1) = got[dtype, 1]
+        (loss2, master2, state2, scaled2) = got[dtype, 2]
+        assert master2.dtype == torch.float32 and state1 == state2 > 0, (rank, state1, state2)
+        assert scaled1 == scaled2 == (dtype == "fp16")
+        for a, b in zip(loss1, loss2, strict=True):
+            assert abs(a - b) <= LOW_PRECISION_RTOL * abs(a), (dtype, rank, loss1, loss2)
+        err = rel_error(master2, master1)
+        assert err <= LOW_PRECISION_RTOL, (dtype, rank, err)
