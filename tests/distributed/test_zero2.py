@@ -11,7 +11,9 @@ micro-batches; 700-element buckets, so several buckets are in flight during back
 4 ranks: GPT-2 tp2 x dp2 with sequence parallel (norm gradients summed over tp on the
 shards), pp2 x dp2 (tied halves on two stages: whole-gradient buffers summed over the
 stages, then reduce-scattered), Llama pp2 x vpp2 x dp2 (interleaved: a chunk's buckets
-reduce during the other chunk's backward).
+reduce during the other chunk's backward), GPT-2 cp2 x dp2 (sharded over the 4 dp x cp
+ranks), a mixture-of-experts GPT at ep2 x dp4 (expert buffers sharded over their 2
+expert-data-parallel replicas, dense ones over dp4).
 
 In the 2-rank spawn, bf16 and fp16 (dynamic loss scaling) runs of ZeRO-2 against ZeRO-1
 on the same batches: the fp32 master weights and moments are sharded alike (ZeRO-2
@@ -50,6 +52,7 @@ SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_he
 MODELS = {
     "gpt2": GPTConfig(style="gpt2", init_std=0.1, **SIZES),
     "llama": GPTConfig(style="llama", init_std=0.1, **SIZES),
+    "moe": GPTConfig(init_std=0.1, moe=dict(num_experts=4, top_k=2, ffn_size=32), **SIZES),
     "bert": BertConfig(
         dropout=0.0, init_std=0.1, pair_task="nsp", vocab_size=64, hidden_size=32,
         num_layers=4, num_heads=4, seq_len=16,
@@ -108,24 +111,33 @@ CASES = {
     "gpt2_tp2_dp2_sp": Case(4, "gpt2", dict(tp=2, dp=2, sequence_parallel=True), zero=2),
     "gpt2_pp2_dp2_tied": Case(4, "gpt2", dict(pp=2, dp=2), zero=2),
     "llama_pp2_vpp2_dp2": Case(4, "llama", dict(pp=2, vpp=2, dp=2), zero=2),
+    "gpt2_cp2_dp2": Case(4, "gpt2", dict(cp=2, dp=2), zero=2),
+    "moe_ep2_dp4": Case(4, "moe", dict(ep=2), zero=2),
 }
+# The ranks each sharded buffer is split over: dp x cp; for the MoE model's expert
+# buffers the expert-data-parallel group (dp4 / ep2), its dense ones dp4.
+SHARDS = {"gpt2_cp2_dp2": {4}, "moe_ep2_dp4": {2, 4}}
 EVAL_NAMES = {
     "gpt2": {"loss", "lm"},
     "llama": {"loss", "lm"},
     "bert": {"loss", "mlm", "pair", "mlm_accuracy", "pair_accuracy"},
+    "moe": None,
 }
 
 
 @pytest.fixture(scope="module")
 def runs():
     tokens = token_batches(STEPS, BATCH, SIZES["seq_len"], vocab=64)
-    return spawn(SETUP, CASES, {"gpt2": tokens, "llama": tokens, "bert": bert_batches()})
+    batches = {"gpt2": tokens, "llama": tokens, "moe": tokens, "bert": bert_batches()}
+    return spawn(SETUP, CASES, batches)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_zero2_matches_one_process(runs, case):
     model = CASES[case].model
-    assert_matches(SETUP, case, CASES[case], *runs[case], eval_names=EVAL_NAMES[model])
+    # MoE load statistics relative to max(|value|, 1), as test_moe_equivalence compares them
+    assert_matches(SETUP, case, CASES[case], *runs[case], eval_names=EVAL_NAMES[model],
+                   moe_floor=1.0)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -133,8 +145,9 @@ def test_zero2_keeps_only_gradient_shards(runs, case):
     ranks, _ = runs[case]
     for rank, got in enumerate(ranks):
         assert got["shards"], (case, rank, "no sharded gradient buffer")
-        for held, numel, dp in got["shards"]:
-            assert dp == 2 and held * dp == numel, (case, rank, held, numel)
+        assert {size for _, _, size in got["shards"]} == SHARDS.get(case, {2}), (case, rank)
+        for held, numel, size in got["shards"]:
+            assert held * size == numel, (case, rank, held, numel, size)
         assert not got["whole_left"] and got["main_grads_left"] == 0, (case, rank)
 
 
