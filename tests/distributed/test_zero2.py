@@ -11,7 +11,8 @@ micro-batches; 700-element buckets, so several buckets are in flight during back
 4 ranks: GPT-2 tp2 x dp2 with sequence parallel (norm gradients summed over tp on the
 shards), pp2 x dp2 (tied halves on two stages: whole-gradient buffers summed over the
 stages, then reduce-scattered), Llama pp2 x vpp2 x dp2 (interleaved: a chunk's buckets
-reduce during the other chunk's backward), GPT-2 cp2 x dp2 (sharded over the 4 dp x cp
+reduce during the other chunk's backward), the same pp2 x dp2 under the zero-bubble
+``zb_h1`` schedule (weight gradients, and so the buckets, arrive in the W passes), GPT-2 cp2 x dp2 (sharded over the 4 dp x cp
 ranks), a mixture-of-experts GPT at ep2 x dp4 (expert buffers sharded over their 2
 expert-data-parallel replicas, dense ones over dp4).
 
@@ -111,6 +112,7 @@ CASES = {
     "gpt2_tp2_dp2_sp": Case(4, "gpt2", dict(tp=2, dp=2, sequence_parallel=True), zero=2),
     "gpt2_pp2_dp2_tied": Case(4, "gpt2", dict(pp=2, dp=2), zero=2),
     "llama_pp2_vpp2_dp2": Case(4, "llama", dict(pp=2, vpp=2, dp=2), zero=2),
+    "gpt2_pp2_dp2_zb_h1": Case(4, "gpt2", dict(pp=2, dp=2), schedule="zb_h1", zero=2),
     "gpt2_cp2_dp2": Case(4, "gpt2", dict(cp=2, dp=2), zero=2),
     "moe_ep2_dp4": Case(4, "moe", dict(ep=2), zero=2),
 }
