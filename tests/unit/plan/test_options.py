@@ -210,6 +210,12 @@ def test_layout_strings_carry_planner_options_and_sweep_refuses_them():
     }
     with pytest.raises(LayoutStringError, match="zero is a planner assumption"):
         layout_overrides("tp=2,zero=3")
+    # stages 0-2 are trained: a config override (and the column's planner assumption)
+    assert parse_layout("tp=2,zero=2") == (
+        ["--parallel.tp", "2", "--parallel.zero", "2"],
+        {"zero": 2},
+    )
+    assert layout_overrides("zero=2,tp=2") == ["--parallel.zero", "2", "--parallel.tp", "2"]
     assert layout_overrides("tp=2,last=1") == [
         "--parallel.tp",
         "2",
