@@ -34,6 +34,7 @@ import torch
 from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.bert import BertConfig
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.data import DataParallelConfig
 from mtcore.precision import MixedPrecision
 from mtcore.testing.compare import rel_error
 from mtcore.testing.equivalence import (
@@ -169,3 +170,8 @@ def test_zero2_low_precision_matches_zero1(runs, dtype):
             assert abs(a - b) <= LOW_PRECISION_RTOL * abs(a), (dtype, rank, loss1, loss2)
         err = rel_error(master2, master1)
         assert err <= LOW_PRECISION_RTOL, (dtype, rank, err)
+
+
+def test_gradient_shards_need_the_sharded_optimizer():
+    with pytest.raises(ValueError, match=r"shard_gradients \(ZeRO-2\) needs shard_optimizer"):
+        DataParallelConfig(shard_gradients=True)
