@@ -56,7 +56,8 @@ class DataParallelConfig(BaseModel):
     backward as soon as it is ready (False: all at ``finish_grad_sync``).
     average: divide by the data-parallel size (False: plain sum).
     shard_gradients: ZeRO-2, keep only this rank's reduced gradient shard (needs
-    ``shard_optimizer``).
+    ``shard_optimizer``); its buckets reduce from backward whatever
+    ``overlap_grad_reduce`` and ``no_sync`` say.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -198,7 +199,8 @@ class DataParallel(torch.nn.Module):
     # -- gradient accumulation --------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without reducing them (all but the last micro-batch)."""
+        """Accumulate gradients without reducing them (all but the last micro-batch);
+        ZeRO-2 buckets reduce anyway, into the shard that accumulates."""
         previous, self._sync = self._sync, False
         try:
             yield
