@@ -7,7 +7,8 @@ family and layout. The rank's model chunks sit in
 one ``DataParallel`` (fp32 gradient buckets, all-reduce or ZeRO-1/2
 reduce-scatter over dp; ZeRO-2 keeps only the owned gradient shard) with one
 mtcore ``AdamW``/``DistributedAdamW``, and a ``PipelineRunner`` runs the
-micro-batches: ``no_pipelining`` (gradient accumulation) at pp=1, 1F1B / interleaved / GPipe otherwise. A step:
+micro-batches: ``no_pipelining`` (gradient accumulation) at pp=1, 1F1B /
+interleaved / GPipe otherwise. A step:
 
 1. the runner runs every micro-batch forward and backward; each model chunk's
    last backward launches that chunk's bucket reductions as buckets fill, while
