@@ -7,14 +7,15 @@ loss, gradient norm (clipping active), evaluation values and final weights, rela
 1e-5 (ZeRO-1's tolerance). Two micro-batches per dp rank, so the shard accumulates over
 micro-batches; 700-element buckets, so several buckets are in flight during backward.
 
-2 ranks: GPT-2 (tied embedding) dp2, BERT (MLM + NSP, padded pairs) dp2.
+2 ranks: GPT-2 (tied embedding) dp2, BERT (MLM + NSP, padded pairs) dp2, T5 dp2.
 4 ranks: GPT-2 tp2 x dp2 with sequence parallel (norm gradients summed over tp on the
 shards), pp2 x dp2 (tied halves on two stages: whole-gradient buffers summed over the
 stages, then reduce-scattered), Llama pp2 x vpp2 x dp2 (interleaved: a chunk's buckets
 reduce during the other chunk's backward), the same pp2 x dp2 under the zero-bubble
 ``zb_h1`` schedule (weight gradients, and so the buckets, arrive in the W passes), GPT-2 cp2 x dp2 (sharded over the 4 dp x cp
 ranks), a mixture-of-experts GPT at ep2 x dp4 (expert buffers sharded over their 2
-expert-data-parallel replicas, dense ones over dp4).
+expert-data-parallel replicas, dense ones over dp4), T5 with tied embeddings at
+pp2 x dp2 (the shared embedding's halves on the encoder and decoder stages).
 
 In the 2-rank spawn, bf16 and fp16 (dynamic loss scaling) runs of ZeRO-2 against ZeRO-1
 on the same batches: the fp32 master weights and moments are sharded alike (ZeRO-2
@@ -48,6 +49,8 @@ from mtcore.testing.equivalence import (
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.engine import Engine
 from tests.distributed.test_bert_equivalence import _batches as bert_batches
+from tests.distributed.test_t5_equivalence import MODELS as T5_MODELS
+from tests.distributed.test_t5_equivalence import _batches as t5_batches
 
 STEPS, BATCH, MB = 3, 8, 2
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16)
@@ -59,6 +62,8 @@ MODELS = {
         dropout=0.0, init_std=0.1, pair_task="nsp", vocab_size=64, hidden_size=32,
         num_layers=4, num_heads=4, seq_len=16,
     ),
+    "t5": T5_MODELS["base"],
+    "t5_tied": T5_MODELS["tied"],
 }  # fmt: skip
 # Measured: equal bitwise (sums of a few bf16/fp16 gradients are exact in fp32); the
 # tolerance only allows for a platform whose reduction rounds differently.
@@ -110,12 +115,14 @@ SETUP = Setup(MODELS, OPT, batch_size=BATCH, micro_batch_size=MB, seed=3,
 CASES = {
     "gpt2_dp2": Case(2, "gpt2", dict(dp=2), zero=2),
     "bert_dp2": Case(2, "bert", dict(dp=2), zero=2),
+    "t5_dp2": Case(2, "t5", dict(dp=2), zero=2),
     "gpt2_tp2_dp2_sp": Case(4, "gpt2", dict(tp=2, dp=2, sequence_parallel=True), zero=2),
     "gpt2_pp2_dp2_tied": Case(4, "gpt2", dict(pp=2, dp=2), zero=2),
     "llama_pp2_vpp2_dp2": Case(4, "llama", dict(pp=2, vpp=2, dp=2), zero=2),
     "gpt2_pp2_dp2_zb_h1": Case(4, "gpt2", dict(pp=2, dp=2), schedule="zb_h1", zero=2),
     "gpt2_cp2_dp2": Case(4, "gpt2", dict(cp=2, dp=2), zero=2),
     "moe_ep2_dp4": Case(4, "moe", dict(ep=2), zero=2),
+    "t5_tied_pp2_dp2": Case(4, "t5_tied", dict(pp=2, dp=2), zero=2),
 }
 # The ranks each sharded buffer is split over: dp x cp; for the MoE model's expert
 # buffers the expert-data-parallel group (dp4 / ep2), its dense ones dp4.
@@ -125,13 +132,17 @@ EVAL_NAMES = {
     "llama": {"loss", "lm"},
     "bert": {"loss", "mlm", "pair", "mlm_accuracy", "pair_accuracy"},
     "moe": None,
+    "t5": None,
+    "t5_tied": None,
 }
 
 
 @pytest.fixture(scope="module")
 def runs():
     tokens = token_batches(STEPS, BATCH, SIZES["seq_len"], vocab=64)
+    t5 = t5_batches()
     batches = {"gpt2": tokens, "llama": tokens, "moe": tokens, "bert": bert_batches()}
+    batches |= {"t5": t5, "t5_tied": t5}
     return spawn(SETUP, CASES, batches)
 
 
