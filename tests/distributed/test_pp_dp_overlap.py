@@ -84,7 +84,7 @@ def _rank_main(ctx, tokens, targets):
         dp_rank, local = layout.dp_cp.rank, BATCH // 2
         engine = Engine(
             MODELS[model], layout, ctx.backend, micro_batch_size=MB, num_microbatches=local // MB,
-            optimizer=OPT, seed=3, zero1=zero1, bucket_size=300,
+            optimizer=OPT, seed=3, zero=int(zero1), bucket_size=300,
             schedule=SCHEDULES.get(name, "1f1b"),
         )  # fmt: skip
         stamps: list[float] = []

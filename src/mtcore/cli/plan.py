@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--zero",
         metavar="0-3",
         default=None,
-        help="ZeRO stage (default: parallel.zero1); 2 and 3 (FSDP) are planned only",
+        help="ZeRO stage (default: parallel.zero); 3 (FSDP) is planned only, not trained",
     )
     parser.add_argument(
         "--flash-attention",

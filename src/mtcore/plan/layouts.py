@@ -6,7 +6,8 @@ layout is checked by exactly the validators ``mtcore train`` runs. ``mtcore plan
 --compare`` also takes the planner's software assumptions (``OPTION_KEYS``: the
 ``Options`` of ``mtcore.plan.options``), which no training run has: ``zero=3``,
 ``flash=off``, ``overlap=tp+pp``, ``grad_dtype=bf16``, ``dp_overlap=full``,
-``cross_node``.
+``cross_node``. ``zero`` 0-2 is both: the stage ``mtcore train`` runs
+(``parallel.zero``) and the planner's assumption for that column.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ OPTION_KEYS = {
     "dp_overlap": "dp_overlap",
     "cross_node": "cross_node",
 }
+TRAINED_ZERO = (0, 1, 2)  # the ZeRO stages mtcore train runs (parallel.zero)
 FLAGS = {"sp", "zero1", "cross_node"}  # given bare, they mean true
 _ON = {"on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 
@@ -80,6 +82,8 @@ def parse_layout(text: str) -> tuple[list[str], dict]:
                 raise LayoutStringError(_unknown(part))
         if key in OPTION_KEYS:
             options[OPTION_KEYS[key]] = option_value(key, value)
+            if key == "zero" and options["zero"] in TRAINED_ZERO:
+                out += ["--parallel.zero", value]
         elif key in KEYS:
             out += [f"--{KEYS[key]}", value]
         else:
@@ -90,6 +94,8 @@ def parse_layout(text: str) -> tuple[list[str], dict]:
 def layout_overrides(text: str) -> list[str]:
     """The config overrides of a layout that ``mtcore train`` runs (no planner options)."""
     overrides, options = parse_layout(text)
+    if options.get("zero") in TRAINED_ZERO:
+        del options["zero"]  # carried by --parallel.zero
     if options:
         names = ", ".join(k for k, v in OPTION_KEYS.items() if v in options)
         raise LayoutStringError(

@@ -37,11 +37,11 @@ class Options:
     overlapped: axes whose communication the software hides behind compute
     (Megatron-Core's ``--tp-comm-overlap``, its overlapped p2p); mtcore: none. Only what
     exceeds the micro-batch's compute stays exposed.
-    zero: the ZeRO stage, None: the config's ``parallel.zero1`` (1 or 0). 2 and 3 shard
+    zero: the ZeRO stage, None: the config's ``parallel.zero`` (``zero1`` is 1). 2 and 3 shard
     the gradients (reduce-scattered every micro-batch) and 3 the parameters too
     (all-gathered layer by layer for each micro-batch's forward and again for its
     backward): DeepSpeed's ZeRO-2/3, FSDP's SHARD_GRAD_OP / FULL_SHARD. mtcore trains
-    with 0 or 1 only.
+    with 0, 1 or 2 (``parallel.zero``); 3 is planned only.
     cross_node: let a tp group (or an ep x tp block) span nodes; it is priced on the
     network. Off: such a layout is refused.
     """
@@ -81,7 +81,7 @@ class Options:
         return GRAD_DTYPES[self.grad_reduce_dtype]
 
     def zero_stage(self, config) -> int:
-        return self.zero if self.zero is not None else int(config.parallel.zero1)
+        return self.zero if self.zero is not None else config.parallel.zero_stage
 
     def flash(self, hardware) -> bool:
         return hardware.fused_attention if self.fused_attention is None else self.fused_attention
@@ -91,7 +91,7 @@ class Options:
         flash = "on" if self.flash(hardware) else "off"
         flash += f" ({hardware.name} file)" if self.fused_attention is None else ""
         zero = str(self.zero_stage(config))
-        zero += " (parallel.zero1)" if self.zero is None else ""
+        zero += " (parallel.zero)" if self.zero is None else ""
         return {
             "flash attention": flash,
             "comm overlap": ",".join(self.overlapped) or "none",

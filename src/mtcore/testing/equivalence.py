@@ -47,14 +47,20 @@ Batches = Sequence[Batch] | Mapping[str, Sequence[Batch]]
 @dataclass(frozen=True)
 class Case:
     """A layout to compare: ``world`` ranks, the model ``model`` (a key of
-    ``Setup.models``), ``LayoutSpec`` keywords, ZeRO-1 or not, and the pipeline
-    ``schedule`` (``parallel.schedule``; with pp=1 there is none)."""
+    ``Setup.models``), ``LayoutSpec`` keywords, ZeRO-1 or not, the pipeline
+    ``schedule`` (``parallel.schedule``; with pp=1 there is none) and the ZeRO stage
+    ``zero`` (``parallel.zero``; ``zero1=True`` is stage 1)."""
 
     world: int
     model: str
     layout: Mapping[str, Any]
     zero1: bool = False
     schedule: str = "1f1b"
+    zero: int = 0
+
+    @property
+    def stage(self) -> int:
+        return max(self.zero, int(self.zero1))
 
 
 @dataclass(frozen=True)
@@ -134,13 +140,13 @@ def full_gradients(engine) -> dict[str, torch.Tensor] | None:
 
 
 def make_engine(setup: Setup, model: str, layout, backend, micro_batch_size: int,
-                local_batch: int, zero1: bool = False, schedule: str = "1f1b"):  # fmt: skip
+                local_batch: int, zero: int = 0, schedule: str = "1f1b"):  # fmt: skip
     """The trainer's ``Engine`` for ``setup.models[model]`` on ``layout``."""
     from mtcore.training.engine import Engine
 
     return Engine(setup.models[model], layout, backend, micro_batch_size=micro_batch_size,
                   num_microbatches=local_batch // micro_batch_size, optimizer=setup.optimizer,
-                  seed=setup.seed, zero1=zero1, bucket_size=setup.bucket_size,
+                  seed=setup.seed, zero=zero, bucket_size=setup.bucket_size,
                   schedule=schedule)  # fmt: skip
 
 
@@ -182,10 +188,10 @@ def _rank_main(ctx: RankContext, setup: Setup, cases: Mapping[str, Case], batche
         local = setup.batch_size // layout.size(Axis.DP)
         rows = slice(layout.coordinate(Axis.DP) * local, (layout.coordinate(Axis.DP) + 1) * local)
         engine = make_engine(setup, case.model, layout, ctx.backend, setup.micro_batch_size,
-                             local, case.zero1, case.schedule)  # fmt: skip
+                             local, case.stage, case.schedule)  # fmt: skip
         results[name] = record_run(setup, engine, _batches_of(batches, case.model), rows,
                                    setup.micro_batch_size, layout.cp, layout.coordinate(Axis.CP),
-                                   grads=not case.zero1)  # fmt: skip
+                                   grads=not case.stage)  # fmt: skip
     extras = setup.extras(ctx) if setup.extras is not None else None
     return results, extras
 
@@ -261,7 +267,7 @@ def assert_matches(setup: Setup, name: str, case: Case, ranks: list[dict], ref: 
             for metric, value in ref["eval"].items():
                 assert close(got["eval"][metric], value, rtol), (name, rank, metric)
         assert rank == 0 or got["weights"] is None, "only rank 0 gathers the weights"
-    wanted = ["weights"] + (["grads"] if setup.first_step_grads and not case.zero1 else [])
+    wanted = ["weights"] + (["grads"] if setup.first_step_grads and not case.stage else [])
     for what in wanted:
         gathered = ranks[0][what]
         assert gathered is not None and set(gathered) == set(ref[what]), (name, what)

@@ -64,8 +64,33 @@ class ParallelConfig(LayoutSpec):
         description="pipeline schedule; 1f1b with vpp > 1 is the interleaved one; zb_h1 "
         "(vpp 1) and interleaved_zb (vpp > 1): zero bubble (weight gradients fill the drain)",
     )
-    zero1: bool = Field(False, description="shard the optimizer state over dp (ZeRO-1)")
+    zero: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="ZeRO stage: 1 shards the optimizer state over dp, 2 the gradients too; "
+        "3 (parameters) is planned by `mtcore plan` but not trained",
+    )
+    zero1: bool = Field(False, description="the older spelling of zero: 1")
     bucket_size: int = Field(DEFAULT_BUCKET_SIZE, ge=1, description="gradient bucket, elements")
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage: ``zero``, or 1 for the older ``zero1: true``."""
+        return self.zero or int(self.zero1)
+
+    @model_validator(mode="after")
+    def _zero_stage(self) -> ParallelConfig:
+        if self.zero1 and self.zero not in (0, 1):
+            raise ValueError(
+                f"parallel.zero1 is true but parallel.zero is {self.zero}; set only one"
+            )
+        if self.zero == 3:
+            raise ValueError(
+                "parallel.zero 3 (parameter sharding) is not trained yet; use zero 2 "
+                "(docs/training.md, ZeRO)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_schedule(self) -> ParallelConfig:
@@ -101,8 +126,9 @@ class PrecisionConfig(Section):
         None, description="None: no FP8; e4m3 everywhere; hybrid: E4M3 forward, E5M2 gradients"
     )
     fp8_recipe: Literal["delayed", "current", "blockwise"] = Field(
-        "delayed", description="per-tensor scale from an amax history, per-tensor just in "
-        "time, or 1x128 activation/gradient and 128x128 weight blocks"
+        "delayed",
+        description="per-tensor scale from an amax history, per-tensor just in "
+        "time, or 1x128 activation/gradient and 128x128 weight blocks",
     )
     fp8_amax_history_len: int = Field(16, ge=1, description="delayed: amaxes the scale looks at")
     fp8_margin: int = Field(0, ge=0, description="delayed: scale = fp8_max / (amax * 2**margin)")
@@ -218,8 +244,10 @@ class TrainingConfig(Section):
     # as the others wait (rank 0 checksumming a commit at ~1 GB/s, a slow first step) fits.
     # At least 5 s: setting up the process group, and a rank a few seconds behind, need that.
     collective_timeout_s: float = Field(
-        300.0, ge=5, description="a collective or transfer a peer does not answer in this long "
-        "ends the job, naming the call and its ranks"
+        300.0,
+        ge=5,
+        description="a collective or transfer a peer does not answer in this long "
+        "ends the job, naming the call and its ranks",
     )
     self_check: bool = Field(
         True,
@@ -322,9 +350,9 @@ class TrainConfig(BaseModel, extra="forbid"):
 
     @model_validator(mode="after")
     def _onebit_layouts(self) -> TrainConfig:
-        if self.optimizer.name == "onebit_adam" and self.parallel.zero1:
+        if self.optimizer.name == "onebit_adam" and self.parallel.zero_stage >= 1:
             raise ValueError(
-                "optimizer.name onebit_adam cannot run with parallel.zero1: every rank "
+                "optimizer.name onebit_adam cannot run with parallel.zero1 (zero >= 1): every rank "
                 "compresses its whole local momentum, so the momentum cannot be sharded"
             )
         if self.optimizer.name == "onebit_adam" and self.model.experts is not None:

@@ -4,10 +4,11 @@ The engine knows a model only through its family (``mtcore.models.family``): the
 family builds this rank's chunks, names the tensors that cross each pipeline
 boundary, and gives its loss as (sum, count) terms. The same path serves every
 family and layout. The rank's model chunks sit in
-one ``DataParallel`` (fp32 gradient buckets, all-reduce or ZeRO-1
-reduce-scatter over dp) with one mtcore ``AdamW``/``DistributedAdamW``, and a
-``PipelineRunner`` runs the micro-batches: ``no_pipelining`` (gradient
-accumulation) at pp=1, 1F1B / interleaved / GPipe otherwise. A step:
+one ``DataParallel`` (fp32 gradient buckets, all-reduce or ZeRO-1/2
+reduce-scatter over dp; ZeRO-2 keeps only the owned gradient shard) with one
+mtcore ``AdamW``/``DistributedAdamW``, and a ``PipelineRunner`` runs the
+micro-batches: ``no_pipelining`` (gradient accumulation) at pp=1, 1F1B /
+interleaved / GPipe otherwise. A step:
 
 1. the runner runs every micro-batch forward and backward; each model chunk's
    last backward launches that chunk's bucket reductions as buckets fill, while
@@ -93,7 +94,7 @@ class Engine:
         precision: MixedPrecision | None = None,
         seed: int = 0,
         schedule: str = "1f1b",
-        zero1: bool = False,
+        zero: int = 0,
         bucket_size: int | None = None,
     ):
         optimizer = optimizer or OptimizerConfig()
@@ -108,9 +109,12 @@ class Engine:
         self.fp8 = FP8StepBookkeeping(self.chunks)  # amaxes reduced, weights cast once a step
         self.dtype = precision.param_dtype
         module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
-        dp_config = DataParallelConfig(shard_optimizer=zero1)
-        if bucket_size is not None:
-            dp_config = DataParallelConfig(bucket_size=bucket_size, shard_optimizer=zero1)
+        if zero not in (0, 1, 2):
+            raise ValueError(f"ZeRO stage {zero} is not trained (0, 1 or 2)")
+        sizes = {} if bucket_size is None else {"bucket_size": bucket_size}
+        dp_config = DataParallelConfig(
+            **sizes, shard_optimizer=zero >= 1, shard_gradients=zero >= 2
+        )
         # Tied halves on other stages are summed over the stages before their dp reduction.
         self.tied = [p for chunk in self.chunks for p in chunk.tied_copies()]
         self.ddp = DataParallel(
@@ -118,7 +122,7 @@ class Engine:
         )
         scaler = precision.make_loss_scaler()
         self.max_grad_norm = optimizer.max_grad_norm
-        kind, extra = DistributedAdamW if zero1 else AdamW, {}
+        kind, extra = DistributedAdamW if zero >= 1 else AdamW, {}
         if optimizer.name == "onebit_adam":
             kind = OneBitAdam
             extra = {"freeze_step": optimizer.freeze_step, "block_size": optimizer.block_size}
@@ -262,7 +266,9 @@ class Engine:
             self.collective.all_reduce(t, group=group)
         if self.dp_cp_size > 1:
             self.collective.all_reduce(t, group=self.layout.dp_cp.group)
-        sums = [value / self.dp_cp_size if mean_over_dp else value for value in t[: len(local)].tolist()]
+        sums = [
+            value / self.dp_cp_size if mean_over_dp else value for value in t[: len(local)].tolist()
+        ]
         return sums + t[len(local) :].tolist()
 
     # -- evaluation ----------------------------------------------------------------

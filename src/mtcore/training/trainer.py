@@ -281,7 +281,7 @@ class _Loop:
             precision=mp,
             seed=self.t.seed,
             schedule=config.parallel.schedule,
-            zero1=config.parallel.zero1,
+            zero=config.parallel.zero_stage,
             bucket_size=config.parallel.bucket_size,
         )
         self.guard = BadStepGuard(self.t.max_bad_steps, self.engine.optimizer.loss_scaler)
@@ -371,7 +371,7 @@ class _Loop:
             f"mtcore train: {self.model_config.describe()} | {self.layout.world_size} ranks: "
             f"tp={s.tp} pp={s.pp} vpp={s.vpp} dp={s.dp} "
             f"cp={s.cp}{f' ({s.cp_method})' if s.cp > 1 else ''} sp={s.sequence_parallel} "
-            f"zero1={self.config.parallel.zero1} | {self.config.precision.dtype} on "
+            f"zero={self.config.parallel.zero_stage} | {self.config.precision.dtype} on "
             f"{self.backend.name} | {self.prep.microbatches} micro-batches x "
             f"{self.t.micro_batch_size} per dp rank, {tokens_per_step} tokens/step"
         )

@@ -57,7 +57,7 @@ def test_zero_stages_shard_what_they_say():
     assert plan(config(), 8, A100, Options(zero=2)).ranks[0].transient == one + bucket
     three = plan(config(), 8, A100, Options(zero=3)).ranks[0].transient
     assert three == pytest.approx(one + bucket + 2 * 2 * EMBED)
-    assert plan(config(), 8, A100, Options(zero=None)).assumed["zero"] == "0 (parallel.zero1)"
+    assert plan(config(), 8, A100, Options(zero=None)).assumed["zero"] == "0 (parallel.zero)"
 
 
 def test_zero_traffic_by_hand():
@@ -210,6 +210,12 @@ def test_layout_strings_carry_planner_options_and_sweep_refuses_them():
     }
     with pytest.raises(LayoutStringError, match="zero is a planner assumption"):
         layout_overrides("tp=2,zero=3")
+    # stages 0-2 are trained: a config override (and the column's planner assumption)
+    assert parse_layout("tp=2,zero=2") == (
+        ["--parallel.tp", "2", "--parallel.zero", "2"],
+        {"zero": 2},
+    )
+    assert layout_overrides("zero=2,tp=2") == ["--parallel.zero", "2", "--parallel.tp", "2"]
     assert layout_overrides("tp=2,last=1") == [
         "--parallel.tp",
         "2",

@@ -62,7 +62,10 @@ def test_unknown_override_key_names_the_key_and_what_exists():
 
 def test_unknown_key_in_a_file_names_the_key(tmp_path):
     path = _write(tmp_path, {"model": {"hiden_size": 64}})
-    with pytest.raises(ConfigError, match=r"unknown config key 'model\.hiden_size' \(known for family gpt: family, vocab_size"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'model\.hiden_size' \(known for family gpt: family, vocab_size",
+    ):
         load_config(path)
 
 
@@ -100,7 +103,9 @@ def test_prepare_rejects_missing_or_empty_data_and_a_small_vocab(tmp_path, tiny)
     with pytest.raises(ConfigError, match="is empty"):
         prepare(empty, 1)
     small = validate({**base, "model": {**base["model"], "vocab_size": 260}})
-    with pytest.raises(ConfigError, match=r"tokenizer has 300 token ids but model\.vocab_size is 260"):
+    with pytest.raises(
+        ConfigError, match=r"tokenizer has 300 token ids but model\.vocab_size is 260"
+    ):
         prepare(small, 1)
     with pytest.raises(ConfigError, match="but the world has 1 ranks"):
         prepare(validate({**base, "parallel": {"tp": 2, "dp": 1}}), 1)
@@ -204,3 +209,20 @@ def test_an_empty_config_file_trains_with_the_defaults_and_says_so(tmp_path, cap
     err = capsys.readouterr().err
     assert f"mtcore train: note: {path} holds no settings; training with the defaults" in err
     assert "mtcore train: error:" in err
+
+
+def test_zero_stage_and_its_older_spelling():
+    assert validate({"parallel": {"zero1": True}}).parallel.zero_stage == 1
+    assert validate({"parallel": {"zero1": True, "zero": 1}}).parallel.zero_stage == 1
+    assert load_config(None, ["--parallel.zero", "2"]).parallel.zero_stage == 2
+    assert validate({}).parallel.zero_stage == 0
+    with pytest.raises(ConfigError, match=r"zero1 is true but parallel\.zero is 2; set only one"):
+        validate({"parallel": {"zero1": True, "zero": 2}})
+    with pytest.raises(
+        ConfigError, match=r"parallel\.zero 3 \(parameter sharding\) is not trained"
+    ):
+        validate({"parallel": {"zero": 3}})
+    with pytest.raises(
+        ConfigError, match=r"onebit_adam cannot run with parallel\.zero1 \(zero >= 1\)"
+    ):
+        validate({"parallel": {"zero": 2}, "optimizer": {"name": "onebit_adam"}})

@@ -10,6 +10,12 @@ fills first and its reduction can start while backward is still running.
 Each bucket is padded to a multiple of ``pad_to`` (the data-parallel size when
 the optimizer is sharded), so it splits into equal contiguous shards.
 
+With ``shard`` (ZeRO-2) the buffer keeps no whole fp32 gradient: ``grad`` holds
+only this rank's shard of every bucket, back to back, and a bucket's whole
+gradient (``Bucket.full_grad``) exists only from its first gradient of a backward
+until its reduce-scatter has landed in the shard (``DataParallel`` allocates and
+frees it). ``grad_range`` maps buffer coordinates to either storage.
+
 A buffer is reduced over one group, named by ``reduce_group``: ``dp_cp`` for
 ordinary params, ``edp`` (expert data parallel) for mixture-of-experts expert
 params, which differ across the expert-parallel ranks and so are replicated
@@ -42,7 +48,7 @@ class BufferRange:
 
     @property
     def grad(self) -> Tensor:
-        return self.buffer.grad[self.start : self.end]
+        return self.buffer.grad_range(self.start, self.end)
 
     @property
     def param_data(self) -> Tensor:
@@ -55,6 +61,16 @@ class Bucket(BufferRange):
 
     index: int = 0
     params: list[Parameter] = field(default_factory=list)
+    full_grad: Tensor | None = None  # ZeRO-2: the bucket's whole gradient while it lives
+
+    @property
+    def grad(self) -> Tensor:
+        """The bucket's whole gradient (under ZeRO-2 the transient ``full_grad``)."""
+        if self.buffer.shard is None:
+            return self.buffer.grad[self.start : self.end]
+        if self.full_grad is None:
+            raise RuntimeError(f"bucket {self.index} holds no whole gradient now (ZeRO-2)")
+        return self.full_grad
 
     def shard(self, rank: int, size: int) -> tuple[int, int]:
         """Buffer coordinates of the contiguous shard that ``rank`` of ``size`` owns."""
@@ -73,6 +89,8 @@ class GradBuffer:
     ``param.main_grad`` a view of ``grad`` (zeroed). ``ranges[id(param)]`` gives
     a param's ``(start, end)``. ``reduce_group``: the layout group whose ranks
     hold replicas of these params (the group the gradients are reduced over).
+    shard: ``(rank, size)`` in that group to keep only this rank's gradient shard
+    (ZeRO-2); then ``main_grad`` exists only while its bucket's ``full_grad`` does.
     """
 
     def __init__(
@@ -83,6 +101,7 @@ class GradBuffer:
         first_bucket_index: int = 0,
         grad_dtype: torch.dtype = torch.float32,
         reduce_group: Axis = Axis.DP_CP,
+        shard: tuple[int, int] | None = None,
     ):
         if not params:
             raise ValueError("a GradBuffer needs at least one parameter")
@@ -114,16 +133,55 @@ class GradBuffer:
             bucket.end = offset
             self.buckets.append(bucket)
         self.numel = offset
+        self.shard = shard
+        self.grad_dtype = grad_dtype
 
         self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.grad = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
+        # ZeRO-2: where each bucket's owned shard starts, in buffer and in ``grad``.
+        self._shard_starts: list[tuple[int, int, int]] = []  # (lo, hi, offset in grad)
+        if shard is None:
+            self.grad = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
+        else:
+            offset = 0
+            for bucket in self.buckets:
+                lo, hi = bucket.shard(*shard)
+                self._shard_starts.append((lo, hi, offset))
+                offset += hi - lo
+            self.grad = torch.zeros(offset, dtype=grad_dtype, device=self.device)
         with torch.no_grad():
             for p in self.params:
                 start, end = self.ranges[id(p)]
                 view = self.param_data[start:end].view_as(p)
                 view.copy_(p.data)
                 p.data = view
-                p.main_grad = self.grad[start:end].view_as(p)
+                if shard is None:
+                    p.main_grad = self.grad[start:end].view_as(p)
+
+    def grad_range(self, start: int, end: int) -> Tensor:
+        """The fp32 gradient of buffer range ``[start, end)``; under ZeRO-2 the range
+        must lie in one bucket's owned shard (an optimizer segment always does)."""
+        if self.shard is None:
+            return self.grad[start:end]
+        for lo, hi, offset in self._shard_starts:
+            if lo <= start and end <= hi:
+                return self.grad[offset + start - lo : offset + end - lo]
+        raise ValueError(f"range [{start}, {end}) is not inside one owned gradient shard")
+
+    def open_bucket(self, bucket: Bucket) -> Tensor:
+        """ZeRO-2: give ``bucket`` a zeroed whole gradient and point its params'
+        ``main_grad`` into it (a no-op while it has one)."""
+        if bucket.full_grad is None:
+            bucket.full_grad = torch.zeros(bucket.numel, dtype=self.grad_dtype, device=self.device)
+            for p in bucket.params:
+                start, end = self.ranges[id(p)]
+                p.main_grad = bucket.full_grad[start - bucket.start : end - bucket.start].view_as(p)
+        return bucket.full_grad
+
+    def close_bucket(self, bucket: Bucket) -> None:
+        """ZeRO-2: drop ``bucket``'s whole gradient (its reduction has landed)."""
+        bucket.full_grad = None
+        for p in bucket.params:
+            p.__dict__.pop("main_grad", None)
 
     def range_of(self, param: Parameter) -> tuple[int, int]:
         return self.ranges[id(param)]

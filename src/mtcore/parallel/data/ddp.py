@@ -13,6 +13,16 @@ With
 ``shard_optimizer`` (ZeRO-1) it is a reduce-scatter instead: each rank ends up
 with the reduced gradient of the shard of every bucket that it owns.
 
+With ``shard_gradients`` (ZeRO-2) the buffers keep only those shards: a bucket's
+whole fp32 gradient is allocated when its first gradient of a backward arrives
+and freed once its reduce-scatter has landed, so every micro-batch's backward
+reduces (``no_sync`` does not apply: there is nowhere to accumulate a whole
+gradient). The rank adds the shard it already holds into its own input before the
+reduce-scatter, so the shard accumulates over micro-batches at no extra buffer.
+At most two buckets' whole gradients are alive from backward at once (the one
+filling and the one in flight). Tied halves split over pipeline stages (deferred
+buffers) keep whole gradients: they are summed over stages after backward.
+
 Mixture-of-experts expert params (``param.expert_parallel = True``) live in
 buffers of their own, reduced over the expert-data-parallel group ``edp``
 only (the ranks holding the same experts). They are still divided by the whole
@@ -29,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtcore.distributed import Axis
 from mtcore.parallel.clip import is_expert_parallel
@@ -45,6 +55,9 @@ class DataParallelConfig(BaseModel):
     all-reducing them. overlap_grad_reduce: launch each bucket's reduction from
     backward as soon as it is ready (False: all at ``finish_grad_sync``).
     average: divide by the data-parallel size (False: plain sum).
+    shard_gradients: ZeRO-2, keep only this rank's reduced gradient shard (needs
+    ``shard_optimizer``); its buckets reduce from backward whatever
+    ``overlap_grad_reduce`` and ``no_sync`` say.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -53,6 +66,13 @@ class DataParallelConfig(BaseModel):
     shard_optimizer: bool = False
     overlap_grad_reduce: bool = True
     average: bool = True
+    shard_gradients: bool = False
+
+    @model_validator(mode="after")
+    def _shards_need_sharded_optimizer(self) -> DataParallelConfig:
+        if self.shard_gradients and not self.shard_optimizer:
+            raise ValueError("shard_gradients (ZeRO-2) needs shard_optimizer (ZeRO-1) too")
+        return self
 
 
 @dataclass(frozen=True)
@@ -138,9 +158,13 @@ class DataParallel(torch.nn.Module):
         self.grad_buffers: list[GradBuffer] = []
         order = sorted(by_kind.items(), key=lambda item: (item[0][0] is Axis.EDP, *item[0][1:3]))
         for (kind, chunk, later, _), group in order:
-            pad_to = self.reductions[kind][1] if self.config.shard_optimizer else 1
+            _, size, rank = self.reductions[kind]
+            pad_to = size if self.config.shard_optimizer else 1
             first = sum(len(b.buckets) for b in self.grad_buffers)
-            buf = GradBuffer(group, self.config.bucket_size, pad_to, first, reduce_group=kind)
+            shard = (rank, size) if self.config.shard_gradients and not later else None
+            buf = GradBuffer(
+                group, self.config.bucket_size, pad_to, first, reduce_group=kind, shard=shard
+            )
             buf.chunk, buf.deferred = chunk, later
             self.grad_buffers.append(buf)
         self.device = self.grad_buffers[0].device if self.grad_buffers else torch.device("cpu")
@@ -164,6 +188,8 @@ class DataParallel(torch.nn.Module):
         self._seen: list[set[int]] = [set() for _ in self._chunk_params]
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._handles: dict[int, object] = {}
+        self._in_flight: list[Bucket] = []  # ZeRO-2 buckets whose whole gradient is alive
+        self._reduced: set[int] = set()  # ZeRO-2 buckets reduced at least once this step
         self.launch_log: list[LaunchRecord] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -173,7 +199,8 @@ class DataParallel(torch.nn.Module):
     # -- gradient accumulation --------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without reducing them (all but the last micro-batch)."""
+        """Accumulate gradients without reducing them (all but the last micro-batch);
+        ZeRO-2 buckets reduce anyway, into the shard that accumulates."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -184,6 +211,11 @@ class DataParallel(torch.nn.Module):
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if param.grad is None:
             return
+        bucket = self._bucket_of[id(param)]
+        if bucket.buffer.shard is not None:
+            if bucket.index in self._handles:  # an earlier micro-batch's reduction
+                self._settle(bucket)
+            bucket.buffer.open_bucket(bucket)
         param.main_grad.add_(param.grad, alpha=self._grad_scale)
         param.grad = None
         self._synced = False
@@ -193,13 +225,13 @@ class DataParallel(torch.nn.Module):
         pending = self._chunk_params[chunk] - len(seen)
         if pending == 0:
             seen.clear()
-        bucket = self._bucket_of[id(param)]
         ready = self._ready[bucket.index]
         ready.add(id(param))
         if len(ready) == len(bucket.params):
             ready.clear()
-            launch = self._sync and self.reduce_gradients and self.config.overlap_grad_reduce
-            if launch and not bucket.buffer.deferred:
+            sharded = bucket.buffer.shard is not None  # ZeRO-2 reduces every micro-batch
+            launch = (self._sync and self.config.overlap_grad_reduce) or sharded
+            if launch and self.reduce_gradients and not bucket.buffer.deferred:
                 self._launch(bucket, pending, from_backward=True)
 
     def _launch(self, bucket: Bucket, pending: int, from_backward: bool) -> None:
@@ -212,7 +244,9 @@ class DataParallel(torch.nn.Module):
         )
         handle = None
         group, size, rank = self.reduction_of(bucket)
-        if size > 1:
+        if bucket.buffer.shard is not None:
+            handle = self._reduce_into_shard(bucket, group, size, rank)
+        elif size > 1:
             if self.config.shard_optimizer:
                 lo, hi = bucket.shard(rank, size)
                 shard = bucket.buffer.grad[lo:hi]
@@ -224,6 +258,31 @@ class DataParallel(torch.nn.Module):
                     bucket.grad, op="sum", group=group, async_op=True
                 )
         self._handles[bucket.index] = handle
+
+    def _reduce_into_shard(self, bucket: Bucket, group, size: int, rank: int):
+        """ZeRO-2: reduce-scatter the bucket's whole gradient into the owned shard, which
+        keeps what earlier micro-batches reduced (added into this rank's own input)."""
+        self._reduced.add(bucket.index)
+        lo, hi = bucket.shard(rank, size)
+        shard = bucket.buffer.grad_range(lo, hi)
+        whole = bucket.grad
+        whole[lo - bucket.start : hi - bucket.start].add_(shard)
+        for earlier in self._in_flight:  # bound the live whole gradients to two
+            self._settle(earlier)
+        self._in_flight.append(bucket)
+        if size == 1:
+            shard.copy_(whole)
+            return None
+        return self.collective.reduce_scatter(shard, whole, op="sum", group=group, async_op=True)
+
+    def _settle(self, bucket: Bucket) -> None:
+        """ZeRO-2: wait for ``bucket``'s reduction and free its whole gradient."""
+        handle = self._handles.pop(bucket.index, None)
+        if handle is not None:
+            handle.wait()
+        bucket.buffer.close_bucket(bucket)
+        if bucket in self._in_flight:
+            self._in_flight.remove(bucket)
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
@@ -237,12 +296,20 @@ class DataParallel(torch.nn.Module):
         if self._synced:
             return
         for bucket in self.buckets if self.reduce_gradients else ():
-            if bucket.index not in self._handles:
-                self._launch(bucket, 0, from_backward=False)
+            if bucket.index in self._handles:
+                continue
+            if bucket.buffer.shard is not None and bucket.full_grad is None:
+                if bucket.index in self._reduced:  # nothing arrived since its reduction
+                    continue
+                bucket.buffer.open_bucket(bucket)  # no gradient this step: reduce zeros
+            self._launch(bucket, 0, from_backward=False)
         for handle in self._handles.values():
             if handle is not None:
                 handle.wait()
         self._handles.clear()
+        for bucket in list(self._in_flight):
+            self._settle(bucket)
+        self._reduced.clear()
         self._sum_sequence_parallel_grads()
         for seen in self._seen:
             seen.clear()
@@ -253,13 +320,26 @@ class DataParallel(torch.nn.Module):
     def _sum_sequence_parallel_grads(self) -> None:
         if not self._sp_params or self.layout.tp == 1:
             return
-        grads = [p.main_grad for p in self._sp_params]
+        grads = [g for p in self._sp_params for g in self._reduced_grads(p)]
+        if not grads:  # ZeRO-2: this dp rank's shards hold none (nor do its tp peers')
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.collective.all_reduce(flat, op="sum", group=self.layout.group(Axis.TP))
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    def _reduced_grads(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        """Where ``param``'s reduced gradient lives: ``main_grad``, or under ZeRO-2 the
+        part of it inside this rank's shard (the same size on every tp rank)."""
+        buf = self._buffer_of[id(param)]
+        if buf.shard is None:
+            return [param.main_grad]
+        start, end = buf.range_of(param)
+        lo, hi = self.owned_ranges(self._bucket_of[id(param)])
+        start, end = max(start, lo), min(end, hi)
+        return [buf.grad_range(start, end)] if start < end else []
 
     def zero_grad_buffer(self) -> None:
         """Zero the fp32 gradients before the first micro-batch of a step."""
@@ -271,6 +351,11 @@ class DataParallel(torch.nn.Module):
             buf.grad.zero_()
             for p in buf.params:
                 p.grad = None
+            if buf.shard is not None:
+                for bucket in buf.buckets:
+                    buf.close_bucket(bucket)
+        self._in_flight.clear()
+        self._reduced.clear()
         for seen in self._seen:
             seen.clear()
         for ready in self._ready:

@@ -81,9 +81,9 @@ def describe_reshard(saved: dict | None, now: dict) -> str | None:
     checkpoint recorded none (weights only)."""
     if not isinstance(saved, dict) or saved == now:
         return None
-    keys = [k for k in now if k != "world_size" and saved.get(k) != now[k]]
+    keys = [k for k in {**saved, **now} if k != "world_size" and saved.get(k) != now.get(k)]
     before = ", ".join(f"{k}={saved.get(k)}" for k in keys)
-    after = ", ".join(f"{k}={now[k]}" for k in keys)
+    after = ", ".join(f"{k}={now.get(k)}" for k in keys)
     return f"{saved.get('world_size', '?')} ranks ({before}) -> {now['world_size']} ranks ({after})"
 
 
@@ -113,6 +113,8 @@ class Checkpointer:
             "world_size": self.world,
             "zero1": bool(engine.optimizer.sharded),
         }
+        if engine.ddp.config.shard_gradients:  # only then, so older records still compare equal
+            self.layout_record["zero"] = 2
         self._sections: dict | None = None
         self._pending = None  # (future, staging, header) of an asynchronous save
         self._commit_error: Exception | None = None  # rank 0's failed commit in poll()

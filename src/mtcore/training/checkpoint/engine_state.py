@@ -170,7 +170,7 @@ class EngineState:
             for kind in KINDS:
                 if kind == "master" and not separate_master:
                     continue
-                t = flat[kind].setdefault(id(buf), torch.zeros(buf.numel, device=buf.grad.device))
+                t = flat[kind].setdefault(id(buf), torch.zeros(buf.numel, device=buf.device))
                 t[seg.start : seg.end].copy_(getattr(seg, kind))
         if opt.sharded:
             handles = []
@@ -281,7 +281,7 @@ class EngineState:
             separate_master = seg.master.data_ptr() != seg.param_data.data_ptr()
             for kind in KINDS:
                 if kind != "master" or separate_master:
-                    flat[kind].setdefault(id(buf), torch.zeros(buf.numel, device=buf.grad.device))
+                    flat[kind].setdefault(id(buf), torch.zeros(buf.numel, device=buf.device))
         return flat
 
     def _install_optimizer_state(self, flat: dict[str, dict[int, Tensor]]) -> None:
