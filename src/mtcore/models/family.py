@@ -322,6 +322,13 @@ class ModelFamily(ABC):
         """Names of what ``chunk.metrics`` returns (evaluation)."""
         return ()
 
+    def sequence_lengths(self, config) -> int | Mapping[str, int | None]:
+        """How a micro-batch splits over context-parallel ranks: the sequence length of
+        every ``[b, s, ...]`` tensor (``config.seq_len``), or a mapping from tensor name
+        to its own length, None for a tensor every cp rank keeps whole
+        (``mtcore.parallel.context.shard_batch``)."""
+        return config.seq_len
+
     def shape(self, config) -> ModelShape:
         """The planner's view of ``config`` (``mtcore plan``); a family without one is
         refused in one line."""
@@ -365,6 +372,7 @@ _CALLS: dict[str, tuple[tuple, dict]] = {
     "loss_counts": (("config", {}), {}),
     "data": (("data_config", "model_config"), {}),
     "metric_names": (("config",), {}),
+    "sequence_lengths": (("config",), {}),
     "shape": (("config",), {}),
     "generate": (("model", "tokenizer", "prompt", 1, None, 1.0, None), {"image": None}),
 }
