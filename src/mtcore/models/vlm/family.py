@@ -56,6 +56,12 @@ class LlavaFamily(ModelFamily):
             data.tokenizer, data.train, data.valid, ImageTextLoader, loader_takes_group=True
         )
 
+    def sequence_lengths(self, config: LlavaConfig) -> dict[str, int | None]:
+        """Tokens, labels and the image mask split at ``seq_len``; every cp rank keeps the
+        images whole (the tower is replicated over cp)."""
+        s = config.seq_len
+        return {"tokens": s, "labels": s, "image_mask": s, "pixel_values": None}
+
     def shape(self, config: LlavaConfig):
         return llava_shape(config)
 
