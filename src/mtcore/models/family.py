@@ -264,7 +264,8 @@ class Capabilities:
     generates: ``generate`` continues a prompt (``mtcore generate``, the trainer's sample);
     reads_images: ``generate`` takes ``image=`` and its batches carry pixels;
     mixture_of_experts: its configs may have MoE layers (``FamilyConfig.experts``);
-    context_parallel: it trains under cp > 1 (its ``check_layout`` refuses cp otherwise).
+    context_parallel: it trains under cp > 1 with some ``parallel.cp_method`` (its
+      ``check_layout`` refuses cp otherwise, and the methods it does not take).
     """
 
     generates: bool = False

@@ -217,11 +217,13 @@ class T5Config(FamilyConfig):
                 f"attention_dropout={self.attention_dropout} under cp={spec.cp} is not built "
                 "(its mask hashes local query/key coordinates); use cp=1"
             )
+        chunks = 2 * spec.cp
         for name, length in (("seq_len", self.seq_len), ("decoder_seq_len", self.decoder_seq_len)):
-            if length % (2 * spec.cp):
+            if length % chunks:
                 raise LayoutError(
-                    f"{name}={length} is not divisible by 2*cp = {2 * spec.cp} (context "
-                    "parallel splits the encoder and decoder sequences into 2*cp chunks each)"
+                    f"{name}={length} is not divisible by 2*cp = {chunks} (context parallel "
+                    "splits the encoder and decoder sequences into 2*cp chunks each); set "
+                    f"model.{name}: {-(-length // chunks) * chunks}"
                 )
 
     def check_layout(self, spec: LayoutSpec) -> None:

@@ -21,7 +21,7 @@ from mtcore.models.t5.shape import t5_shape
 class T5Family(ModelFamily):
     name = "t5"
     config = T5Config
-    capabilities = Capabilities(generates=True)
+    capabilities = Capabilities(generates=True, context_parallel=True)
     checkpoint_aliases = MappingProxyType({LM_HEAD: EMBEDDING})
     hf = HFAdapter(("t5",), hf.import_t5, hf.export_t5, tokenizer_tokens=T5_SPECIAL_TOKENS)
     description = "encoder-decoder (T5 v1.1) trained on span corruption"

@@ -21,7 +21,9 @@ from mtcore.models.vlm.shape import llava_shape
 class LlavaFamily(ModelFamily):
     name = "llava"
     config = LlavaConfig
-    capabilities = Capabilities(generates=True, reads_images=True, mixture_of_experts=True)
+    capabilities = Capabilities(
+        generates=True, reads_images=True, mixture_of_experts=True, context_parallel=True
+    )
     checkpoint_aliases = MappingProxyType({"output.weight": "embed.tok.weight"})
     hf = HFAdapter(("llava",), hf.import_llava, hf.export_llava, tokenizer_tokens=(hf.IMAGE_TOKEN,))
     description = "vision-language: a ViT and a projector in front of a GPT (LLaVA)"
