@@ -114,7 +114,11 @@ def test_family_is_registered_lazily():
             {"tp": 2, "sequence_parallel": True},
             r"decoder sequence length 7 is not divisible by tp\*cp = 2\*1",
         ),
-        ({}, {"cp": 2}, r"T5 under cp=2 attends by all-gather .* set parallel.cp_method: allgather"),
+        (
+            {},
+            {"cp": 2},
+            r"T5 under cp=2 attends by all-gather .* set parallel.cp_method: allgather",
+        ),
         (
             {"seq_len": 32, "decoder_seq_len": 10},
             {"cp": 2, "cp_method": "allgather"},

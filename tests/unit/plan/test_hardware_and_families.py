@@ -400,7 +400,7 @@ def test_cp_splits_the_language_model_but_not_the_vision_tower():
 def test_t5_plans_under_cp_with_allgather_only():
     hardware = load_hardware("H100-SXM")
     args = ["--parallel.cp", "2", "--model.decoder_seq_len", "32"]
-    with pytest.raises(ValueError, match="set parallel.cp_method: allgather"):
+    with pytest.raises(ValueError, match=r"set parallel\.cp_method: allgather"):
         plan(load_config("configs/t5.yaml", args), 8, hardware)
     result = plan(load_config("configs/t5.yaml", [*args, "--parallel.cp_method", "allgather"]),
                   8, hardware)  # fmt: skip

@@ -9,6 +9,11 @@ op's arithmetic); a fused biased-attention kernel op is future work. Heads are s
 over tp (q, k, v column-parallel, the output row-parallel), and so is the bias
 table: each rank holds the columns of its heads.
 
+Under context parallelism (``Context.cp``) every attention gathers its keys and values
+over the cp group (``gather_sequence``: cp order) and attends this rank's queries to
+them; the caller's bias covers those query and key positions, and the causal mask
+compares global positions (``cp_positions``).
+
 Weights are drawn whole from ``Context.generator`` with HuggingFace's T5 init
 (``initializer_factor`` = ``init_factor``), then sliced for tp.
 """
