@@ -223,6 +223,8 @@ def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens) -> di
             if spec.cp_method == "ring":
                 cp_comm += count * sends * (cp - 1) * network.p2p(hw, kv, cp, tp)
             elif spec.cp_method == "allgather":
+                # T5's cross-attention gathers the encoder's K/V too (the only method it takes)
+                kv += e * b * bl.cross_seq / cp * 2 * bl.kv_width / tp
                 cp_comm += count * sends * network.all_gather(hw, kv * cp, cp, tp)
             else:  # a2a: q, k, v in and the output back, forward and backward
                 qkvo = e * b * bl.seq / cp * (2 * bl.q_width + 2 * bl.kv_width) / tp

@@ -405,6 +405,21 @@ def test_t5_plans_under_cp_with_allgather_only():
     result = plan(load_config("configs/t5.yaml", [*args, "--parallel.cp_method", "allgather"]),
                   8, hardware)  # fmt: skip
     assert result.family == "t5" and result.layout["cp"] == 2
+    # a decoder block also gathers the cross-attention's encoder K/V (as much again here)
+    from mtcore.plan.stage import Stage, _communication
+
+    config = with_data_vocab(
+        load_config("configs/t5.yaml", [*args, "--parallel.cp_method", "allgather"])
+    )
+    shape, spec = model_shape(config.model), config.parallel.resolve(8)
+    encoder, decoder = shape.blocks[0], replace(shape.blocks[-1], seq=shape.blocks[0].seq)
+
+    def cp_seconds(block):
+        stage = Stage(((block, 1),), False, False)
+        # 512 sequences: bandwidth, not latency, decides
+        return _communication(shape, stage, 512, spec, hardware, "none", 2, 1.0)["cp_comm"]
+
+    assert cp_seconds(decoder) > 1.5 * cp_seconds(encoder) > 0
 
 
 def test_a_frozen_tower_holds_weights_only_in_the_plan():
