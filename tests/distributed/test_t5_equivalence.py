@@ -10,7 +10,11 @@ step, relative error <= 1e-5.
 The pipeline cases put the encoder/decoder boundary at a stage boundary
 (2 + 2 layers over pp2) and inside the second stage's run (2 + 4 layers: stage 0 holds
 the encoder and the decoder's first layer), a tied head whose copy lives on the last
-stage, and interleaved virtual stages (the encoder on rank 0 and rank 1's first chunks). Encoder inputs and targets are padded to a different length per sequence
+stage, and interleaved virtual stages (the encoder on rank 0 and rank 1's first chunks).
+The context-parallel cases split the encoder (16) and decoder (8) sequences into four
+chunks each, alone, with tp2 + sp, and with pp2; the bias buckets (``relative_max_distance``
+12) tell apart distances that a shard's local positions would get wrong.
+Encoder inputs and targets are padded to a different length per sequence
 and the two dp halves hold different numbers of target tokens, so a mean of
 micro-batch means would not match one process.
 """
@@ -50,6 +54,10 @@ CASES = {
     "tp2_pp2": Case(4, "deep_decoder", dict(tp=2, pp=2)),
     "tp2_dp2_full": Case(4, "full", dict(tp=2, dp=2)),
     "tp2_pp2_sp_tied": Case(4, "tied", dict(tp=2, pp=2, sequence_parallel=True)),
+    # context parallel: every attention all-gathers K/V, the biases see global positions
+    "cp2": Case(2, "base", dict(cp=2, cp_method="allgather")),
+    "cp2_tp2_sp": Case(4, "base", dict(cp=2, tp=2, sequence_parallel=True, cp_method="allgather")),
+    "cp2_pp2": Case(4, "deep_decoder", dict(cp=2, pp=2, cp_method="allgather")),
 }
 
 

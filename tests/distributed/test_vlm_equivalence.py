@@ -10,7 +10,8 @@ tp), tp2 + sp with a tower without class token (its 16 tokens are sequence shard
 too), pp2 (the tower on stage 0), tp2 x pp2, and dp2 with ZeRO-1 and a frozen
 tower, whose weights must come out bitwise unchanged with no optimizer state; also
 pp2 x vpp2, tp2 x dp2 with full recompute, and LLaVA's stage 1 (only the projector
-trains) under pp2.
+trains) under pp2. Context parallel: cp2 (ring), cp2 x tp2 with sp, and cp2 x pp2
+(all-gather), with the vision tower replicated on every cp rank.
 
 Some samples carry two images and some none (``_batches``), so the image slots, the
 order of images within a sample and unused slots are all exercised.
@@ -57,6 +58,10 @@ CASES = {
     "pp2_stage1": Case(2, "stage1", dict(pp=2)),  # stage 1's rank trains nothing
     "pp2_vpp2": Case(2, "base", dict(pp=2, vpp=2)),
     "tp2_dp2_full": Case(4, "full", dict(tp=2, dp=2)),  # recompute: the tower's blocks too
+    # context parallel: images straddle the cp ranks' chunks (``test_images_straddle_...``)
+    "cp2": Case(2, "base", dict(cp=2)),
+    "cp2_tp2_sp": Case(4, "base", dict(cp=2, tp=2, sequence_parallel=True)),
+    "cp2_pp2": Case(4, "base", dict(cp=2, pp=2, cp_method="allgather")),
 }
 
 
@@ -153,3 +158,17 @@ def test_stage_one_trains_the_projector_alone(runs):
         changed = not torch.equal(weight, got["initial"][name])
         assert changed is name.startswith("projector."), name
     assert ranks[1]["state_numel"] == 0
+
+
+def test_images_straddle_the_cp_ranks():
+    """Under cp2 the 56 positions are four chunks of 14 and an image takes 17: some image
+    has positions on both cp ranks, so its features are placed by global number."""
+    from mtcore.parallel.context import local_positions
+
+    ranks = [set(local_positions(SEQ, 2, r).tolist()) for r in range(2)]
+    mask = _batches("base")[0]["image_mask"]
+    straddling = 0
+    for row in mask:
+        held = set(row.nonzero()[:, 0].tolist())
+        straddling += all(held & r for r in ranks)
+    assert straddling > 0

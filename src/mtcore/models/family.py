@@ -264,7 +264,8 @@ class Capabilities:
     generates: ``generate`` continues a prompt (``mtcore generate``, the trainer's sample);
     reads_images: ``generate`` takes ``image=`` and its batches carry pixels;
     mixture_of_experts: its configs may have MoE layers (``FamilyConfig.experts``);
-    context_parallel: it trains under cp > 1 (its ``check_layout`` refuses cp otherwise).
+    context_parallel: it trains under cp > 1 with some ``parallel.cp_method`` (its
+      ``check_layout`` refuses cp otherwise, and the methods it does not take).
     """
 
     generates: bool = False
@@ -322,6 +323,13 @@ class ModelFamily(ABC):
         """Names of what ``chunk.metrics`` returns (evaluation)."""
         return ()
 
+    def sequence_lengths(self, config) -> int | Mapping[str, int | None]:
+        """How a micro-batch splits over context-parallel ranks: the sequence length of
+        every ``[b, s, ...]`` tensor (``config.seq_len``), or a mapping from tensor name
+        to its own length, None for a tensor every cp rank keeps whole
+        (``mtcore.parallel.context.shard_batch``)."""
+        return config.seq_len
+
     def shape(self, config) -> ModelShape:
         """The planner's view of ``config`` (``mtcore plan``); a family without one is
         refused in one line."""
@@ -365,6 +373,7 @@ _CALLS: dict[str, tuple[tuple, dict]] = {
     "loss_counts": (("config", {}), {}),
     "data": (("data_config", "model_config"), {}),
     "metric_names": (("config",), {}),
+    "sequence_lengths": (("config",), {}),
     "shape": (("config",), {}),
     "generate": (("model", "tokenizer", "prompt", 1, None, 1.0, None), {"image": None}),
 }

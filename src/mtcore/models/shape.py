@@ -68,7 +68,8 @@ class Block:
     ``backward``: what the layer's backward computes. ``full``: its weights' and its
     input's gradients; ``input``: its input's only (frozen weights that a trained part
     before them needs the gradient through); ``none``: nothing (frozen, and run under
-    ``no_grad``: it keeps no activations)."""
+    ``no_grad``: it keeps no activations). ``cp_split``: context parallelism splits its
+    sequence (False: every cp rank runs it whole, as LLaVA's vision tower)."""
 
     seq: int
     kv_seq: int
@@ -86,10 +87,15 @@ class Block:
     shared_ffn: int = 0
     backward: str = "full"
     latent: Latent | None = None  # multi-head latent attention (``head_dim``: its kernel's)
+    cp_split: bool = True
 
     def __post_init__(self):
         if self.backward not in BACKWARDS:
             raise ValueError(f"Block.backward must be one of {BACKWARDS}, not {self.backward!r}")
+
+    def cp_share(self, cp: int) -> int:
+        """How many ways context parallelism divides this block's sequence."""
+        return cp if self.cp_split else 1
 
     @property
     def frozen(self) -> bool:

@@ -71,6 +71,7 @@ def layer_activation_bytes(
     act_bytes: int = 2,
 ) -> float:
     """Bytes one layer keeps for its backward, for one micro-batch on one rank."""
+    cp = block.cp_share(cp)
     s = block.seq / cp
     b, h, e = micro_batch, block.hidden, act_bytes
     outside_div = tp if sequence_parallel else 1
@@ -208,7 +209,7 @@ def backward_transient_bytes(
     the one before)."""
     if not block.keeps_activations:  # run under no_grad: no backward at all
         return 0.0
-    s, b, h, e = block.seq / cp, micro_batch, block.hidden, act_bytes
+    s, b, h, e = block.seq / block.cp_share(cp), micro_batch, block.hidden, act_bytes
     out = e * s * b * h / (tp if sequence_parallel else 1) if received else 0.0
     weight_grads = 0.0 if block.frozen else 1.0  # a frozen block passes the gradient only
     if block.experts:

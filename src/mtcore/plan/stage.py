@@ -125,7 +125,7 @@ def score_products(bl: Block, b: int, tp: int, cp: int):
     """``((M, K, N), calls)`` of the attention's ``QK^T`` and ``AV`` per head, forward:
     their FLOPs sum to ``attention_product_flops() b / (tp cp)``."""
     heads = b * bl.heads / tp
-    queries, d = bl.seq / cp, bl.head_dim
+    queries, d = bl.seq / bl.cp_share(cp), bl.head_dim
     out = [((queries, d, bl.kv_seq), heads), ((queries, bl.kv_seq, d), heads)]
     if bl.cross_seq:
         out += [((queries, d, bl.cross_seq), heads), ((queries, bl.cross_seq, d), heads)]
@@ -144,7 +144,8 @@ def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, produ
     tokens = b * shape.seq_len / cp  # per rank; T5's decoder uses its own length below
     fwd = back = live_w = live_s = 0.0
     for bl, n in stage.blocks:
-        weights = _forward_seconds(products, weight_products(bl, b * bl.seq / cp, tp, ep), True)
+        rows = b * bl.seq / bl.cp_share(cp)
+        weights = _forward_seconds(products, weight_products(bl, rows, tp, ep), True)
         scores = _forward_seconds(products, score_products(bl, b, tp, cp), False)
         fwd += n * (weights + scores)
         # the backward's passes after the forward (Block.passes - 1: 2 with weight
@@ -189,7 +190,8 @@ def weight_grad_seconds(shape, stage: Stage, b, spec, products) -> float:
     seconds = 0.0
     for bl, n in stage.blocks:
         if bl.passes == 3:  # weights with gradients (Block.passes)
-            products_of = weight_products(bl, b * bl.seq / spec.cp, spec.tp, spec.ep)
+            rows = b * bl.seq / bl.cp_share(spec.cp)
+            products_of = weight_products(bl, rows, spec.tp, spec.ep)
             seconds += n * _forward_seconds(products, products_of, True)
     if not shape.embed_frozen:
         seconds += _head_seconds(shape, stage, b, spec, products) * shape.head_passes
@@ -212,15 +214,17 @@ def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens) -> di
     tp_comm = cp_comm = ep_comm = 0.0
     calls = 4 + (2 if recompute == "full" else 0)
     for bl, count in stage.blocks:
-        activation = e * b * bl.seq / cp * bl.hidden
+        activation = e * b * bl.seq / bl.cp_share(cp) * bl.hidden
         n = calls + (2 if bl.cross_seq else 0) if bl.keeps_activations else 2  # forward only
         tp_comm += count * n * network.all_reduce(hw, activation, tp, 1)
-        if cp > 1:
+        if bl.cp_share(cp) > 1:
             kv = e * b * bl.seq / cp * 2 * bl.kv_width / tp
             sends = 3 + (1 if recompute == "full" else 0)  # fwd, 2x bwd (dK, dV), recompute
             if spec.cp_method == "ring":
                 cp_comm += count * sends * (cp - 1) * network.p2p(hw, kv, cp, tp)
             elif spec.cp_method == "allgather":
+                # T5's cross-attention gathers the encoder's K/V too (the only method it takes)
+                kv += e * b * bl.cross_seq / cp * 2 * bl.kv_width / tp
                 cp_comm += count * sends * network.all_gather(hw, kv * cp, cp, tp)
             else:  # a2a: q, k, v in and the output back, forward and backward
                 qkvo = e * b * bl.seq / cp * (2 * bl.q_width + 2 * bl.kv_width) / tp

@@ -110,7 +110,7 @@ def token_batches(steps: int, batch_size: int, seq_len: int, vocab: int, seed: i
     return [{"tokens": tokens[step], "labels": labels[step]} for step in range(steps)]
 
 
-def micro_batches(batch: Batch, rows: slice, size: int, seq_len: int | None = None,
+def micro_batches(batch: Batch, rows: slice, size: int, seq_len: int | Mapping | None = None,
                   cp: int = 1, cp_rank: int = 0) -> list[Batch]:  # fmt: skip
     """``rows`` of a global batch cut into micro-batches of ``size``; under cp > 1, this
     cp rank's share of each sequence (``mtcore.parallel.context.shard_batch``)."""
@@ -153,7 +153,9 @@ def make_engine(setup: Setup, model: str, layout, backend, micro_batch_size: int
 def record_run(setup: Setup, engine, batches: Sequence[Batch], rows: slice, size: int,
                cp: int = 1, cp_rank: int = 0, grads: bool = True) -> dict:  # fmt: skip
     """One step per global batch on this rank's share; what ``assert_matches`` compares."""
-    seq_len = engine.config.seq_len
+    from mtcore.models import family_of
+
+    seq_len = family_of(engine.config).sequence_lengths(engine.config)
     out: dict[str, Any] = {"loss": [], "terms": [], "norm": [], "moe": []}
     if setup.initial_weights:
         out["initial"] = engine.full_state_dict()

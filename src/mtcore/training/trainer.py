@@ -443,8 +443,8 @@ class _Loop:
             {name: t.to(self.device) for name, t in next(loader).items()}
             for _ in range(self.prep.microbatches)
         ]
-        seq = self.model_config.seq_len
-        return [shard_batch(batch, seq, self.cp, self.cp_rank) for batch in batches]
+        lengths = family_of(self.model_config).sequence_lengths(self.model_config)
+        return [shard_batch(batch, lengths, self.cp, self.cp_rank) for batch in batches]
 
     def _log(self, step: int, out: StepOutcome, lr: float, step_s: float) -> None:
         memory = self._peak_memory()

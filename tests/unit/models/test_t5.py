@@ -112,9 +112,33 @@ def test_family_is_registered_lazily():
         (
             {"seq_len": 32, "decoder_seq_len": 7},
             {"tp": 2, "sequence_parallel": True},
-            r"decoder sequence length 7 is not divisible by tp=2",
+            r"decoder sequence length 7 is not divisible by tp\*cp = 2\*1",
         ),
-        ({}, {"cp": 2}, r"cp=2: T5 does not support context parallelism"),
+        (
+            {},
+            {"cp": 2},
+            r"T5 under cp=2 attends by all-gather .* set parallel.cp_method: allgather",
+        ),
+        (
+            {"seq_len": 32, "decoder_seq_len": 10},
+            {"cp": 2, "cp_method": "allgather"},
+            r"^decoder_seq_len=10 is not divisible by 2\*cp = 4 \(context .*decoder_seq_len: 12$",
+        ),
+        (
+            {"seq_len": 30, "decoder_seq_len": 8},
+            {"cp": 2, "cp_method": "allgather"},
+            r"^seq_len=30 is not divisible by 2\*cp = 4",
+        ),
+        (
+            {"seq_len": 32, "decoder_seq_len": 20},
+            {"cp": 2, "tp": 4, "sequence_parallel": True, "cp_method": "allgather"},
+            r"decoder sequence length 20 is not divisible by tp\*cp = 4\*2",
+        ),
+        (
+            {"attention_dropout": 0.1},
+            {"cp": 2, "cp_method": "allgather"},
+            r"attention_dropout=0.1 under cp=2 is not built",
+        ),
         ({}, {"pp": 2, "first_stage_layers": 1}, r"T5 splits its stages by .*split_rank"),
     ],
 )

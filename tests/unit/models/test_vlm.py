@@ -63,8 +63,9 @@ def test_bad_configs_are_refused_naming_the_key(changes, message):
 
 def test_layouts_the_model_cannot_take_are_refused():
     config = _config()
-    with pytest.raises(LayoutError, match="no context parallelism"):
-        config.check_layout(LayoutSpec(cp=2))
+    config.check_layout(LayoutSpec(cp=2))  # image tokens are positions of the split
+    with pytest.raises(LayoutError, match=r"sequence length 26 is not divisible by 2\*cp = 2\*2"):
+        _config(seq_len=26).check_layout(LayoutSpec(cp=2))
     odd = _config(vision={**SMALL["vision"], "num_heads": 1})
     with pytest.raises(LayoutError, match=r"vision\.num_heads=1 is not divisible by tp=2"):
         odd.check_layout(LayoutSpec(tp=2))

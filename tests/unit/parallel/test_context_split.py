@@ -49,6 +49,19 @@ def test_shard_batch_keeps_this_ranks_tokens_and_whole_per_sequence_tensors():
         shard_batch({**batch, "short": tokens[:, :7]}, 16, 2, 0)
 
 
+def test_shard_batch_splits_each_tensor_at_its_own_length():
+    """T5's encoder and decoder tensors differ in length; LLaVA's pixels stay whole."""
+    enc, dec = torch.arange(32).view(2, 16), torch.arange(16).view(2, 8)
+    pixels = torch.randn(2, 3, 4, 4)
+    lengths = {"tokens": 16, "labels": 8, "pixel_values": None}
+    shard = shard_batch({"tokens": enc, "labels": dec, "pixel_values": pixels}, lengths, 2, 1)
+    assert torch.equal(shard["tokens"], enc[:, 4:12])
+    assert torch.equal(shard["labels"], dec[:, 2:6])
+    assert shard["pixel_values"] is pixels
+    with pytest.raises(ValueError, match="'extra' has no sequence length to split over cp=2"):
+        shard_batch({"tokens": enc, "extra": enc}, lengths, 2, 0)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -377,12 +377,49 @@ def test_llava_plans_with_tp_and_pp():
     assert result.family == "llava" and result.layout["tp"] == 2 and result.layout["pp"] == 2
     assert result.params == with_data_vocab(config).model.num_params()
     assert result.ranks[0].params > result.ranks[1].params  # the tower is on stage 0
-    with pytest.raises(ValueError, match="no context parallelism"):
-        plan(
-            load_config(LLAVA, ["--parallel.cp", "2", "--parallel.pp", "1"]),
-            4,
-            load_hardware("H100-SXM"),
-        )
+    under_cp = plan(
+        load_config(LLAVA, ["--parallel.cp", "2", "--parallel.pp", "1"]),
+        4,
+        load_hardware("H100-SXM"),
+    )
+    assert under_cp.layout["cp"] == 2
+
+
+def test_cp_splits_the_language_model_but_not_the_vision_tower():
+    """The tower runs whole on every cp rank (its images are not split); the language
+    model's blocks keep half their activations at cp2."""
+    from mtcore.plan.memory import layer_activation_bytes
+
+    shape = model_shape(llava())
+    tower, lm = shape.blocks[0], shape.blocks[-1]
+    assert not tower.cp_split and lm.cp_split
+    assert layer_activation_bytes(tower, 1, 1, 2) == layer_activation_bytes(tower, 1, 1, 1)
+    assert layer_activation_bytes(lm, 1, 1, 2) < layer_activation_bytes(lm, 1, 1, 1)
+
+
+def test_t5_plans_under_cp_with_allgather_only():
+    hardware = load_hardware("H100-SXM")
+    args = ["--parallel.cp", "2", "--model.decoder_seq_len", "32"]
+    with pytest.raises(ValueError, match=r"set parallel\.cp_method: allgather"):
+        plan(load_config("configs/t5.yaml", args), 8, hardware)
+    result = plan(load_config("configs/t5.yaml", [*args, "--parallel.cp_method", "allgather"]),
+                  8, hardware)  # fmt: skip
+    assert result.family == "t5" and result.layout["cp"] == 2
+    # a decoder block also gathers the cross-attention's encoder K/V (as much again here)
+    from mtcore.plan.stage import Stage, _communication
+
+    config = with_data_vocab(
+        load_config("configs/t5.yaml", [*args, "--parallel.cp_method", "allgather"])
+    )
+    shape, spec = model_shape(config.model), config.parallel.resolve(8)
+    encoder, decoder = shape.blocks[0], replace(shape.blocks[-1], seq=shape.blocks[0].seq)
+
+    def cp_seconds(block):
+        stage = Stage(((block, 1),), False, False)
+        # 512 sequences: bandwidth, not latency, decides
+        return _communication(shape, stage, 512, spec, hardware, "none", 2, 1.0)["cp_comm"]
+
+    assert cp_seconds(decoder) > 1.5 * cp_seconds(encoder) > 0
 
 
 def test_a_frozen_tower_holds_weights_only_in_the_plan():

@@ -9,6 +9,11 @@ op's arithmetic); a fused biased-attention kernel op is future work. Heads are s
 over tp (q, k, v column-parallel, the output row-parallel), and so is the bias
 table: each rank holds the columns of its heads.
 
+Under context parallelism (``Context.cp``) every attention gathers its keys and values
+over the cp group (``gather_sequence``: cp order) and attends this rank's queries to
+them; the caller's bias covers those query and key positions, and the causal mask
+compares global positions (``cp_positions``).
+
 Weights are drawn whole from ``Context.generator`` with HuggingFace's T5 init
 (``initializer_factor`` = ``init_factor``), then sliced for tp.
 """
@@ -22,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtcore.models.common.layers import Context, Norm, linear_kwargs
+from mtcore.models.common.layers import CP_TP_STREAM, Context, Norm, linear_kwargs
 from mtcore.ops.attention_dropout import keep_mask
+from mtcore.parallel.context import CPGroup, cp_order, gather_sequence, local_positions
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -84,7 +90,11 @@ class RelativePositionBias(nn.Module):
         """``[1, heads / tp, query_len, key_len]``; queries start at ``query_offset``
         (a decoding step's position)."""
         query = torch.arange(query_offset, query_offset + query_len, device=self.device)
-        key = torch.arange(key_len, device=self.device)
+        return self.between(query, torch.arange(key_len, device=self.device))
+
+    def between(self, query: Tensor, key: Tensor) -> Tensor:
+        """``[1, heads / tp, len(query), len(key)]`` for queries and keys at the global
+        positions ``query`` and ``key`` (under cp: this rank's queries, keys in cp order)."""
         buckets = relative_position_bucket(
             key[None, :] - query[:, None], self.bidirectional, self.buckets, self.max_distance
         )
@@ -92,8 +102,9 @@ class RelativePositionBias(nn.Module):
 
 
 def attention_mask(
-    sq: int, sk: int, causal: bool, key_padding_mask: Tensor | None, dtype, device
-) -> tuple[Tensor | None, Tensor | None]:
+    sq: int, sk: int, causal: bool, key_padding_mask: Tensor | None, dtype, device,
+    positions: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
     """The additive mask (0 where a query may attend, ``-inf`` elsewhere) and the rows
     that may attend some key (None when every row may).
 
@@ -102,10 +113,14 @@ def attention_mask(
     cheap to build and is added to them in the same op as the position bias. Only a
     padding mask (or fewer keys than causal queries) can leave a row with no key; its
     mask row is 0 instead of ``-inf`` (finite logits, no NaN), and the caller zeroes the
-    row's output (``has_key``).
+    row's output (``has_key``). ``positions``: the global positions of the queries and
+    keys (context parallel), which the causal mask then compares instead.
     """
     allowed = None
-    if causal:
+    if causal and positions is not None:  # context parallel: queries and keys out of order
+        query, key = positions
+        allowed = (key[None, :] <= query[:, None])[None, None]
+    elif causal:
         allowed = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)[None, None]
     if key_padding_mask is not None:
         keys = key_padding_mask[:, None, None, :]
@@ -129,11 +144,13 @@ def biased_attention(
     key_padding_mask: Tensor | None,
     dropout_p: float = 0.0,
     dropout_seeds: Tensor | None = None,
+    positions: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """``softmax(q k^T + bias + mask) v`` in float32, unscaled (T5); ``[b, h, sq, d]``.
 
     ``dropout_p``/``dropout_seeds``: attention-probability dropout with the kernel op's
-    coordinate-hashed mask (``mtcore.ops.attention_dropout``).
+    coordinate-hashed mask (``mtcore.ops.attention_dropout``). ``positions``: see
+    ``attention_mask``.
 
     ``causal`` aligns the mask to the bottom-right corner (a decoding step's query sees
     every cached key); a query with no key to attend gives 0, as the reference op. The
@@ -141,7 +158,7 @@ def biased_attention(
     ``[b, h, sq, sk]`` scores see one add and no masked fill, forward or backward."""
     acc = torch.promote_types(q.dtype, torch.float32)
     sq, sk = q.shape[2], k.shape[2]
-    mask, has_key = attention_mask(sq, sk, causal, key_padding_mask, acc, q.device)
+    mask, has_key = attention_mask(sq, sk, causal, key_padding_mask, acc, q.device, positions)
     if bias is not None:
         bias = bias.to(acc)
         mask = bias if mask is None else bias + mask  # small unless padded self-attention
@@ -235,16 +252,31 @@ class Attention(nn.Module):
                 if "k" in cache:
                     k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
                 cache.update(k=k, v=v)
+        positions = None
+        if self.c.cp is not None:  # the whole sequence's keys, in cp order
+            k, v = gather_sequence(torch.stack([k, v]), 3, self.c.cp).unbind(0)
+            if self.causal:
+                positions = cp_positions(q.shape[2] * self.c.cp.size, self.c.cp, q.device)
         dropout = self.c.attention_dropout(self.training, self.c.tp.rank * self.heads, self.heads)
         attend = functools.partial(
-            biased_attention, causal=self.causal, key_padding_mask=key_padding_mask, **dropout
-        )
+            biased_attention, causal=self.causal, key_padding_mask=key_padding_mask,
+            positions=positions, **dropout,
+        )  # fmt: skip
         if self.c.config.recompute == "selective":
             y = checkpoint(attend, q, k, v, bias, backend=self.c.backend)
         else:
             y = attend(q, k, v, bias)
         b, _, s, _ = y.shape
         return self.out(y.transpose(1, 2).reshape(b, s, self.heads * self.d))
+
+
+def cp_positions(seq_len: int, cp: CPGroup, device) -> tuple[Tensor, Tensor]:
+    """Global positions of this cp rank's queries and of the whole sequence's keys in cp
+    order (how ``gather_sequence`` lays them out), for a sequence of ``seq_len``."""
+    return (
+        local_positions(seq_len, cp.size, cp.rank, device),
+        cp_order(seq_len, cp.size, device),
+    )
 
 
 class GatedGelu(nn.Module):
@@ -267,10 +299,11 @@ class GatedGelu(nn.Module):
 
 def sharded_dropout(c: Context, x: Tensor, training: bool) -> Tensor:
     """Dropout of a tensor split over tp (heads or hidden units): each rank holds other
-    units, so each draws from its own tensor-parallel stream."""
+    units, so each draws from its own tensor-parallel stream (under cp, one per cp and
+    tp rank: the cp ranks hold other tokens)."""
     if not training or c.config.dropout == 0.0:
         return x
-    with c.tracker.fork():
+    with c.tracker.fork(CP_TP_STREAM) if c.cp is not None else c.tracker.fork():
         return F.dropout(x, c.config.dropout, training=True)
 
 

@@ -202,22 +202,46 @@ class T5Config(FamilyConfig):
             self.encoder_layers, self.decoder_layers, pp, vpp, self.pipeline_split_rank
         )
 
+    def _check_context_parallel(self, spec: LayoutSpec) -> None:
+        """cp > 1: all-gather attention (the relative position bias is added to the scores
+        outside the kernel op, which ring and a2a call), no attention dropout (its mask
+        hashes local coordinates), and both lengths split into ``2 * cp`` chunks."""
+        if spec.cp_method != "allgather":
+            raise LayoutError(
+                f"T5 under cp={spec.cp} attends by all-gather of K/V (its relative position "
+                f"bias is not an argument of the kernel op that cp_method {spec.cp_method} "
+                "calls); set parallel.cp_method: allgather"
+            )
+        if self.attention_dropout > 0:
+            raise LayoutError(
+                f"attention_dropout={self.attention_dropout} under cp={spec.cp} is not built "
+                "(its mask hashes local query/key coordinates); use cp=1"
+            )
+        chunks = 2 * spec.cp
+        for name, length in (("seq_len", self.seq_len), ("decoder_seq_len", self.decoder_seq_len)):
+            if length % chunks:
+                raise LayoutError(
+                    f"{name}={length} is not divisible by 2*cp = {chunks} (context parallel "
+                    "splits the encoder and decoder sequences into 2*cp chunks each); set "
+                    f"model.{name}: {-(-length // chunks) * chunks}"
+                )
+
     def check_layout(self, spec: LayoutSpec) -> None:
         """Reject a layout this model cannot be split by, naming the numbers (LayoutError)."""
         if spec.ep > 1:
             raise LayoutError(f"ep={spec.ep} splits mixture-of-experts layers, but T5 is dense")
         if spec.cp > 1:
-            raise LayoutError(f"cp={spec.cp}: T5 does not support context parallelism; use cp=1")
+            self._check_context_parallel(spec)
         if spec.uneven:
             raise LayoutError(
                 "first_stage_layers / last_stage_layers: T5 splits its stages by "
                 "model.pipeline_split_rank (encoder and decoder evenly), not by these"
             )
         spec.check_model(num_heads=self.num_heads, vocab_size=self.vocab_size, seq_len=self.seq_len)
-        if spec.sequence_parallel and self.decoder_seq_len % spec.tp:
+        if spec.sequence_parallel and self.decoder_seq_len % (spec.tp * spec.cp):
             raise LayoutError(
                 f"decoder sequence length {self.decoder_seq_len} is not divisible by "
-                f"tp={spec.tp} (sequence parallel)"
+                f"tp*cp = {spec.tp}*{spec.cp} (sequence parallel)"
             )
         if self.ffn_size % spec.tp:
             raise LayoutError(f"ffn_hidden_size={self.ffn_size} is not divisible by tp={spec.tp}")

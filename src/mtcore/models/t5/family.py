@@ -21,7 +21,7 @@ from mtcore.models.t5.shape import t5_shape
 class T5Family(ModelFamily):
     name = "t5"
     config = T5Config
-    capabilities = Capabilities(generates=True)
+    capabilities = Capabilities(generates=True, context_parallel=True)
     checkpoint_aliases = MappingProxyType({LM_HEAD: EMBEDDING})
     hf = HFAdapter(("t5",), hf.import_t5, hf.export_t5, tokenizer_tokens=T5_SPECIAL_TOKENS)
     description = "encoder-decoder (T5 v1.1) trained on span corruption"
@@ -57,12 +57,20 @@ class T5Family(ModelFamily):
         )
         return FamilyData(data.tokenizer, data.train, data.valid, loader)
 
+    def sequence_lengths(self, config: T5Config) -> dict[str, int]:
+        """The encoder's tensors split at ``seq_len``, the decoder's at ``decoder_seq_len``."""
+        se, sd = config.seq_len, config.decoder_seq_len
+        return {"tokens": se, "padding_mask": se, "decoder_tokens": sd, "labels": sd,
+                "decoder_padding_mask": sd}  # fmt: skip
+
     def shape(self, config: T5Config):
         return t5_shape(config)
 
     def generate(self, model: T5, tokenizer, prompt: str, max_new_tokens: int, top_k=None,
                  temperature: float = 1.0, generator=None, image=None) -> str:  # fmt: skip
-        return generate_text(model, tokenizer, prompt, max_new_tokens, top_k, temperature, generator)
+        return generate_text(
+            model, tokenizer, prompt, max_new_tokens, top_k, temperature, generator
+        )
 
 
 FAMILY = T5Family()

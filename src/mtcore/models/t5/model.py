@@ -20,6 +20,13 @@ holding the stack's other layers (its gradient flows back to the table).
 Parameter names are the whole model's at any layout. Under sequence parallelism
 both hidden-state messages are sequence shards; the cross-attention's key/value
 projection gathers the encoder output.
+
+Under context parallelism (``parallel.cp_method: allgather``) each cp rank holds two
+of ``2 * cp`` chunks of the encoder input and two of the decoder input (the
+load-balanced split, each stack by its own length). Every attention gathers its keys
+and values over cp (the cross-attention's from the sharded encoder output) in cp
+order; each stack's bias is computed for this rank's query positions against the
+keys' global positions, and the decoder's causal mask compares global positions too.
 """
 
 from __future__ import annotations
@@ -29,8 +36,14 @@ from torch import Tensor, nn
 from mtcore.models.common.chunks import PipelineChunk
 from mtcore.models.common.layers import Context, Norm, make_context
 from mtcore.models.family import BuiltModel, MessageSpecs, TensorSpec
-from mtcore.models.t5.blocks import DecoderBlock, EncoderBlock, RelativePositionBias
+from mtcore.models.t5.blocks import (
+    DecoderBlock,
+    EncoderBlock,
+    RelativePositionBias,
+    cp_positions,
+)
 from mtcore.models.t5.config import T5Config
+from mtcore.parallel.context import gather_key_mask
 from mtcore.parallel.pipeline.split import stage_plans
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
@@ -138,6 +151,14 @@ class T5(PipelineChunk):
         weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight
         return column_parallel_matmul(x, weight, None, self.tp, self.c.sequence_parallel)
 
+    def bias(self, table: RelativePositionBias, length: int) -> Tensor:
+        """A stack's self-attention bias over a sequence of ``length``: ``[1, heads / tp,
+        length, length]``; under cp this rank's query rows against the keys in cp order
+        (global positions, so each distance is the one-process distance)."""
+        if self.c.cp is None:
+            return table(length, length)
+        return table.between(*cp_positions(length, self.c.cp, table.weight.device))
+
     # -- the pipeline-stage contract (mtcore.models.family) --------------------------
     def stage(self, inputs: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """``batch["tokens"]`` and ``batch["decoder_tokens"]`` on the first stage, the
@@ -146,6 +167,9 @@ class T5(PipelineChunk):
         e, mask = self.config.encoder_layers, batch.get("padding_mask")
         # The batch's lengths (the config's in training; forward() may take others).
         se, sd = batch["tokens"].shape[1], batch["decoder_tokens"].shape[1]
+        if self.c.cp is not None:  # this rank's share of each; attention reads every key
+            se, sd = se * self.c.cp.size, sd * self.c.cp.size
+            mask = gather_key_mask(mask, self.c.cp)
         if self.first:
             enc, dec = (
                 self.embed_tokens(batch["tokens"]),
@@ -158,13 +182,13 @@ class T5(PipelineChunk):
             i = int(key)
             if i < e:
                 if i == 0:
-                    enc_bias = self.encoder_bias(se, se)
+                    enc_bias = self.bias(self.encoder_bias, se)
                 enc = self._run(block, enc, enc_bias, mask)
                 if i == e - 1:
                     enc = self.encode_final(enc)
             else:
                 if i == e:
-                    dec_bias = self.decoder_bias(sd, sd)
+                    dec_bias = self.bias(self.decoder_bias, sd)
                 dec = self._run(block, dec, enc, dec_bias, mask)
         if self.last:
             return {"logits": self.logits(dec)}
@@ -219,11 +243,12 @@ def build(
 
 def messages(config: T5Config, layout, micro_batch_size: int, dtype) -> MessageSpecs:
     """What boundary ``k`` carries: ``"encoder"`` ``[b, seq_len, h]`` and ``"decoder"``
-    ``[b, decoder_seq_len, h]`` (sequence shards over tp under sp), and the bias of the
-    stack whose layers continue past it: ``"encoder_bias"`` or ``"decoder_bias"``
-    ``[1, heads / tp, s, s]``."""
+    ``[b, decoder_seq_len, h]`` (sequence shards over tp under sp, this rank's share
+    under cp), and the bias of the stack whose layers continue past it:
+    ``"encoder_bias"`` or ``"decoder_bias"`` ``[1, heads / tp, s / cp, s]``."""
     sp = layout.spec.sequence_parallel and layout.tp > 1
-    shard = layout.tp if sp else 1
+    cp = layout.cp
+    shard = cp * (layout.tp if sp else 1)
     h, heads = config.hidden_size, config.num_heads // layout.tp
     se, sd = config.seq_len, config.decoder_seq_len
     hidden = {
@@ -236,9 +261,9 @@ def messages(config: T5Config, layout, micro_batch_size: int, dtype) -> MessageS
     def at(boundary: int) -> dict[str, TensorSpec]:
         end = sum(counts[: boundary + 1])
         if end < e:
-            return {**hidden, "encoder_bias": TensorSpec((1, heads, se, se), dtype)}
+            return {**hidden, "encoder_bias": TensorSpec((1, heads, se // cp, se), dtype)}
         if end > e:
-            return {**hidden, "decoder_bias": TensorSpec((1, heads, sd, sd), dtype)}
+            return {**hidden, "decoder_bias": TensorSpec((1, heads, sd // cp, sd), dtype)}
         return hidden
 
     return at

@@ -210,13 +210,8 @@ class LlavaConfig(DecoderConfig):
         return fields
 
     def check_layout(self, spec: LayoutSpec) -> None:
-        """The language model's checks, and the vision tower's heads and MLP over tp; cp
-        is refused (image embeddings are placed into whole sequences)."""
-        if spec.cp > 1:
-            raise LayoutError(
-                f"the llava family has no context parallelism (cp={spec.cp}); use tp, sp, pp, "
-                "vpp, dp"
-            )
+        """The language model's checks (cp among them: image tokens are positions of the
+        sharded sequence), and the vision tower's heads and MLP over tp."""
         super().check_layout(spec)
         v = self.vision
         if v.num_heads % spec.tp:

@@ -21,7 +21,9 @@ from mtcore.models.vlm.shape import llava_shape
 class LlavaFamily(ModelFamily):
     name = "llava"
     config = LlavaConfig
-    capabilities = Capabilities(generates=True, reads_images=True, mixture_of_experts=True)
+    capabilities = Capabilities(
+        generates=True, reads_images=True, mixture_of_experts=True, context_parallel=True
+    )
     checkpoint_aliases = MappingProxyType({"output.weight": "embed.tok.weight"})
     hf = HFAdapter(("llava",), hf.import_llava, hf.export_llava, tokenizer_tokens=(hf.IMAGE_TOKEN,))
     description = "vision-language: a ViT and a projector in front of a GPT (LLaVA)"
@@ -55,6 +57,12 @@ class LlavaFamily(ModelFamily):
         return FamilyData(
             data.tokenizer, data.train, data.valid, ImageTextLoader, loader_takes_group=True
         )
+
+    def sequence_lengths(self, config: LlavaConfig) -> dict[str, int | None]:
+        """Tokens, labels and the image mask split at ``seq_len``; every cp rank keeps the
+        images whole (the tower is replicated over cp)."""
+        s = config.seq_len
+        return {"tokens": s, "labels": s, "image_mask": s, "pixel_values": None}
 
     def shape(self, config: LlavaConfig):
         return llava_shape(config)

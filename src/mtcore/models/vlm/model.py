@@ -20,6 +20,15 @@ fills in the image positions of its shard; the features enter through
 ``copy_to_tp``, whose backward sums the ranks' partial gradients, so the projector
 and the tower get whole gradients on every rank.
 
+Under context parallelism the image tokens are ordinary positions of the sharded
+sequence: each cp rank holds two of ``2 * cp`` chunks (the load-balanced split), so an
+image may straddle ranks. Every cp rank runs the whole vision tower and projector on
+every image of its micro-batch (replicated, not sharded over cp), gathers the image
+mask over cp to number the image positions globally, and places the features that
+fall on its own positions; RoPE and learned positions use the global positions
+(``Context.positions``). Each rank's tower gradient comes from its own positions'
+loss; the dp x cp gradient reduction sums them, as for the token embedding.
+
 Freezing (``config.freeze``) turns off ``requires_grad`` of a part's parameters, so
 data parallelism and the optimizer never see them (no gradient, no optimizer state,
 no ZeRO shard); a frozen tower (and projector) runs under ``no_grad``.
@@ -39,17 +48,19 @@ from mtcore.models.common.sampling import next_token
 from mtcore.models.family import BuiltModel
 from mtcore.models.vlm.config import LlavaConfig
 from mtcore.models.vlm.vision import Projector, VisionTower
+from mtcore.parallel.context import cp_to_global, gather_key_mask
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import column_parallel_matmul, copy_to_tp, vocab_parallel_argmax
 from mtcore.precision.fp8 import FP8Recipe
 
 
-def place_images(x: Tensor, features: Tensor, image_mask: Tensor, start: int) -> Tensor:
-    """``x [b, s_local, h]`` (positions ``start ..`` of the sequence) with its image
-    positions replaced by ``features [b, n, h]``: the ``k``-th image position of a row
-    (counted over the whole sequence of ``image_mask [b, s]``) takes feature ``k``."""
+def place_images(x: Tensor, features: Tensor, image_mask: Tensor, start: int | Tensor) -> Tensor:
+    """``x [b, s_local, h]`` (positions ``start ..`` of the sequence, or the global
+    positions ``start`` lists: a cp rank's chunks) with its image positions replaced by
+    ``features [b, n, h]``: the ``k``-th image position of a row (counted over the whole
+    sequence of ``image_mask [b, s]``) takes feature ``k``."""
     order = image_mask.long().cumsum(dim=1) - 1  # k at each image position
-    local = slice(start, start + x.shape[1])
+    local = slice(start, start + x.shape[1]) if isinstance(start, int) else start
     order, mask = order[:, local].clamp(min=0), image_mask[:, local]
     order = order.clamp(max=features.shape[1] - 1)
     picked = features.gather(1, order.unsqueeze(-1).expand(-1, -1, features.shape[-1]))
@@ -96,17 +107,28 @@ class Llava(GPT):
         """Token embeddings with the image features in place (a sequence shard under sp)."""
         e = self.embed
         x = e.tok(batch["tokens"])
+        s, start = x.shape[1], self.tp.rank * x.shape[1] if self.c.sequence_parallel else 0
         image_mask = batch.get("image_mask")
         if image_mask is not None and "pixel_values" in batch:
             features = self.image_features(batch["pixel_values"])
-            start = 0
             if self.c.sequence_parallel:
-                features, start = copy_to_tp(features, self.tp), self.tp.rank * x.shape[1]
-            x = place_images(x, features, image_mask, start)
+                features = copy_to_tp(features, self.tp)
+            positions = start
+            if self.c.cp is not None:  # image k is counted over the whole sequence
+                image_mask = self.whole_sequence(image_mask)
+                positions = self.c.positions(start, s)
+            x = place_images(x, features, image_mask, positions)
         if e.pos is not None:
-            s, start = x.shape[1], self.tp.rank * x.shape[1] if self.c.sequence_parallel else 0
-            x = x + e.pos[start : start + s].to(x.dtype)
+            x = x + e.pos[self.c.positions(start, s)].to(x.dtype)  # global positions under cp
         return self.c.dropout(x, self.training)
+
+    def whole_sequence(self, mask: Tensor) -> Tensor:
+        """This cp rank's share of a ``[b, s / cp]`` bool mask -> the whole ``[b, s]`` in
+        global order (gathered over cp, no gradient)."""
+        gathered = gather_key_mask(mask, self.c.cp)  # cp order
+        return gathered.index_select(
+            1, cp_to_global(gathered.shape[1], self.c.cp.size, mask.device)
+        )
 
     # -- the pipeline-stage contract (mtcore.models.family) --------------------------
     def stage(self, inputs: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -33,6 +33,7 @@ def llava_shape(config) -> ModelShape:
         gated=False,
         dropout=False,
         backward="none" if frozen_vision else "full",  # a frozen tower runs under no_grad
+        cp_split=False,  # every cp rank runs the tower on every image
     )
     # A frozen language model still passes the gradient back to the projector (LLaVA's
     # stage 1); a whole frozen front is refused by the config.

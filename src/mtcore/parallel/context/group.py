@@ -11,6 +11,7 @@ of the whole sequence (K/V blocks, gathered masks).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -100,26 +101,35 @@ def cp_to_global(seq_len: int, cp: int, device=None) -> Tensor:
     return torch.argsort(cp_order(seq_len, cp)).to(device)
 
 
-def shard_batch(batch: dict[str, Tensor], seq_len: int, cp: int, rank: int) -> dict[str, Tensor]:
+def shard_batch(
+    batch: dict[str, Tensor], seq_len: int | Mapping[str, int | None], cp: int, rank: int
+) -> dict[str, Tensor]:
     """cp rank ``rank``'s share of a micro-batch: every tensor ``[b, seq_len, ...]``
     (tokens, labels, masks, token types) keeps this rank's tokens; per-sequence tensors
     ``[b]`` (pair labels) stay whole. cp=1: the batch itself.
 
-    A tensor of two or more dimensions whose second is not ``seq_len`` cannot be split
-    by position and is refused (ValueError naming it), rather than passed on whole.
+    ``seq_len`` may instead map tensor names to their own sequence length (T5's encoder
+    and decoder tensors differ), or to None for a tensor that stays whole on every cp
+    rank (LLaVA's ``pixel_values``). A tensor of two or more dimensions whose second is
+    not its sequence length, or that the mapping does not name, cannot be split by
+    position and is refused (ValueError naming it), rather than passed on whole.
     """
     if cp == 1:
         return batch
-    index = local_positions(seq_len, cp, rank)
     out = {}
     for name, t in batch.items():
-        if t.dim() >= 2:
-            if t.shape[1] != seq_len:
+        length = seq_len.get(name, -1) if isinstance(seq_len, Mapping) else seq_len
+        if t.dim() >= 2 and length is not None:
+            if length == -1:
+                raise ValueError(
+                    f"batch tensor {name!r} has no sequence length to split over cp={cp}"
+                )
+            if t.shape[1] != length:
                 raise ValueError(
                     f"batch tensor {name!r} of shape {list(t.shape)} has no sequence "
-                    f"dimension of seq_len={seq_len} (dim 1) to split over cp={cp}"
+                    f"dimension of seq_len={length} (dim 1) to split over cp={cp}"
                 )
-            t = t.index_select(1, index.to(t.device))
+            t = t.index_select(1, local_positions(length, cp, rank).to(t.device))
         out[name] = t
     return out
 
