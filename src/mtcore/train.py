@@ -28,7 +28,10 @@ LAUNCHER_PID_ENV = "MTCORE_LAUNCHER_PID"
 BAD_INPUT_FILE_ENV = "MTCORE_BAD_INPUT_FILE"
 # How long a rank other than 0 that found bad input waits before it says so itself: every
 # rank finds the same problem, and rank 0's line (its exit ends the others) is the one.
-BAD_INPUT_GRACE_S = 5.0
+# Long enough for a rank 0 that started late on a loaded machine (5 s was not: at load 15
+# on 2 cores, under plain torchrun, rank 1 spoke first); a problem only this rank has is
+# said this much later.
+BAD_INPUT_GRACE_S = 15.0
 
 
 def end_with_parent() -> None:
