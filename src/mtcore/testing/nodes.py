@@ -40,6 +40,8 @@ from pathlib import Path
 BENCHMARK_RANGE = ipaddress.ip_network("198.18.0.0/15")
 DEFAULT_SUBNET = "198.18.0.0/24"
 INTERFACE = "eth0"
+# How long a process started on a node may take to enter its namespace (ip netns exec).
+ENTER_PATIENCE_S = 5.0
 # Namespaces are named mtc<creator pid>-<cluster>-<role>, so a cluster whose creator died
 # (kill -9 of a test run) is found and removed by the next one.
 _PREFIX = "mtc"
@@ -101,9 +103,19 @@ class Node:
         ] + [str(a) for a in argv]
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        """Start ``argv`` on this node (keywords as for ``subprocess.Popen``)."""
+        """Start ``argv`` on this node (keywords as for ``subprocess.Popen``); returns once
+        the process runs inside the node's namespace (or has ended), so that a power cut
+        right after cannot miss it."""
         process = subprocess.Popen(self.command(argv), **kwargs)
         self.processes.append(process)
+        deadline = time.monotonic() + ENTER_PATIENCE_S
+        while process.poll() is None and process.pid not in self.pids():
+            if time.monotonic() > deadline:
+                raise NodesUnavailable(
+                    f"{self.hostname}: process {process.pid} did not enter the namespace "
+                    f"{self.namespace} within {ENTER_PATIENCE_S:g} s"
+                )
+            time.sleep(0.01)
         return process
 
     def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
