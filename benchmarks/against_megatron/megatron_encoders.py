@@ -13,7 +13,11 @@ Where they differ from mtcore's model (Megatron-Core's local spec cannot express
   ``DotProductAttention`` as ``attention_bias``, which it refuses (``assert
   attention_bias is None``; only Transformer Engine's attention takes it). mtcore
   does the extra work here. Masks are explicit (cpu_shims 3): none in the encoder
-  and across, causal in the decoder.
+  and across, causal in the decoder. The local block specs name Transformer Engine's
+  ``TENorm`` as the encoder's and decoder's final norm, which is None without
+  Transformer Engine, so the stacks would end without one (and Megatron's T5 then
+  barely learns: its loss stays at ln V over 12 steps); they get the local spec's own
+  norm (``WrappedTorchNorm``, here RMSNorm) instead, as T5 has.
 """
 
 from __future__ import annotations
@@ -79,17 +83,20 @@ def build_t5(cfg: BenchConfig):
         get_t5_decoder_with_local_block_spec,
         get_t5_encoder_with_local_block_spec,
     )
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     half = LAYERS // 2
+    encoder = get_t5_encoder_with_local_block_spec(half)
+    decoder = get_t5_decoder_with_local_block_spec(half)
+    encoder.layer_norm = decoder.layer_norm = WrappedTorchNorm  # the final norms
     fields = dict(
         num_layers=half, normalization="RMSNorm", layernorm_epsilon=1e-6,
         gated_linear_unit=True, activation_func=lambda x: F.gelu(x, approximate="tanh"),
         add_bias_linear=False,
     )  # fmt: skip
     return T5Model(
-        _config(cfg, **fields), _config(cfg, **fields),
-        get_t5_encoder_with_local_block_spec(half), get_t5_decoder_with_local_block_spec(half),
-        vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
+        _config(cfg, **fields), _config(cfg, **fields), encoder, decoder, vocab_size=VOCAB,
+        max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
         position_embedding_type="learned_absolute",
     )  # fmt: skip
 
