@@ -4,8 +4,8 @@ One model shape for every configuration (the GPT's since the benchmark began, no
 tuned for either side): hidden 256, 8 heads, seq 256, batch 4 per data-parallel rank,
 vocab 1024, 4 layers (T5: 2 encoder + 2 decoder layers, the same 4), fp32. A step
 is ``BATCH`` rows per data-parallel rank, in ``microbatches`` micro-batches of
-``BATCH / microbatches`` rows (pipeline configurations: 4 of 1 row, the fewest 1F1B
-on 2 stages needs to reach its steady state).
+``BATCH / microbatches`` rows (pipeline configurations: 4 of 1 row, the batch split
+as finely as it goes, so that 1F1B on 2 stages has a steady phase; it needs at least 2).
 """
 
 from __future__ import annotations
