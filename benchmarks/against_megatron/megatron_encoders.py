@@ -15,9 +15,11 @@ Where they differ from mtcore's model (Megatron-Core's local spec cannot express
   does the extra work here. Masks are explicit (cpu_shims 3): none in the encoder
   and across, causal in the decoder. The local block specs name Transformer Engine's
   ``TENorm`` as the encoder's and decoder's final norm, which is None without
-  Transformer Engine, so the stacks would end without one (and Megatron's T5 then
-  barely learns: its loss stays at ln V over 12 steps); they get the local spec's own
-  norm (``WrappedTorchNorm``, here RMSNorm) instead, as T5 has.
+  Transformer Engine, so the stacks would end without one; they get the local spec's
+  own norm (``WrappedTorchNorm``, here RMSNorm) instead, as T5 has. Even so Megatron's
+  T5 stays near ln V on the benchmark's batches where mtcore's learns (also in a plain
+  loop with torch AdamW on one rank; its loss hardly depends on the decoder tokens):
+  the cause was not found, so T5's loss curves do not compare (docs/results/megatron.md).
 """
 
 from __future__ import annotations
