@@ -19,7 +19,9 @@ Where they differ from mtcore's model (Megatron-Core's local spec cannot express
   own norm (``WrappedTorchNorm``, here RMSNorm) instead, as T5 has. Even so Megatron's
   T5 stays near ln V on the benchmark's batches where mtcore's learns (also in a plain
   loop with torch AdamW on one rank; its loss hardly depends on the decoder tokens):
-  the cause was not found, so T5's loss curves do not compare (docs/results/megatron.md).
+  mtcore's T5 draws T5's own initialisation (embedding std 1), Megatron's std 0.02
+  everywhere; whether that alone explains it was not checked, and T5's loss curves do
+  not compare (docs/results/megatron.md).
 """
 
 from __future__ import annotations
