@@ -4,7 +4,8 @@ stages to full logits, save it as Megatron-LM does (torch_dist and legacy per-ra
 files) and load a legacy checkpoint back.
 
 What Megatron-Core needs to run here (none changes its arithmetic; the benchmark
-``benchmarks/bench_megatron.py`` needs the first two as well):
+``benchmarks/bench_megatron.py`` makes these and more changes of its own, listed in
+``benchmarks/against_megatron/cpu_shims.py``):
 
 1. ``torch.cuda.current_device`` answers the CPU (Megatron passes it as ``device=``);
    ``use_cpu_initialization=True`` builds the weights.
