@@ -101,7 +101,7 @@ class MtcoreSide:
         )  # fmt: skip
         self.engine = Engine(
             family_config(cfg), layout, ctx.backend, micro_batch_size=cfg.micro_batch,
-            num_microbatches=cfg.microbatches, optimizer=opt, seed=0, zero1=cfg.zero1,
+            num_microbatches=cfg.microbatches, optimizer=opt, seed=0, zero=1 if cfg.zero1 else 0,
         )  # fmt: skip
         self.engine.set_lr(LR)
         self.overlap = overlap
