@@ -2,7 +2,7 @@
 ranks or Megatron-Core: the command line keeps its default configurations, every
 configuration is a layout mtcore accepts for its model, both sides get the same
 batches, and the CPU stand-ins for Megatron's CUDA calls do what they say.
-(tests/distributed/test_bench_megatron.py runs one step of each new configuration.)"""
+(tests/distributed/test_bench_megatron_runs.py runs one step of each new configuration.)"""
 
 from __future__ import annotations
 
