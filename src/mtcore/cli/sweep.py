@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from mtcore.backend import BackendError
     from mtcore.plan import HardwareError, NotModelled, constants, load_hardware, plan
     from mtcore.plan.layouts import LayoutStringError, layout_overrides
-    from mtcore.plan.sweep import measure, options_here, shared_host
+    from mtcore.plan.sweep import as_trained, measure, options_here, shared_host
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config
 
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         for layout in args.layouts:  # every layout is checked before any is trained
             config = load_config(args.config, [*args.overrides, *layout_overrides(layout)])
             _check_data(config)
+            config = as_trained(config, args.nproc)
             predictions.append(plan(config, args.nproc, hardware, options_here(config)))
     except (*bad_input, ValueError) as e:
         print(f"mtcore sweep: error: {e}", file=sys.stderr)

@@ -69,7 +69,10 @@ class Block:
     input's gradients; ``input``: its input's only (frozen weights that a trained part
     before them needs the gradient through); ``none``: nothing (frozen, and run under
     ``no_grad``: it keeps no activations). ``cp_split``: context parallelism splits its
-    sequence (False: every cp rank runs it whole, as LLaVA's vision tower)."""
+    sequence (False: every cp rank runs it whole, as LLaVA's vision tower).
+    ``biased_attention``: the attention adds a bias to its scores outside the kernel op
+    (T5's relative positions), so it keeps its fp32 probabilities ``[heads, s, keys]``
+    whatever kernel the backend has."""
 
     seq: int
     kv_seq: int
@@ -88,6 +91,7 @@ class Block:
     backward: str = "full"
     latent: Latent | None = None  # multi-head latent attention (``head_dim``: its kernel's)
     cp_split: bool = True
+    biased_attention: bool = False
 
     def __post_init__(self):
         if self.backward not in BACKWARDS:

@@ -142,9 +142,15 @@ def _mlp_bytes(block: Block, tokens: float, e: int) -> float:
 
 
 def _score_bytes(block: Block, s: float, b: int, e: int, fused: bool) -> float:
+    """What the attention keeps of its scores: a fused kernel's fp32 log-sum-exp per
+    query, or the probabilities (``e`` bytes an element; fp32 where the bias is added
+    outside the kernel, ``Block.biased_attention``) with, under dropout, the dropped
+    copy and the mask."""
     keys = block.kv_seq + block.cross_seq
-    if fused:
+    if fused and not block.biased_attention:
         return 4.0 * block.heads * s * b * (2 if block.cross_seq else 1)  # log-sum-exp
+    if block.biased_attention:
+        e = 4
     per_element = 2 * e + MASK_BYTES if block.dropout else e
     return per_element * block.heads * s * keys * b
 
@@ -206,11 +212,15 @@ def backward_transient_bytes(
     added to the fp32 buffer, with the gradient of that product's input (fc2 of a dense
     MLP); for routed experts, two zero-filled gradients of this rank's stacked gate/up
     weights (each expert's slice of the stack gets a stack-sized gradient, summed into
-    the one before)."""
+    the one before). An attention that keeps its fp32 scores (``Block.biased_attention``)
+    adds its softmax's backward: the gradients of the probabilities and of the scores, of
+    the larger of its attentions (T5's decoder: the cross-attention)."""
     if not block.keeps_activations:  # run under no_grad: no backward at all
         return 0.0
     s, b, h, e = block.seq / block.cp_share(cp), micro_batch, block.hidden, act_bytes
     out = e * s * b * h / (tp if sequence_parallel else 1) if received else 0.0
+    if block.biased_attention:
+        out += 2 * 4 * block.heads / tp * s * b * max(block.kv_seq, block.cross_seq)
     weight_grads = 0.0 if block.frozen else 1.0  # a frozen block passes the gradient only
     if block.experts:
         branches = 2 if block.gated else 1

@@ -142,7 +142,7 @@ def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, produ
     communication as mtcore runs it (exposed)."""
     tp, cp, ep = spec.tp, spec.cp, spec.ep
     tokens = b * shape.seq_len / cp  # per rank; T5's decoder uses its own length below
-    fwd = back = live_w = live_s = 0.0
+    fwd = back = live_w = live_s = kernel_s = 0.0
     for bl, n in stage.blocks:
         rows = b * bl.seq / bl.cp_share(cp)
         weights = _forward_seconds(products, weight_products(bl, rows, tp, ep), True)
@@ -154,11 +154,13 @@ def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, produ
         back += n * ((bl.passes - 1) * weights + (bl.product_passes - 1) * scores)
         if bl.keeps_activations:
             live_w, live_s = live_w + n * weights, live_s + n * scores
+            kernel_s += 0.0 if bl.biased_attention else n * scores
     head = _head_seconds(shape, stage, b, spec, products)
     head *= 2 if shape.embed_frozen else 3  # frozen: no weight gradient
     head *= shape.head_passes  # MTP modules run the head again
-    # a fused attention's backward recomputes the scores (Q K^T) per block
-    compute = fwd + back + head + (0.5 * live_s if fused else 0.0)
+    # a fused attention's backward recomputes the scores (Q K^T) per block (not where
+    # a bias outside the kernel keeps them: Block.biased_attention)
+    compute = fwd + back + head + (0.5 * kernel_s if fused else 0.0)
     if stage.first and shape.first_stage_flops:  # outside the blocks, whole on every tp rank
         flops = b * shape.first_stage_flops
         compute += products.flops_seconds(flops, flops / 3)

@@ -125,12 +125,24 @@ def prepare_data(config: str | None, overrides: list[str], nproc: int) -> str:
     return ""
 
 
+def as_trained(config, nproc: int):
+    """``config`` with the model the trainer builds from it on ``nproc`` ranks:
+    ``model.vocab_size`` its tokenizer's (built, or found cached), padded as the trainer
+    pads it. ``data.vocab_size``, which ``mtcore plan`` goes by, is the size a tokenizer is
+    trained *to*; a small corpus gives fewer (configs/llava.yaml's captions: 331 of 4096),
+    and a prediction set beside a measurement must be of the model that ran. Raises
+    ``ConfigError`` as the trainer does."""
+    from mtcore.training.trainer import prepare
+
+    return config.model_copy(update={"model": prepare(config, nproc).model})
+
+
 def compare(config_path, layout, nproc, steps, overrides, hardware):
     """(what ``layout`` measures here, the plan's prediction for it on ``hardware``)."""
     from mtcore.plan.planner import plan
     from mtcore.training.overrides import load_config
 
-    config = load_config(config_path, [*overrides, *layout_overrides(layout)])
+    config = as_trained(load_config(config_path, [*overrides, *layout_overrides(layout)]), nproc)
     predicted = plan(config, nproc, shared_host(hardware, nproc)[0], options_here(config))
     return measure(config_path, layout, nproc, steps, overrides), predicted
 

@@ -14,7 +14,9 @@ import torch
 
 from mtcore.cli.main import main
 from mtcore.plan import constants, load_hardware
+from mtcore.plan.layouts import layout_overrides
 from mtcore.plan.sweep import (
+    as_trained,
     compare,
     live_peak,
     parse_log,
@@ -23,6 +25,7 @@ from mtcore.plan.sweep import (
     stage_of,
     tensor_peak,
 )
+from mtcore.training.overrides import load_config
 
 MB = 1_000_000
 # widened so that state and activations are a few hundred MB per rank (fp32), short steps
@@ -155,6 +158,15 @@ def test_interleaving_with_as_many_microbatches_as_stages_holds_every_head():
         predicted.peak_memory / MB,
         measured.peak_bytes / MB,
     )
+
+
+def test_a_prediction_is_of_the_vocabulary_the_run_trains(tmp_path):
+    """configs/llava.yaml asks for a 4096-token tokenizer; its captions give 331 ids,
+    which the trainer pads to 384: the plan beside a measurement counts that head."""
+    overrides = [*layout_overrides("tp=1,pp=1"), "--data.cache_dir", str(tmp_path)]
+    config = load_config("configs/llava.yaml", overrides)
+    assert config.model.vocab_size is None and config.data.vocab_size == 4096
+    assert as_trained(config, 1).model.vocab_size == 384
 
 
 def test_more_ranks_than_cores_share_a_core():

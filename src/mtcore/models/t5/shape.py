@@ -18,6 +18,7 @@ def t5_shape(config) -> ModelShape:
         ffn=config.ffn_size,
         gated=True,
         dropout=config.dropout > 0,
+        biased_attention=True,  # the relative position bias: fp32 scores outside the kernel
     )
     encoder = [Block(seq=se, kv_seq=se, **common)] * config.encoder_layers
     decoder = [Block(seq=sd, kv_seq=sd, cross_seq=se, **common)] * config.decoder_layers
