@@ -94,11 +94,17 @@ def run_rank(make_config) -> int:
             print(f"mtcore train: error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, CheckpointError, BackendError) as e:  # bad input: nothing was trained
-        tell_launcher_bad_input()
         if not loud:  # rank 0 says it, and its exit ends this rank, unless it did not find it
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing to save: end when told
             time.sleep(BAD_INPUT_GRACE_S)
-        print(f"mtcore train: error: {'' if loud else f'rank {rank}: '}{e}", file=sys.stderr)
+        print(
+            f"mtcore train: error: {'' if loud else f'rank {rank}: '}{e}",
+            file=sys.stderr,
+            flush=True,
+        )
+        # Only once the line is out: the launcher stops every rank when told, and a rank 1
+        # that told it first (rank 0 started late) had its rank 0 stopped before rank 0 spoke.
+        tell_launcher_bad_input()
         return 2
     except SamplesLost as e:  # one model replica's ranks found it; one of them says it
         if e.said:

@@ -11,6 +11,11 @@ from mtcore.backend import Availability, DeviceCapabilities
 from mtcore.testing.conformance.plugin import CAPABILITY
 
 _ALLOC_BYTES = 64 * 2**20
+# How far a peak may still rise after the blocks are freed: a host device's peak is the
+# process's resident high-water mark, which also counts the pages that reading it touches
+# (seen: one 4 KiB page, in a loaded run). A peak that follows the current usage falls by
+# the freed 112 MiB instead.
+_PAGE_SLACK_BYTES = 64 * 2**10
 
 
 def test_type(backend, device):
@@ -186,7 +191,8 @@ def test_capabilities(backend):
 
 def test_peak_memory_never_falls_until_reset(backend, device):
     """``max_memory_allocated`` is a high-water mark: it grows with each larger allocation,
-    stays when memory is freed, and only ``reset_peak_memory_stats`` lowers it."""
+    stays when memory is freed (within a few pages, ``_PAGE_SLACK_BYTES``), and only
+    ``reset_peak_memory_stats`` lowers it."""
     dev = backend.device
     dev.synchronize()
     dev.reset_peak_memory_stats()
@@ -200,4 +206,4 @@ def test_peak_memory_never_falls_until_reset(backend, device):
     peaks.append(dev.max_memory_allocated())
     assert peaks == sorted(peaks), f"the peak fell without a reset: {peaks}"
     assert peaks[2] - peaks[0] >= _ALLOC_BYTES // 4, f"the peak did not grow: {peaks}"
-    assert peaks[3] == peaks[2], f"freeing memory moved the peak: {peaks}"
+    assert peaks[3] - peaks[2] <= _PAGE_SLACK_BYTES, f"freeing memory moved the peak: {peaks}"
