@@ -18,10 +18,10 @@ token batches (rows that follow a fixed permutation of the vocabulary, so the lo
 can fall), one torch thread per rank:
 
 * **mtcore** (``mtcore_side``): the trainer's ``Engine`` on the ``cpu`` backend; its
-  tp group's all-reduce, all-gather and reduce-scatter through the cpu backend's
-  shared-memory channel, as in ``mtcore train`` (``--compare-shm`` adds a side with
-  the tp group on gloo: ``mtcore-gloo``); every other call, and all of
-  Megatron-Core's, through gloo.
+  tp and data-parallel groups' all-reduce, all-gather and reduce-scatter through the
+  cpu backend's shared-memory channel, as in ``mtcore train`` (``--compare-shm`` adds a
+  side with those groups on gloo: ``mtcore-gloo``); every other call (all-to-all,
+  pipeline send/recv), and all of Megatron-Core's, through gloo.
 * **Megatron-Core** with its pure-PyTorch local specs, made to run on CPU by the
   changes listed in ``against_megatron/cpu_shims.py`` (none changes its arithmetic).
 
@@ -118,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--compare-shm",
         action="store_true",
-        help="a second mtcore side with its tp group on gloo (MTCORE_SHM_COLLECTIVES=0)",
+        help="a second mtcore side with its tp and dp groups on gloo (MTCORE_SHM_COLLECTIVES=0)",
     )
     parser.add_argument("--json", action="store_true", help="also print the raw results")
     args = parser.parse_args(argv)

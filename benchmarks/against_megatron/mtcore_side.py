@@ -2,8 +2,8 @@
 
 The family's config from the shared shapes (``GPTConfig(style=...)``, ``BertConfig``,
 ``T5Config``; MoE as ``GPTConfig(moe=MoESpec(...))``), the layout's groups (its tp
-group's all-reduce, all-gather and reduce-scatter through the cpu backend's
-shared-memory channel, as in ``mtcore train``; every other call through gloo), mtcore
+and data-parallel groups' all-reduce, all-gather and reduce-scatter through the cpu
+backend's shared-memory channel, as in ``mtcore train``; every other call through gloo), mtcore
 AdamW (``DistributedAdamW``, ZeRO-1, for ``dp2-distopt``), 1F1B at pp > 1.
 """
 

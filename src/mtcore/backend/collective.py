@@ -9,7 +9,7 @@ dtype), and ``support()`` tells which path a call takes.
 All torch.distributed calls of the project live here, so that API moves
 between torch releases are handled in one place.
 
-A group made with ``new_group(ranks, latency_bound=True)`` (tensor parallelism's)
+A group made with ``new_group(ranks, latency_bound=True)`` (tensor and data parallelism's)
 may take a faster path for CPU tensors when every member runs on this host: a
 shared-memory channel (``mtcore.backend.shared_memory``) on the calling thread,
 for backends that declare ``same_host_channels`` (the cpu backend).
@@ -297,8 +297,9 @@ class Collective:
     def new_group(self, ranks: Sequence[int], latency_bound: bool = False):
         """A group over ``ranks``; every rank of the world must call this, in the same order.
 
-        ``latency_bound``: the group carries small blocking calls on the step's critical
-        path (tensor parallelism), so it gets a shared-memory channel where
+        ``latency_bound``: the group carries blocking calls on the step's critical path
+        (tensor parallelism; data parallelism's gradient reduction and ZeRO's param
+        all-gather), so it gets a shared-memory channel where
         ``uses_shared_memory`` allows (its members set it up together, right here).
         """
         timeout = timedelta(seconds=self.timeout_s)

@@ -43,6 +43,12 @@ class Axis(str, enum.Enum):
 
 
 AXES = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)  # the rank order's axes, tp fastest
+# Groups whose calls block the step: tensor parallelism's, and the gradient reduction and
+# ZeRO param all-gather of data parallelism (expert params: edp). On one host they get a
+# shared-memory channel where the backend offers one (``new_group(latency_bound=True)``):
+# on gloo a 13 MB ZeRO-1 reduce-scatter and all-gather took 30 + 14 ms, through the
+# channel 6 + 4 ms (docs/results/megatron.md, dp2-distopt).
+CHANNEL_AXES = (Axis.TP, Axis.DP_CP, Axis.EDP)
 
 
 class LayoutError(ValueError):
@@ -221,7 +227,7 @@ class ParallelLayout:
         layout = cls(spec, rank, world_size)
         for axis, members in _all_groups(spec):
             group = (
-                collective.new_group(members, latency_bound=axis is Axis.TP)
+                collective.new_group(members, latency_bound=axis in CHANNEL_AXES)
                 if world_size > 1
                 else None
             )

@@ -48,19 +48,24 @@ def _unit_shape(shape: tuple[int, int], granularity: str) -> tuple[int, ...]:
 def _unit_amax(x: Tensor, granularity: str) -> Tensor:
     """``max |x|`` over each scaling unit, in float32 (exact: a max rounds nothing).
 
-    From each unit's minimum and maximum (``torch.aminmax``: one pass, no ``|x|`` copy);
-    blocks are views of ``x``, a partial last block taken on its own."""
+    From each unit's minimum and maximum, without a ``|x|`` copy: the whole tensor's
+    from ``torch.aminmax`` (one pass); rows and blocks, of a float32 ``x``, from
+    ``amin`` and ``amax`` over views of it, a partial last block taken on its own (on
+    the CPU ``aminmax`` along a short last dimension does not vectorise: 0.8 ms for the
+    1x128 blocks of ``[512, 640]`` against 0.08 ms for ``amin`` and ``amax``)."""
     m, k = x.shape
     if granularity == "tensor":
         return _magnitude(*torch.aminmax(x))
     if granularity == "row":
-        return _magnitude(*torch.aminmax(x, dim=1, keepdim=True))
+        return _magnitude(x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True))
     full = k // BLOCK
     parts = []
     if full:
-        parts.append(_magnitude(*torch.aminmax(x[:, : full * BLOCK].view(m, full, BLOCK), dim=2)))
+        blocks = x[:, : full * BLOCK].view(m, full, BLOCK)
+        parts.append(_magnitude(blocks.amin(dim=2), blocks.amax(dim=2)))
     if k % BLOCK:
-        parts.append(_magnitude(*torch.aminmax(x[:, full * BLOCK :], dim=1, keepdim=True)))
+        rest = x[:, full * BLOCK :]
+        parts.append(_magnitude(rest.amin(dim=1, keepdim=True), rest.amax(dim=1, keepdim=True)))
     per_strip = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [M, ceil(K/128)]
     if granularity == "1x128":
         return per_strip
@@ -120,8 +125,12 @@ def fp8_quantize(
 
     with torch.no_grad():
         x = x.detach()
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            x = x.float()  # products below are float32 either way
+        if granularity == "tensor":
+            if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                x = x.float()  # products below are float32 either way
+            scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        else:  # float32 x, scaled in place: no mixed-dtype products (cast element by element)
+            x = scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
         amax = _unit_amax(x, granularity)
         if scale is None:
             unit_scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax))
@@ -131,7 +140,6 @@ def fp8_quantize(
             if unit_scale.numel() != 1:
                 raise ValueError(f"scale must have one element, got shape {list(unit_scale.shape)}")
             unit_scale = unit_scale.reshape(())
-        scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         _scale_units(x, unit_scale, granularity, scaled)
         data = scaled.clamp_(-fmax, fmax).to(dtype)
         return data, 1.0 / unit_scale, amax
@@ -161,9 +169,12 @@ def fp8_dequantize(
             f"{list(expected)}, got {list(scale_inv.shape)}"
         )
     values, factor = _fp8_values(data)
-    out = torch.empty(shape, dtype=out_dtype, device=data.device)
-    _scale_units(values, scale_inv.float() * factor, granularity, out)
-    return out
+    # float32 products in place, rounded once to out_dtype: the bits a mixed-dtype
+    # multiply into out_dtype gives, but vectorised (torch casts mixed dtypes element
+    # by element on the CPU).
+    wide = values.float()
+    _scale_units(wide, scale_inv.float() * factor, granularity, wide)
+    return wide.to(out_dtype)
 
 
 def _scale_units(values: Tensor, per_unit: Tensor, granularity: str, out: Tensor) -> None:

@@ -50,9 +50,46 @@ def grouped_mm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
         raise ValueError(f"tokens_per_expert sums to {sum(counts)}, but x has {x.shape[0]} rows")
 
     acc = torch.promote_types(x.dtype, torch.float32)
-    blocks = x.to(acc).split(counts, dim=0)
-    wf = weight.to(acc)
-    outs = [block @ wf[e] for e, block in enumerate(blocks)]
-    if not outs:  # E == 0 (and therefore T == 0)
+    if not counts:  # E == 0 (and therefore T == 0)
         return x.new_zeros(0, weight.shape[2])
-    return torch.cat(outs, dim=0).to(x.dtype)
+    return _GroupedMM.apply(x.to(acc), weight.to(acc), counts).to(x.dtype)
+
+
+def _blocks(counts: list[int]):
+    """``(expert, row slice)`` of every expert with rows."""
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            yield e, slice(start, start + c)
+        start += c
+
+
+class _GroupedMM(torch.autograd.Function):
+    """The per-expert products written into one output, and their backward into one
+    ``grad_x`` and one ``grad_weight``: the same ``mm`` calls autograd makes for
+    ``cat([x_e @ w[e]])``, without the concatenation, nor the full-size zero gradient
+    that indexing ``w[e]`` gives each expert's backward (summed over the experts)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        out = x.new_empty(x.shape[0], weight.shape[2])
+        for e, rows in _blocks(counts):
+            torch.mm(x[rows], weight[e], out=out[rows])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.empty_like(x)
+            for e, rows in _blocks(ctx.counts):
+                torch.mm(grad[rows], weight[e].t(), out=grad_x[rows])
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros_like(weight)
+            for e, rows in _blocks(ctx.counts):
+                torch.mm(x[rows].t(), grad[rows], out=grad_weight[e])
+        return grad_x, grad_weight, None
