@@ -85,11 +85,6 @@ class ParallelConfig(LayoutSpec):
             raise ValueError(
                 f"parallel.zero1 is true but parallel.zero is {self.zero}; set only one"
             )
-        if self.zero == 3:
-            raise ValueError(
-                "parallel.zero 3 (parameter sharding) is not trained yet; use zero 2 "
-                "(docs/training.md, ZeRO)"
-            )
         return self
 
     @model_validator(mode="after")

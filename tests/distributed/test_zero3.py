@@ -1,0 +1,149 @@
+"""ZeRO-3 (``parallel.zero: 3``) trains as one process does (gloo, one spawn per world size).
+
+Each case runs the trainer's ``Engine`` with parameter sharding: every transformer block's
+params live as this rank's shard between uses, are all-gathered before its forward (the
+next block's gather started meanwhile) and again before its backward, and freed after
+each; gradients reduce-scatter into the owned shard as under ZeRO-2. Compared with a
+one-process ``Engine`` (``mtcore.testing.equivalence``): the loss, gradient norm (clipping
+active), evaluation values (a no-grad forward, gathering too) and the final weights
+(``full_state_dict`` gathers the blocks), relative 1e-5. Two micro-batches per dp rank.
+
+2 ranks: GPT-2 (tied embedding: it stays whole) dp2, Llama dp2 with full recompute (the
+block's forward runs again inside its backward, which must find its params gathered),
+BERT dp2, T5 dp2. 4 ranks: GPT-2 tp2 x dp2 with sequence parallel, pp2 x dp2 under 1F1B.
+
+A probe checks between steps that no whole parameter of a block is alive: each ZeRO-3
+bucket's whole-params storage holds no bytes and its buffer's ``param_data`` holds
+``1/dp`` of its params. A negative check: a rank whose shards are not gathered before
+use (prefetch off and a gather skipped) gives other losses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.parallel.data import DataParallelConfig
+from mtcore.testing.equivalence import (
+    Case,
+    Setup,
+    assert_matches,
+    close,
+    micro_batches,
+    spawn,
+    token_batches,
+)
+from mtcore.training.engine import Engine
+from tests.distributed.test_bert_equivalence import _batches as bert_batches
+from tests.distributed.test_t5_equivalence import _batches as t5_batches
+from tests.distributed.test_zero2 import EVAL_NAMES, MODELS, OPT, SHARDS
+
+STEPS, BATCH, MB = 3, 8, 2
+MODELS = {**MODELS, "llama_recompute": MODELS["llama"].model_copy(update={"recompute": "full"})}
+EVAL_NAMES = {**EVAL_NAMES, "llama_recompute": EVAL_NAMES["llama"]}
+
+
+def _params_sharded(engine, record: dict) -> None:
+    """Per ZeRO-3 buffer after the steps: its shard's element count, its buffer's, the
+    group size, and how many bytes its buckets' whole params hold (nothing for the
+    one-process reference)."""
+    ddp = engine.ddp
+    if ddp.sharded_params is None:
+        return
+    record["param_shards"] = [
+        (buf.param_data.numel(), buf.numel, ddp.reductions[buf.reduce_group][1],
+         sum(b.full_params.untyped_storage().nbytes() for b in buf.buckets))
+        for buf in ddp.grad_buffers if buf.shard_params
+    ]  # fmt: skip
+    record["blocks"] = sum(len(chunk.layers) for chunk in engine.chunks)
+    record["units"] = len(ddp.sharded_params.units)
+
+
+def _skip_gather(sharded, bucket) -> None:
+    """A broken gather: the whole params get this rank's shard and zeros elsewhere."""
+    if bucket.materialized:
+        return
+    full = bucket.buffer.materialize(bucket)
+    full.zero_()
+    lo, hi = bucket.shard(*bucket.buffer.shard)
+    full[lo - bucket.start : hi - bucket.start].copy_(bucket.buffer.owned_params(bucket))
+
+
+def _broken(ctx) -> dict | None:
+    """GPT-2 dp2 losses with the working gather, then with ``_skip_gather``."""
+    if ctx.world_size != 2:
+        return None
+    layout = ParallelLayout.build(LayoutSpec(dp=2), ctx.backend.collective, ctx.rank, 2)
+    rows = slice(ctx.rank * BATCH // 2, (ctx.rank + 1) * BATCH // 2)
+    batches = token_batches(STEPS, BATCH, MODELS["gpt2"].seq_len, vocab=64)
+    out = {}
+    for broken in (False, True):
+        engine = Engine(MODELS["gpt2"], layout, ctx.backend, micro_batch_size=MB,
+                        num_microbatches=BATCH // 2 // MB, optimizer=OPT, seed=3, zero=3,
+                        bucket_size=700)  # fmt: skip
+        if broken:
+            sharded = engine.ddp.sharded_params
+            sharded._gather = functools.partial(_skip_gather, sharded)
+        out[broken] = [engine.train_step(micro_batches(b, rows, MB)).loss for b in batches]
+    return out
+
+
+SETUP = Setup(MODELS, OPT, batch_size=BATCH, micro_batch_size=MB, seed=3,
+              reference_micro_batch_size=MB, first_step_grads=False,
+              probe=_params_sharded, extras=_broken)  # fmt: skip
+CASES = {
+    "gpt2_dp2": Case(2, "gpt2", dict(dp=2), zero=3),
+    "llama_recompute_dp2": Case(2, "llama_recompute", dict(dp=2), zero=3),
+    "bert_dp2": Case(2, "bert", dict(dp=2), zero=3),
+    "t5_dp2": Case(2, "t5", dict(dp=2), zero=3),
+    "gpt2_tp2_dp2_sp": Case(4, "gpt2", dict(tp=2, dp=2, sequence_parallel=True), zero=3),
+    "gpt2_pp2_dp2": Case(4, "gpt2", dict(pp=2, dp=2), zero=3),
+    "llama_pp2_vpp2_dp2": Case(4, "llama", dict(pp=2, vpp=2, dp=2), zero=3),
+    "gpt2_pp2_dp2_zb_h1": Case(4, "gpt2", dict(pp=2, dp=2), schedule="zb_h1", zero=3),
+    "gpt2_cp2_dp2": Case(4, "gpt2", dict(cp=2, dp=2), zero=3),
+    "moe_ep2_dp4": Case(4, "moe", dict(ep=2), zero=3),
+    "t5_tied_pp2_dp2": Case(4, "t5_tied", dict(pp=2, dp=2), zero=3),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    tokens = token_batches(STEPS, BATCH, MODELS["gpt2"].seq_len, vocab=64)
+    t5 = t5_batches()
+    batches = {"gpt2": tokens, "llama": tokens, "llama_recompute": tokens, "moe": tokens,
+               "bert": bert_batches(), "t5": t5, "t5_tied": t5}  # fmt: skip
+    return spawn(SETUP, CASES, batches)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero3_matches_one_process(runs, case):
+    model = CASES[case].model
+    assert_matches(SETUP, case, CASES[case], *runs[case], eval_names=EVAL_NAMES[model],
+                   moe_floor=1.0)  # fmt: skip
+
+
+def test_a_skipped_gather_changes_the_losses(runs):
+    _, ref = runs["gpt2_dp2"]
+    for rank, got in enumerate(runs.extras[2]):
+        assert all(close(a, b, SETUP.rtol) for a, b in zip(got[False], ref["loss"], strict=True))
+        assert not any(close(a, b, 1e-4) for a, b in zip(got[True], ref["loss"], strict=True)), (
+            rank, got[True], ref["loss"])  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero3_keeps_only_param_shards_between_steps(runs, case):
+    ranks, _ = runs[case]
+    for rank, got in enumerate(ranks):
+        assert got["units"] == got["blocks"] > 0, (case, rank)
+        assert got["param_shards"], (case, rank, "no ZeRO-3 buffer")
+        for held, numel, size, whole_bytes in got["param_shards"]:
+            assert size in SHARDS.get(case, {2}), (case, rank, size)
+            assert held * size == numel, (case, rank, held, numel, size)
+            assert whole_bytes == 0, (case, rank, whole_bytes)
+
+
+def test_param_shards_need_gradient_shards():
+    with pytest.raises(ValueError, match=r"shard_params \(ZeRO-3\) needs shard_gradients"):
+        DataParallelConfig(shard_optimizer=True, shard_params=True)
