@@ -68,8 +68,8 @@ class ParallelConfig(LayoutSpec):
         0,
         ge=0,
         le=3,
-        description="ZeRO stage: 1 shards the optimizer state over dp, 2 the gradients too; "
-        "3 (parameters) is planned by `mtcore plan` but not trained",
+        description="ZeRO stage: 1 shards the optimizer state over dp, 2 the gradients too, "
+        "3 the transformer blocks' params too (gathered a block at a time)",
     )
     zero1: bool = Field(False, description="the older spelling of zero: 1")
     bucket_size: int = Field(DEFAULT_BUCKET_SIZE, ge=1, description="gradient bucket, elements")
