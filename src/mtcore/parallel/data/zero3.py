@@ -10,8 +10,10 @@ unit's uses:
   started earlier, if any) and starts the next unit's gather (prefetch); the forward
   hook frees them again and hooks the outputs' gradients;
 * backward: the first gradient of one of the unit's outputs gathers them again and
-  starts the previous unit's gather; once every param of a bucket has its gradient
-  (``DataParallel`` reduce-scatters it then, as under ZeRO-2) the bucket is freed;
+  starts the previous unit's gather (or, while the next unit's weight gradients are
+  still coming, leaves that to the moment they are in); once every param of a bucket
+  has its gradient (``DataParallel`` reduce-scatters it then, as under ZeRO-2) the
+  bucket is freed;
 * a recompute (activation checkpointing) runs the unit's forward inside its backward:
   the unit is then marked in backward and its forward hook leaves the params gathered.
 
@@ -87,14 +89,21 @@ class ShardedParams:
         if handle is not None:
             handle.wait()
 
-    def _gather_unit(self, u: int, neighbour: int) -> None:
+    def _near(self, u: int, v: int) -> bool:
+        """Whether unit ``v`` exists and sits in unit ``u``'s model chunk."""
+        return 0 <= v < len(self.units) and self._chunk[v] == self._chunk[u]
+
+    def _prefetch(self, u: int, v: int) -> None:
+        if self.prefetch and self._near(u, v):
+            for bucket in self.units[v]:
+                self._gather(bucket)
+
+    def _gather_unit(self, u: int, neighbour: int | None) -> None:
         """Gather unit ``u`` and wait for it; start unit ``neighbour``'s gather meanwhile."""
         for bucket in self.units[u]:
             self._gather(bucket)
-        near = 0 <= neighbour < len(self.units) and self._chunk[neighbour] == self._chunk[u]
-        if self.prefetch and near:
-            for bucket in self.units[neighbour]:
-                self._gather(bucket)
+        if neighbour is not None:
+            self._prefetch(u, neighbour)
         for bucket in self.units[u]:
             self._wait(bucket)
 
@@ -105,8 +114,10 @@ class ShardedParams:
         self._wait(bucket)
         bucket.buffer.release(bucket)
         u = self._unit_of[bucket.index]
-        if all(not b.materialized for b in self.units[u]):
+        if u in self._in_backward and all(not b.materialized for b in self.units[u]):
             self._in_backward.discard(u)
+            if u - 1 in self._in_backward:  # the next backward's turn: prefetch the one after
+                self._prefetch(u, u - 2)
 
     def release_all(self) -> None:
         """Free every unit (end of a step: a unit whose params got no gradient stays
@@ -154,8 +165,12 @@ class ShardedParams:
         return output
 
     def _pre_backward(self, u: int, grad: torch.Tensor) -> None:
+        """Gather unit ``u`` for its backward; prefetch the previous unit unless the next
+        one is still gathered (its last gradients have not arrived: ``release`` will
+        prefetch when they have), so at most two units are whole at a time."""
         self._in_backward.add(u)
-        self._gather_unit(u, u - 1)
+        busy = self._near(u, u + 1) and any(b.materialized for b in self.units[u + 1])
+        self._gather_unit(u, None if busy else u - 1)
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
