@@ -86,15 +86,20 @@ def _skip_gather(sharded, bucket) -> None:
     full[lo - bucket.start : hi - bucket.start].copy_(bucket.buffer.owned_params(bucket))
 
 
-def _count_gathered(engine, counts: list[int]) -> None:
-    """Before each block's forward (after its own gather): how many ZeRO-3 buckets have
-    their whole params now."""
+def _count_gathered(engine, forward: list[int], backward: list[int]) -> None:
+    """How many ZeRO-3 buckets have their whole params now: before each block's forward
+    (after its own gather), and as each of a block's params gets its gradient (after
+    data parallel's hook, which frees a bucket whose gradients are all in)."""
     buckets = [b for unit in engine.ddp.sharded_params.units for b in unit]
+
+    def count(into, *_):
+        into.append(sum(b.materialized for b in buckets))
+
     for chunk in engine.chunks:
         for block in chunk.layers.values():
-            block.register_forward_pre_hook(
-                lambda *_: counts.append(sum(b.materialized for b in buckets))
-            )
+            block.register_forward_pre_hook(functools.partial(count, forward))
+            for p in block.parameters():
+                p.register_post_accumulate_grad_hook(functools.partial(count, backward))
 
 
 def _variants(ctx) -> dict | None:
@@ -115,19 +120,19 @@ def _variants(ctx) -> dict | None:
         ("fp8", 2): ("llama", 2, MixedPrecision("fp32", fp8=fp8)),
         ("fp8", 3): ("llama", 3, MixedPrecision("fp32", fp8=fp8)),
     }
-    out, gathered = {}, []
+    out, forward, backward = {}, [], []
     for name, (model, zero, precision) in runs.items():
         engine = Engine(MODELS[model], layout, ctx.backend, micro_batch_size=MB,
                         num_microbatches=BATCH // 2 // MB, optimizer=OPT, seed=3, zero=zero,
                         precision=precision, bucket_size=700)  # fmt: skip
         if name == "gpt2":
-            _count_gathered(engine, gathered)
+            _count_gathered(engine, forward, backward)
         if name == "broken":
             sharded = engine.ddp.sharded_params
             sharded._gather = functools.partial(_skip_gather, sharded)
         losses = [engine.train_step(micro_batches(b, rows, MB)).loss for b in batches]
         out[name] = (losses, engine.full_state_dict())
-    out["gathered"] = gathered
+    out["gathered"] = forward, backward
     return out
 
 
@@ -169,14 +174,17 @@ def test_a_skipped_gather_changes_the_losses(runs):
             rank, broken, ref["loss"])  # fmt: skip
 
 
-def test_forward_holds_one_block_and_the_prefetched_next(runs):
+def test_two_blocks_at_most_are_whole(runs):
+    """Forward holds a block and the prefetched next; backward a block and the next one
+    (prefetched, or still getting its weight gradients)."""
     blocks = MODELS["gpt2"].num_layers
     for rank, got in enumerate(runs.extras[2]):
-        counts = got["gathered"]  # every forward: the micro-batches' and evaluation's
-        assert len(counts) == STEPS * BATCH // 2 // MB * blocks, (rank, counts)
+        forward, backward = got["gathered"]
+        assert len(forward) == STEPS * BATCH // 2 // MB * blocks, (rank, forward)
         # the first block: itself and the next; the last: itself (and nothing after it)
-        assert counts[:blocks] == [2] * (blocks - 1) + [1], (rank, counts)
-        assert max(counts) == 2, (rank, counts)
+        assert forward[:blocks] == [2] * (blocks - 1) + [1], (rank, forward)
+        assert max(forward) == 2, (rank, forward)
+        assert backward and max(backward) == 2, (rank, backward)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])

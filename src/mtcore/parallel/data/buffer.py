@@ -179,11 +179,15 @@ class GradBuffer:
                 self._shard_starts.append((lo, hi, offset))
                 offset += hi - lo
             self.grad = torch.zeros(offset, dtype=grad_dtype, device=self.device)
-        self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        # ZeRO-3: only the shards, back to back like ``grad``; each bucket's whole params
+        # get storage of their own (to be freed and given back), one bucket at a time
+        # here, so building the buffer holds little more than the model.
+        numel = self.grad.numel() if shard_params else self.numel
+        self.param_data = torch.zeros(numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for bucket in self.buckets:
-                if shard_params:  # storage of its own, to be freed and given back
-                    bucket.full_params = self.param_data[bucket.start : bucket.end].clone()
+                if shard_params:
+                    bucket.full_params = self.param_data.new_zeros(bucket.numel)
                 for p in bucket.params:
                     start, end = self.ranges[id(p)]
                     view = bucket.param_data[start - bucket.start : end - bucket.start].view_as(p)
@@ -191,12 +195,9 @@ class GradBuffer:
                     p.data = view
                     if shard is None:
                         p.main_grad = self.grad[start:end].view_as(p)
-            if shard_params:
-                self.param_data = torch.cat(
-                    [b.full_params[lo - b.start : hi - b.start] for b, (lo, hi, _) in
-                     zip(self.buckets, self._shard_starts, strict=True)]
-                )  # fmt: skip
-                for bucket in self.buckets:
+                if shard_params:
+                    lo, hi = (i - bucket.start for i in bucket.shard(*shard))
+                    self.owned_params(bucket).copy_(bucket.full_params[lo:hi])
                     self.release(bucket)
 
     def grad_range(self, start: int, end: int) -> Tensor:
