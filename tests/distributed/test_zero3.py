@@ -24,9 +24,10 @@ import dataclasses
 import functools
 
 import pytest
+import torch
 
 from mtcore.distributed import LayoutSpec, ParallelLayout
-from mtcore.parallel.data import DataParallelConfig
+from mtcore.parallel.data import DataParallelConfig, GradBuffer
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe
 from mtcore.testing.compare import rel_error
@@ -213,3 +214,5 @@ def test_zero3_keeps_only_param_shards_between_steps(runs, case):
 def test_param_shards_need_gradient_shards():
     with pytest.raises(ValueError, match=r"shard_params \(ZeRO-3\) needs shard_gradients"):
         DataParallelConfig(shard_optimizer=True, shard_params=True)
+    with pytest.raises(ValueError, match=r"shard_params \(ZeRO-3\) needs shard \(ZeRO-2"):
+        GradBuffer([torch.nn.Parameter(torch.ones(4))], bucket_size=4, shard_params=True)

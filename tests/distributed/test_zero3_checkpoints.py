@@ -2,8 +2,8 @@
 
 The checkpoint format is layout-neutral; under ``parallel.zero: 3`` the blocks' params
 are gathered whole for the save and the loaded weights written back into the shards.
-So a checkpoint saved under zero 3 continues under zero 1 and in one process, and one
-saved under zero 0 continues under zero 3. The real trainer loop on gloo ranks
+So a checkpoint saved under zero 3 continues under zero 1, at pp2 and in one process,
+and one saved under zero 0 continues under zero 3. The real trainer loop on gloo ranks
 (``test_checkpoint_layouts``'s jobs): resume under the same layout is bitwise; across
 stages the losses equal the unbroken run's within ``RESHARD_RTOL``.
 """
@@ -21,7 +21,7 @@ from tests.distributed.test_checkpoint_layouts import _check_reshard, _resume, _
 job = layouts.job  # the fixture: a corpus and the job configs
 
 
-def test_zero3_resumes_bitwise_and_reshards_to_zero1_and_one_process_and_back(job):
+def test_zero3_resumes_bitwise_and_reshards_to_zero1_pp2_and_one_process_and_back(job):
     root, make = job
     zero3, zero1, zero0 = {"dp": 2, "zero": 3}, {"dp": 2, "zero": 1}, {"dp": 2}
     z3_source, z0_source = root / "z3" / "checkpoints", root / "z0" / "checkpoints"
@@ -29,15 +29,17 @@ def test_zero3_resumes_bitwise_and_reshards_to_zero1_and_one_process_and_back(jo
         make("z3", zero3),
         _resume(make, "z3_resumed", zero3, z3_source),
         _resume(make, "z3_to_z1", zero1, z3_source),
+        _resume(make, "z3_to_pp2", {"pp": 2}, z3_source),
         make("z0", zero0),
         _resume(make, "z0_to_z3", zero3, z0_source),
     ]
     results = run_ranks(_run_jobs, 2, jobs)[0]
-    (z3_whole, _, _), z3_resumed, to_z1, (z0_whole, _, _), z0_to_z3 = results
+    (z3_whole, _, _), z3_resumed, to_z1, to_pp2, (z0_whole, _, _), z0_to_z3 = results
 
     assert z3_resumed[1] == 3 and "RNG streams restored" in z3_resumed[2]
     assert z3_resumed[0] == z3_whole[3:]  # bitwise
     _check_reshard(z3_whole, to_z1, "dp2 zero3 -> dp2 zero1")
+    _check_reshard(z3_whole, to_pp2, "dp2 zero3 -> pp2")
     _check_reshard(z0_whole, z0_to_z3, "dp2 zero0 -> dp2 zero3")
     assert "(zero=3) -> 2 ranks (zero=None)" in to_z1[2], to_z1[2]  # the reshard is named
 
