@@ -41,13 +41,12 @@ class ShardedParams:
     """The gather and free of the ZeRO-3 buckets of ``ddp`` around ``units``' uses.
 
     units: modules in forward order; each unit's trainable params must fill whole
-    buckets of sharded-param buffers (``DataParallel`` builds them so). ``prefetch``:
-    gather the next unit of the same model chunk (the previous in backward) while this
-    one computes.
+    buckets of sharded-param buffers (``DataParallel`` builds them so). The next unit of
+    the same model chunk (the previous in backward) is gathered while one computes.
     """
 
-    def __init__(self, ddp, units: Sequence[nn.Module], prefetch: bool = True):
-        self.ddp, self.prefetch = ddp, prefetch
+    def __init__(self, ddp, units: Sequence[nn.Module]):
+        self.ddp = ddp
         self.units: list[list[Bucket]] = []
         self._unit_of: dict[int, int] = {}  # bucket index -> unit
         for u, module in enumerate(units):
@@ -94,7 +93,7 @@ class ShardedParams:
         return 0 <= v < len(self.units) and self._chunk[v] == self._chunk[u]
 
     def _prefetch(self, u: int, v: int) -> None:
-        if self.prefetch and self._near(u, v):
+        if self._near(u, v):
             for bucket in self.units[v]:
                 self._gather(bucket)
 
@@ -154,12 +153,12 @@ class ShardedParams:
         self._gather_unit(u, u + 1)
 
     def _post(self, u: int, module: nn.Module, args, output):
-        if u in self._in_backward:  # a recompute inside the unit's backward
-            return output
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # (a recompute's outputs get no gradient: harmless)
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(self._pre_backward, u))
+        if u in self._in_backward:  # a recompute inside the unit's backward, or another
+            return output  # micro-batch's forward before this one's weight gradients
         for bucket in self.units[u]:
             self.release(bucket)
         return output
