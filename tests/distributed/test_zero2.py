@@ -137,13 +137,17 @@ EVAL_NAMES = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs():
+def model_batches() -> dict:
+    """The global batches of each model."""
     tokens = token_batches(STEPS, BATCH, SIZES["seq_len"], vocab=64)
     t5 = t5_batches()
     batches = {"gpt2": tokens, "llama": tokens, "moe": tokens, "bert": bert_batches()}
-    batches |= {"t5": t5, "t5_tied": t5}
-    return spawn(SETUP, CASES, batches)
+    return batches | {"t5": t5, "t5_tied": t5}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return spawn(SETUP, CASES, model_batches())
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--zero",
         metavar="0-3",
         default=None,
-        help="ZeRO stage (default: parallel.zero); 3 (FSDP) is planned only, not trained",
+        help="ZeRO stage (default: parallel.zero); 3 is FSDP's FULL_SHARD",
     )
     parser.add_argument(
         "--flash-attention",

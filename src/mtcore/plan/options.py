@@ -41,7 +41,7 @@ class Options:
     the gradients (reduce-scattered every micro-batch) and 3 the parameters too
     (all-gathered layer by layer for each micro-batch's forward and again for its
     backward): DeepSpeed's ZeRO-2/3, FSDP's SHARD_GRAD_OP / FULL_SHARD. mtcore trains
-    with 0, 1 or 2 (``parallel.zero``); 3 is planned only.
+    all four (``parallel.zero``; its ZeRO-3 keeps params outside the blocks whole).
     cross_node: let a tp group (or an ep x tp block) span nodes; it is priced on the
     network. Off: such a layout is refused.
     """

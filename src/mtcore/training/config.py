@@ -68,8 +68,8 @@ class ParallelConfig(LayoutSpec):
         0,
         ge=0,
         le=3,
-        description="ZeRO stage: 1 shards the optimizer state over dp, 2 the gradients too; "
-        "3 (parameters) is planned by `mtcore plan` but not trained",
+        description="ZeRO stage: 1 shards the optimizer state over dp, 2 the gradients too, "
+        "3 the transformer blocks' params too (gathered a block at a time)",
     )
     zero1: bool = Field(False, description="the older spelling of zero: 1")
     bucket_size: int = Field(DEFAULT_BUCKET_SIZE, ge=1, description="gradient bucket, elements")
@@ -84,11 +84,6 @@ class ParallelConfig(LayoutSpec):
         if self.zero1 and self.zero not in (0, 1):
             raise ValueError(
                 f"parallel.zero1 is true but parallel.zero is {self.zero}; set only one"
-            )
-        if self.zero == 3:
-            raise ValueError(
-                "parallel.zero 3 (parameter sharding) is not trained yet; use zero 2 "
-                "(docs/training.md, ZeRO)"
             )
         return self
 

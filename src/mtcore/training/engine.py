@@ -5,7 +5,8 @@ family builds this rank's chunks, names the tensors that cross each pipeline
 boundary, and gives its loss as (sum, count) terms. The same path serves every
 family and layout. The rank's model chunks sit in
 one ``DataParallel`` (fp32 gradient buckets, all-reduce or ZeRO-1/2
-reduce-scatter over dp; ZeRO-2 keeps only the owned gradient shard) with one
+reduce-scatter over dp; ZeRO-2 keeps only the owned gradient shard, ZeRO-3 the
+owned shard of each transformer block's params too, gathered a block at a time) with one
 mtcore ``AdamW``/``DistributedAdamW``, and a ``PipelineRunner`` runs the
 micro-batches: ``no_pipelining`` (gradient accumulation) at pp=1, 1F1B /
 interleaved / GPipe otherwise. A step:
@@ -109,17 +110,18 @@ class Engine:
         self.fp8 = FP8StepBookkeeping(self.chunks)  # amaxes reduced, weights cast once a step
         self.dtype = precision.param_dtype
         module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
-        if zero not in (0, 1, 2):
-            raise ValueError(f"ZeRO stage {zero} is not trained (0, 1 or 2)")
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage {zero} does not exist (0, 1, 2 or 3)")
         sizes = {} if bucket_size is None else {"bucket_size": bucket_size}
         dp_config = DataParallelConfig(
-            **sizes, shard_optimizer=zero >= 1, shard_gradients=zero >= 2
+            **sizes, shard_optimizer=zero >= 1, shard_gradients=zero >= 2, shard_params=zero >= 3
         )
         # Tied halves on other stages are summed over the stages before their dp reduction.
         self.tied = [p for chunk in self.chunks for p in chunk.tied_copies()]
-        self.ddp = DataParallel(
-            module, layout, backend, dp_config, chunks=self.chunks, deferred=self.tied
-        )
+        # ZeRO-3 gathers the params of one transformer block at a time; the rest stay whole.
+        blocks = [block for chunk in self.chunks for block in chunk.layers.values()]
+        self.ddp = DataParallel(module, layout, backend, dp_config, chunks=self.chunks,
+                                deferred=self.tied, units=blocks)  # fmt: skip
         scaler = precision.make_loss_scaler()
         self.max_grad_norm = optimizer.max_grad_norm
         kind, extra = DistributedAdamW if zero >= 1 else AdamW, {}
@@ -343,16 +345,9 @@ class Engine:
         rank 0 then sends each stage's tensors to rank 0 (p2p). Persistent buffers
         (a MoE router's expert bias, equal on every rank) come along.
         """
-        if self.layout.edp.size > 1 and self.layout.edp.rank != 0:
-            return None
-        full: dict[str, Tensor] = {}
-        for chunk in self.chunks:
-            tensors, keep = full_tensors(chunk, chunk.tp), chunk.own_parameter_names()
-            gather_experts(chunk, tensors, self.layout, self.collective)
-            full.update({name: tensors[name].float() for name in keep})
-            saved = set(chunk.state_dict()) - {n for n, _ in chunk.named_parameters()}
-            full.update({n: b.float().clone() for n, b in chunk.named_buffers() if n in saved})
-        if self.layout.tp_rank != 0 or self.layout.dp_cp.rank != 0:
+        with self.ddp.gathered_params():  # ZeRO-3: every rank gathers its blocks
+            full = self._full_tensors()
+        if full is None or self.layout.tp_rank != 0 or self.layout.dp_cp.rank != 0:
             return None
         if self.pp == 1:
             return full
@@ -362,6 +357,19 @@ class Engine:
             return None
         for stage in range(1, self.pp):
             full.update(self._recv_tensors(ranks[stage]))
+        return full
+
+    def _full_tensors(self) -> dict[str, Tensor] | None:
+        """This rank's chunks unsharded over tp and ep (None on edp ranks but the first)."""
+        if self.layout.edp.size > 1 and self.layout.edp.rank != 0:
+            return None
+        full: dict[str, Tensor] = {}
+        for chunk in self.chunks:
+            tensors, keep = full_tensors(chunk, chunk.tp), chunk.own_parameter_names()
+            gather_experts(chunk, tensors, self.layout, self.collective)
+            full.update({name: tensors[name].to(torch.float32, copy=True) for name in keep})
+            saved = set(chunk.state_dict()) - {n for n, _ in chunk.named_parameters()}
+            full.update({n: b.float().clone() for n, b in chunk.named_buffers() if n in saved})
         return full
 
     def _send_tensors(self, tensors: dict[str, Tensor], dst: int) -> None:

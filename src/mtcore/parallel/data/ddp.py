@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mtcore.distributed import Axis
 from mtcore.parallel.clip import is_expert_parallel
 from mtcore.parallel.data.buffer import Bucket, GradBuffer
+from mtcore.parallel.data.zero3 import ShardedParams
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-Core's default
 
@@ -67,11 +68,14 @@ class DataParallelConfig(BaseModel):
     overlap_grad_reduce: bool = True
     average: bool = True
     shard_gradients: bool = False
+    shard_params: bool = False
 
     @model_validator(mode="after")
     def _shards_need_sharded_optimizer(self) -> DataParallelConfig:
         if self.shard_gradients and not self.shard_optimizer:
             raise ValueError("shard_gradients (ZeRO-2) needs shard_optimizer (ZeRO-1) too")
+        if self.shard_params and not self.shard_gradients:
+            raise ValueError("shard_params (ZeRO-3) needs shard_gradients (ZeRO-2) too")
         return self
 
 
@@ -106,7 +110,8 @@ class DataParallel(torch.nn.Module):
     backward goes on. deferred: params whose buckets backward must not launch
     (halves of a tied weight split over pipeline stages: they are summed over the
     stages first, then ``finish_grad_sync`` reduces them over dp); they get buffers
-    of their own too.
+    of their own too. units: the modules (in forward order) whose params ZeRO-3 shards,
+    one bucket per unit and buffer kind (with ``shard_params``; other params stay whole).
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class DataParallel(torch.nn.Module):
         *,
         chunks: Sequence[torch.nn.Module] | None = None,
         deferred: Sequence[torch.nn.Parameter] = (),
+        units: Sequence[torch.nn.Module] = (),
     ):
         super().__init__()
         self.module = module
@@ -143,11 +149,15 @@ class DataParallel(torch.nn.Module):
         if missing:
             raise ValueError(f"{len(missing)} trainable params of the module are in no chunk")
         deferred_ids = {id(p) for p in deferred}
-        # (reduce group, chunk, deferred, dtype) -> params, in module order
-        by_kind: dict[tuple[Axis, int, bool, torch.dtype], list] = {}
+        unit_of = {}  # ZeRO-3: param -> its unit
+        if self.config.shard_params:
+            unit_of = {id(p): u for u, m in enumerate(units) for p in m.parameters()}
+        # (reduce group, chunk, deferred, ZeRO-3, dtype) -> params, in module order
+        by_kind: dict[tuple[Axis, int, bool, bool, torch.dtype], list] = {}
         for p in params:
             kind = Axis.EDP if is_expert_parallel(p) else Axis.DP_CP
-            key = (kind, chunk_of[id(p)], id(p) in deferred_ids, p.dtype)
+            sharded = id(p) in unit_of and id(p) not in deferred_ids
+            key = (kind, chunk_of[id(p)], id(p) in deferred_ids, sharded, p.dtype)
             by_kind.setdefault(key, []).append(p)
         if any(key[0] is Axis.EDP for key in by_kind):
             self.reductions[Axis.EDP] = (
@@ -157,14 +167,19 @@ class DataParallel(torch.nn.Module):
             )
         self.grad_buffers: list[GradBuffer] = []
         order = sorted(by_kind.items(), key=lambda item: (item[0][0] is Axis.EDP, *item[0][1:3]))
-        for (kind, chunk, later, _), group in order:
+        for (kind, chunk, later, sharded, _), group in order:
             _, size, rank = self.reductions[kind]
             pad_to = size if self.config.shard_optimizer else 1
             first = sum(len(b.buckets) for b in self.grad_buffers)
             shard = (rank, size) if self.config.shard_gradients and not later else None
-            buf = GradBuffer(
-                group, self.config.bucket_size, pad_to, first, reduce_group=kind, shard=shard
-            )
+            groups = None
+            if sharded:  # one bucket per unit
+                by_unit: dict[int, list] = {}
+                for p in group:
+                    by_unit.setdefault(unit_of[id(p)], []).append(p)
+                groups = [by_unit[u] for u in sorted(by_unit)]
+            buf = GradBuffer(group, self.config.bucket_size, pad_to, first, reduce_group=kind,
+                             shard=shard, groups=groups, shard_params=sharded)  # fmt: skip
             buf.chunk, buf.deferred = chunk, later
             self.grad_buffers.append(buf)
         self.device = self.grad_buffers[0].device if self.grad_buffers else torch.device("cpu")
@@ -192,6 +207,7 @@ class DataParallel(torch.nn.Module):
         self._reduced: set[int] = set()  # ZeRO-2 buckets reduced at least once this step
         self.launch_log: list[LaunchRecord] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.sharded_params = ShardedParams(self, units) if self.config.shard_params else None
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -233,6 +249,8 @@ class DataParallel(torch.nn.Module):
             launch = (self._sync and self.config.overlap_grad_reduce) or sharded
             if launch and self.reduce_gradients and not bucket.buffer.deferred:
                 self._launch(bucket, pending, from_backward=True)
+            if bucket.buffer.shard_params:  # its backward is done: the whole params go
+                self.sharded_params.release(bucket)
 
     def _launch(self, bucket: Bucket, pending: int, from_backward: bool) -> None:
         if bucket.index in self._handles:
@@ -310,6 +328,8 @@ class DataParallel(torch.nn.Module):
         for bucket in list(self._in_flight):
             self._settle(bucket)
         self._reduced.clear()
+        if self.sharded_params is not None:
+            self.sharded_params.release_all()
         self._sum_sequence_parallel_grads()
         for seen in self._seen:
             seen.clear()
@@ -362,6 +382,13 @@ class DataParallel(torch.nn.Module):
             ready.clear()
         self._synced = True
         self.launch_log.clear()
+
+    def gathered_params(self, write_back: bool = False) -> contextlib.AbstractContextManager:
+        """Every param whole inside the ``with`` (ZeRO-3 gathers its units; a no-op
+        otherwise); ``write_back``: what is written into them is kept."""
+        if self.sharded_params is None:
+            return contextlib.nullcontext()
+        return self.sharded_params.gathered(write_back)
 
     # -- queries ------------------------------------------------------------------
     def buffer_of(self, param: torch.nn.Parameter) -> GradBuffer:

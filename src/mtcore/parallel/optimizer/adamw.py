@@ -10,7 +10,8 @@ plugin's fused kernel serves the step. A step is Megatron-Core's:
 3. optionally clip by the global norm (``mtcore.parallel.clip``);
 4. AdamW on the owned ranges, one kernel call per param group;
 5. copy master weights into the params; ZeRO-1 then all-gathers every bucket
-   so each rank has the full updated params again.
+   so each rank has the full updated params again (but ZeRO-3's buckets, whose
+   params stay sharded until a forward gathers them).
 
 ``DistributedAdamW`` (ZeRO-1) owns a contiguous 1/dp shard of every bucket;
 its master weights and moments take 12/dp bytes per param instead of 12.
@@ -250,7 +251,7 @@ class DistributedAdamW(AdamW):
         handles = []
         for bucket in ddp.buckets:
             group, size, rank = ddp.reduction_of(bucket)  # dp_cp, or edp for expert params
-            if size == 1:
+            if size == 1 or bucket.buffer.shard_params:
                 continue
             lo, hi = bucket.shard(rank, size)
             shard = bucket.buffer.param_data[lo:hi]

@@ -114,7 +114,7 @@ class Checkpointer:
             "zero1": bool(engine.optimizer.sharded),
         }
         if engine.ddp.config.shard_gradients:  # only then, so older records still compare equal
-            self.layout_record["zero"] = 2
+            self.layout_record["zero"] = 3 if engine.ddp.config.shard_params else 2
         self._sections: dict | None = None
         self._pending = None  # (future, staging, header) of an asynchronous save
         self._commit_error: Exception | None = None  # rank 0's failed commit in poll()

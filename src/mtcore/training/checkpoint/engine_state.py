@@ -13,6 +13,11 @@ of this rank's (tp/pp-sharded) parameters. At load every rank reads its
 parameters' full state and keeps the range it owns, so a ZeRO-1 checkpoint
 loads under any dp size, with or without ZeRO.
 
+ZeRO-3 blocks hold only their shard of the params between uses: save and load gather
+them whole (``DataParallel.gathered_params``); a save copies them, as the writer may
+read its tensors after the gathered params are freed, and a load writes back into
+the shards.
+
 A tied copy on another pipeline stage (a parameter not in the chunk's
 ``own_parameter_names``, e.g. GPT's ``output.weight`` on the last stage) is not
 saved: it loads from its twin (``ModelFamily.checkpoint_aliases``), state included.
@@ -83,6 +88,8 @@ class EngineState:
                     self.buffers[name] = value
                     self._chunk_of[name] = chunk
         self._meshes: dict[tuple[str, ...], object] = {}
+        ddp = engine.ddp
+        self._zero3 = {id(p) for buf in ddp.grad_buffers if buf.shard_params for p in buf.params}
 
     # -- shapes and records ----------------------------------------------------------
     def sections(self) -> dict[str, dict]:
@@ -132,10 +139,14 @@ class EngineState:
     def save_tensors(self, optimizer: bool = True) -> dict[str, Tensor]:
         """Every logical tensor this rank contributes. Collective over dp under ZeRO-1."""
         out: dict[str, Tensor] = {}
-        for entry in self.params:
-            if entry.saved:
-                for piece in self._pieces(entry, entry.param.detach(), "model"):
-                    out[piece.key] = self._logical(piece)
+        with self.engine.ddp.gathered_params():
+            for entry in self.params:
+                if entry.saved:
+                    local = entry.param.detach()
+                    if id(entry.param) in self._zero3:  # freed when the gather ends
+                        local = local.clone()
+                    for piece in self._pieces(entry, local, "model"):
+                        out[piece.key] = self._logical(piece)
         for name, value in self.buffers.items():
             out[f"model.{name}"] = value.detach()
         if optimizer:
@@ -229,25 +240,27 @@ class EngineState:
             plans.append((apply, pieces))
 
         flat: dict[str, dict[int, Tensor]] = self._empty_optimizer_state() if optimizer else {}
-        for entry in self.params:
-            state = {}
-            if optimizer and entry.param.requires_grad:
-                state = self._param_state(entry, flat)
-            masters = self._pieces(entry, entry.param.detach(), "optim.master")
-            saved_masters = all(p.key in available for p in masters)
-            if "master" in state and not saved_masters:
-                # An fp32 checkpoint in a low-precision run: its params are the masters.
-                master, param = state.pop("master"), entry.param
-                apply_both = lambda t, m=master, p=param: (m.copy_(t), p.data.copy_(t))  # noqa: E731
-                want(self._pieces(entry, master, "model"), apply_both)
-            elif "master" not in state and saved_masters:
-                # A low-precision checkpoint in an fp32 run: the weights are its fp32 masters
-                # (its params are their rounded copies).
-                want(masters, entry.param.data.copy_)
-            else:
-                want(self._pieces(entry, entry.param.detach(), "model"), entry.param.data.copy_)
-            for kind, local in state.items():
-                want(self._pieces(entry, local, f"optim.{kind}"), local.copy_)
+        # ZeRO-3: the pieces are cut from whole params (only their shapes are kept).
+        with self.engine.ddp.gathered_params():
+            for entry in self.params:
+                state = {}
+                if optimizer and entry.param.requires_grad:
+                    state = self._param_state(entry, flat)
+                masters = self._pieces(entry, entry.param.detach(), "optim.master")
+                saved_masters = all(p.key in available for p in masters)
+                if "master" in state and not saved_masters:
+                    # An fp32 checkpoint in a low-precision run: its params are the masters.
+                    master, param = state.pop("master"), entry.param
+                    apply_both = lambda t, m=master, p=param: (m.copy_(t), p.data.copy_(t))  # noqa: E731
+                    want(self._pieces(entry, master, "model"), apply_both)
+                elif "master" not in state and saved_masters:
+                    # A low-precision checkpoint in an fp32 run: the weights are its fp32 masters
+                    # (its params are their rounded copies).
+                    want(masters, entry.param.data.copy_)
+                else:
+                    want(self._pieces(entry, entry.param.detach(), "model"), entry.param.data.copy_)
+                for kind, local in state.items():
+                    want(self._pieces(entry, local, f"optim.{kind}"), local.copy_)
         for name, value in self.buffers.items():
             # Through load_state_dict, so a module's own load hook sees its state (FP8
             # scaling derives its "fresh" flags from the loaded amax history).
@@ -266,8 +279,9 @@ class EngineState:
 
         def apply() -> None:
             with torch.no_grad():
-                for fn, pieces in plans:
-                    fn(join_pieces([p.local for p in pieces], pieces[0].dim))
+                with self.engine.ddp.gathered_params(write_back=True):
+                    for fn, pieces in plans:
+                        fn(join_pieces([p.local for p in pieces], pieces[0].dim))
                 self._install_optimizer_state(flat)
                 if rank_targets and len(rank_targets) == len(self._rank_state()):
                     self.engine.optimizer.load_rank_state(rank_targets)
