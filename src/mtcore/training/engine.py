@@ -215,7 +215,7 @@ class Engine:
         if self.tied:
             allreduce_tied_grads(self.tied, self.groups, self.collective)
         self.ddp.finish_grad_sync()
-        terms, stop = self._agree_terms(scale, stop)
+        terms, stop = self._agree_terms(stop)
         loss = sum(terms.values()) if terms else math.nan
         outcome = functools.partial(StepOutcome, terms=terms, stop=stop)
         if not math.isfinite(loss):
@@ -232,14 +232,13 @@ class Engine:
         self.optimizer.step()
         return outcome(loss, "", norm_value, None)
 
-    def _agree_terms(self, scale: float, stop: bool) -> tuple[dict[str, float], bool]:
+    def _agree_terms(self, stop: bool) -> tuple[dict[str, float], bool]:
         """Each term's global mean on every rank (the last stage's weighted micro-batch
-        losses, summed over micro-batches, pp and dp, divided by dp), and whether any
-        rank asked to stop."""
+        losses, summed over micro-batches, pp and dp, divided by dp; kept before fp16's
+        loss scale multiplies them), and whether any rank asked to stop."""
         names = sorted(self._counts)
         local = [
-            torch.stack(self._terms[n]).sum().item() / scale if n in self._terms else 0.0
-            for n in names
+            torch.stack(self._terms[n]).sum().item() if n in self._terms else 0.0 for n in names
         ]
         *sums, stops = self.agree_sums(local, flag=stop)
         return dict(zip(names, sums, strict=True)), stops > 0

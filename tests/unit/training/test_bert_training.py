@@ -48,6 +48,8 @@ def test_bert_trains_in_every_precision(tiny, precision):
     stream = io.StringIO()
     result = train(validate(config), stream=stream)
     assert all(math.isfinite(x) for x in result.losses), result.losses
+    # an untrained model's loss, not divided by fp16's loss scale (it read 1e-4 before)
+    assert result.losses[0] > math.log(2) + 1, result.losses
     assert result.losses[-1] < result.losses[0], result.losses
     (step, metrics), = result.val_metrics
     assert step == 8 and set(metrics) == {"loss", "mlm", "pair", "mlm_accuracy", "pair_accuracy"}
