@@ -109,6 +109,9 @@ def test_exact_resume_tp2_pp2_and_zero1_then_reshard_to_pp4_and_one_process(job)
     _check_reshard(zero_whole, (one.losses, one.start_step, stream.getvalue()), "-> one process")
 
 
+# slow: the GPT twin above (tp2 x pp2 + ZeRO-1 -> pp4 and one process) stays in the
+# default suite; BERT's checkpoints reshard through the same layout-neutral code.
+@pytest.mark.slow
 def test_bert_exact_resume_then_reshard_to_pp4_and_one_process(job):
     """BERT (padding, masks, the tied MLM decoder split over the pipeline) resumes bitwise
     under tp2 x pp2 with dropout and under tp2 x dp2 with ZeRO-1, and continues under

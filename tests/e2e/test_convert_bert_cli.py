@@ -79,6 +79,9 @@ def _wordpiece(corpus: Path) -> tokenizers.Tokenizer:
     return tok
 
 
+# slow: BERT's import under tp2 x pp2 is in the default suite as
+# tests/distributed/test_hf_bert_tp_pp.py; this is the CLI round trip with training.
+@pytest.mark.slow
 def test_bert_from_hf_trains_under_tp2_pp2_and_exports_back(tmp_path, tiny_bert):
     corpus = _corpus(tmp_path / "docs")
     hf_dir, root, run, out = (tmp_path / name for name in ("hf", "imported", "run", "out"))

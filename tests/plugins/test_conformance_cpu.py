@@ -18,6 +18,8 @@ import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 from mtcore.backend.checks.collective_checks import CHECK_NAMES
 from mtcore.testing.conformance.plugin import AREAS
 
@@ -140,6 +142,8 @@ def test_kit_passes_on_cpu(tmp_path):
             assert outcomes.get(f"test_collective::test_collective[{ws}ranks-{name}]") == "passed"
 
 
+# slow: the default suite's negative case of the kit is test_conformance_lies.py's.
+@pytest.mark.slow
 def test_kit_fails_a_broken_backend_exactly_where_it_is_wrong(tmp_path):
     site = tmp_path / "site"
     dist_info = site / "cpu_broken_plugin-0.1.dist-info"

@@ -87,6 +87,9 @@ def test_doctor_shows_the_example_kernel_and_reference_override(site):
     assert "reference [mtcore]" in swiglu and "sigmoid-swiglu [mtcore_example] (bypassed)" in swiglu
 
 
+# slow: the third full conformance-kit run; the default suite runs the kit on the cpu
+# backend and on `mtcore new-plugin`'s skeleton, and the example's wiring below.
+@pytest.mark.slow
 def test_conformance_kit_passes_on_the_example(site):
     result = site.run(
         "-m",
