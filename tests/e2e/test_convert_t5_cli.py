@@ -43,6 +43,9 @@ def _hf_t5(directory, feed_forward_proj="gated-gelu"):
     return model
 
 
+# slow: T5's import is in the default suite as tests/distributed/test_hf_t5_tp_pp.py,
+# and `mtcore convert`'s round trip as test_convert_cli.py (GPT).
+@pytest.mark.slow
 def test_t5_convert_from_hf_and_back(tmp_path, run_mtcore):
     hf_dir, root, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
     model = _hf_t5(hf_dir)

@@ -162,6 +162,9 @@ def test_doctor_shows_its_kernel_serving_swiglu(site):
     assert swiglu and all(f"{NAME}-swiglu [{PACKAGE}]" in ln for ln in swiglu), swiglu
 
 
+# slow: test_the_generated_tests_pass runs the same kit on the skeleton, through the
+# test file `mtcore new-plugin` writes.
+@pytest.mark.slow
 def test_the_conformance_kit_passes_as_generated(site):
     result = site.run(
         "-m",
