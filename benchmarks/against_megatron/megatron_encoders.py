@@ -16,12 +16,11 @@ Where they differ from mtcore's model (Megatron-Core's local spec cannot express
   and across, causal in the decoder. The local block specs name Transformer Engine's
   ``TENorm`` as the encoder's and decoder's final norm, which is None without
   Transformer Engine, so the stacks would end without one; they get the local spec's
-  own norm (``WrappedTorchNorm``, here RMSNorm) instead, as T5 has. Even so Megatron's
-  T5 stays near ln V on the benchmark's batches where mtcore's learns (also in a plain
-  loop with torch AdamW on one rank; its loss hardly depends on the decoder tokens):
-  mtcore's T5 draws T5's own initialisation (embedding std 1), Megatron's std 0.02
-  everywhere; whether that alone explains it was not checked, and T5's loss curves do
-  not compare (docs/results/megatron.md).
+  own norm (``WrappedTorchNorm``, here RMSNorm) instead, as T5 has. Both sides draw
+  T5's initialisation (``_draw_t5_init``). With Megatron's own (std 0.02 everywhere,
+  embeddings too) its T5 stays near ln V on the benchmark's batches and its loss hardly
+  depends on the decoder's tokens; word embeddings of std 1 alone make it learn
+  (docs/results/megatron.md).
 """
 
 from __future__ import annotations
@@ -98,11 +97,37 @@ def build_t5(cfg: BenchConfig):
         gated_linear_unit=True, activation_func=lambda x: F.gelu(x, approximate="tanh"),
         add_bias_linear=False,
     )  # fmt: skip
-    return T5Model(
+    model = T5Model(
         _config(cfg, **fields), _config(cfg, **fields), encoder, decoder, vocab_size=VOCAB,
         max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
         position_embedding_type="learned_absolute",
     )  # fmt: skip
+    _draw_t5_init(model, cfg.tp)
+    return model
+
+
+def _draw_t5_init(model, tp: int) -> None:
+    """T5's initialisation, as mtcore's T5 draws it (HF's), on Megatron's T5: word
+    embeddings std 1; every linear weight std ``fan_in ** -0.5`` (key, value, output,
+    MLP and LM head as T5; T5's query std ``(h d) ** -0.5`` without a ``d ** -0.5``
+    logit scale is this std with Megatron's scale); the absolute positions, which
+    mtcore's T5 does not have, std 0.02. Each tp rank draws its own shard."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for index, (name, weight) in enumerate(model.named_parameters()):
+            if weight.dim() != 2:
+                continue  # norms stay 1
+            generator = torch.Generator().manual_seed(1000 * index + rank)
+            if name.endswith("word_embeddings.weight"):
+                std = 1.0
+            elif name.endswith("position_embeddings.weight"):
+                std = 0.02
+            else:
+                split_inputs = getattr(weight, "partition_dim", 0) == 1  # row parallel
+                std = (weight.shape[1] * (tp if split_inputs else 1)) ** -0.5
+            weight.normal_(0.0, std, generator=generator)
 
 
 _DECODER_CAUSAL = torch.triu(torch.ones(DECODER_SEQ, DECODER_SEQ, dtype=torch.bool), 1)

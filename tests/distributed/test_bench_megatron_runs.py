@@ -1,6 +1,7 @@
 """benchmarks/bench_megatron.py's new configurations build and train one step on both
 sides (mtcore's engine and Megatron-Core 0.16.1 on CPU ranks, the benchmark's own
-shapes), each side's first loss where an untrained model starts, and the dp2-distopt
+shapes), each side's first loss where an untrained model starts (T5: both sides draw
+T5's initialisation, so their first losses agree), and the dp2-distopt
 report says which optimizer Megatron's side runs. Slow: one spawn of 2-4 ranks per
 configuration (Megatron's import alone takes seconds a rank); the quick checks of the
 package are tests/unit/test_bench_megatron.py."""
@@ -31,5 +32,7 @@ def test_a_new_configuration_trains_a_step_on_both_sides(name):
         first, second = res["losses"][side]
         assert math.isfinite(second) and abs(first - start) < 0.7, (side, res["losses"])
         assert res["round_times"][side][0] > 0 and res["phases"][side]["step"] > 0
+    if name == "t5-tp2":  # T5's init starts above ln V (its LM head's std is h^-0.5)
+        assert abs(res["losses"]["mtcore"][0] - res["losses"]["megatron"][0]) < 0.15, res
     if name == "dp2-distopt":
         assert res["note"] == "" or "DistributedOptimizer refused" in res["note"]
