@@ -80,7 +80,8 @@ def bert_loss(output, batch: dict) -> torch.Tensor:
     return mlm + F.cross_entropy(pair_logits.float(), batch["pair_labels"])
 
 
-def build_t5(cfg: BenchConfig):
+def build_t5(cfg: BenchConfig, t5_init: bool = True):
+    """``t5_init=False``: Megatron's own initialisation (bench_megatron_t5_init.py)."""
     from megatron.core.models.T5 import T5Model
     from megatron.core.models.T5.t5_spec import (
         get_t5_decoder_with_local_block_spec,
@@ -102,7 +103,8 @@ def build_t5(cfg: BenchConfig):
         max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
         position_embedding_type="learned_absolute",
     )  # fmt: skip
-    _draw_t5_init(model, cfg.tp)
+    if t5_init:
+        _draw_t5_init(model, cfg.tp)
     return model
 
 
