@@ -224,7 +224,8 @@ class Collective:
     ``same_host_channels``: the backend's tensors live in host memory, so latency-bound
     groups whose members share this host may use shared-memory channels (see the
     module docstring); the channel serves all-reduce, all-gather and reduce-scatter of
-    contiguous CPU tensors, and every other call stays on the c10d backend.
+    contiguous CPU tensors and all-to-all of CPU tensors (the expert-parallel group's),
+    and every other call stays on the c10d backend.
     """
 
     def __init__(
@@ -484,6 +485,17 @@ class Collective:
     ):
         """Scatter dim-0 slices of ``input`` to ranks and gather theirs into ``output``."""
         output_v, input_v = self._as_bytes_if_needed("all_to_all", output, input)
+        channel = self._channel_for(group)
+        if channel is not None and channel.fits_rows(input_v):  # the same answer on every rank
+            size = self.world_size(group)
+            rows = output_v.shape[0] // size, input_v.shape[0] // size
+            with self._sync("all_to_all", group):
+                channel.all_to_all(
+                    output_v, input_v,
+                    output_splits if output_splits is not None else [rows[0]] * size,
+                    input_splits if input_splits is not None else [rows[1]] * size,
+                )  # fmt: skip
+            return self._finish(None, None, async_op, "all_to_all", group)
         with self._sync("all_to_all", group):
             work = dist.all_to_all_single(
                 output_v,
@@ -522,7 +534,7 @@ class Collective:
         if not self._channels:
             return None
         channel = self.shared_memory_channel(group)
-        if channel is None or not channel.takes(*tensors, op=op):
+        if channel is None or (tensors and not channel.takes(*tensors, op=op)):
             return None
         return channel
 

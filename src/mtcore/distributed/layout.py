@@ -43,12 +43,13 @@ class Axis(str, enum.Enum):
 
 
 AXES = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)  # the rank order's axes, tp fastest
-# Groups whose calls block the step: tensor parallelism's, and the gradient reduction and
-# ZeRO param all-gather of data parallelism (expert params: edp). On one host they get a
-# shared-memory channel where the backend offers one (``new_group(latency_bound=True)``):
-# on gloo a 13 MB ZeRO-1 reduce-scatter and all-gather took 30 + 14 ms, through the
-# channel 6 + 4 ms (docs/results/megatron.md, dp2-distopt).
-CHANNEL_AXES = (Axis.TP, Axis.DP_CP, Axis.EDP)
+# Groups whose calls block the step: tensor parallelism's, the gradient reduction and
+# ZeRO param all-gather of data parallelism (expert params: edp), and expert
+# parallelism's token all-to-alls. On one host they get a shared-memory channel where
+# the backend offers one (``new_group(latency_bound=True)``): on gloo a 13 MB ZeRO-1
+# reduce-scatter and all-gather took 30 + 14 ms, through the channel 6 + 4 ms
+# (docs/results/megatron.md, dp2-distopt).
+CHANNEL_AXES = (Axis.TP, Axis.DP_CP, Axis.EDP, Axis.EP)
 
 
 class LayoutError(ValueError):
