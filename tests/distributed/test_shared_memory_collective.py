@@ -5,7 +5,9 @@ all-reduce, all-gather, reduce-scatter and all-to-all must give what gloo gives 
 over the same ranks, bit for bit where the result does not depend on the order of
 the sum (integer-valued data), and the same bits on every rank where it does.
 Tensors larger than a slot take several rounds; FP8 and bf16 take the collective's
-fallbacks first. ``MTCORE_SHM_COLLECTIVES=0`` keeps a latency-bound group on gloo,
+fallbacks first. A p2p group's mailbox (``shared_memory_p2p``) must deliver what its
+sends hold, in posting order, with both neighbours at once. ``MTCORE_SHM_COLLECTIVES=0``
+keeps a latency-bound group on gloo,
 and so does one member unable to create or map the segment.
 Three ranks exercise the general reduction (two ranks have a shortcut in no path,
 but bf16 is widened only from three up).
@@ -136,6 +138,38 @@ def _checks(ctx) -> dict:
     compare("all_to_all even strided output", *results)
     out["all_to_all sample"] = results[0].tolist()
 
+    # sends and receives through a p2p group's mailbox, to both neighbours at once:
+    # messages larger than a ring (several laps), an empty one, a strided receive (gloo
+    # takes contiguous ones only); each
+    # rank waits on its sends first (its waits must fill its posted receives meanwhile)
+    from mtcore.backend.collective import P2P
+    from mtcore.backend.shared_memory_p2p import RING_SLOTS
+    from mtcore.backend.shared_memory_p2p import SLOT_BYTES as MAILBOX_SLOT
+
+    boxed = coll.new_group(ranks, p2p=True)
+    out["mailbox"] = coll.shared_memory_mailbox(boxed) is not None
+    lengths = (RING_SLOTS * MAILBOX_SLOT // 4 + 4099, 0, 1001)
+
+    def message(src, dst, n):
+        return torch.arange(n, dtype=torch.float32) * (dst + 1) + 1000 * src
+
+    for group in (boxed, plain):
+        ops, expected = [], []
+        for peer in ((rank + 1) % WORLD, (rank - 1) % WORLD):
+            ops += [P2P("send", message(rank, peer, n), peer, group) for n in lengths]
+        for peer in ((rank - 1) % WORLD, (rank + 1) % WORLD):
+            for n in lengths:
+                target = torch.empty(n, 2)[:, 0] if group is boxed else torch.empty(n)
+                ops.append(P2P("recv", target, peer, group))
+                expected.append(message(peer, rank, n))
+        handles = coll.batch_send_recv(ops)
+        for handle in handles:
+            handle.wait()
+        got = [op.tensor for op in ops if op.kind == "recv"]
+        ok = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        out[f"p2p {'mailbox' if group is boxed else 'gloo'}"] = ok
+        out["sends completed"] = all(h.is_completed() for h in handles)
+
     # rounding-dependent sums: the same bits on every rank, whatever the order
     noise = noise_of(rank)
     for dtype in (torch.float32, torch.bfloat16):
@@ -173,3 +207,5 @@ def test_the_channel_gives_what_gloo_gives_on_every_op_dtype_and_size():
         assert result["async"] == (True, [3.0] * 5)
         expected = [float(100 * src + 4 * rank + i) for src in range(WORLD) for i in range(4)]
         assert result["all_to_all sample"] == expected, rank
+        assert result["mailbox"] and result["p2p mailbox"] and result["p2p gloo"], rank
+        assert result["sends completed"], rank

@@ -79,10 +79,11 @@ def segment_bytes(members: int, slot_bytes: int = SLOT_BYTES) -> int:
     return _PAGE + 2 * members * slot_bytes
 
 
-def create_segment(members: int, slot_bytes: int = SLOT_BYTES) -> str | None:
-    """Create a zeroed segment for a group (on its first rank); its path, or None if
-    ``/dev/shm`` lacks the room (the group then keeps its c10d backend)."""
-    size = segment_bytes(members, slot_bytes)
+def create_segment(members: int, slot_bytes: int = SLOT_BYTES, size: int | None = None) -> str | None:
+    """Create a zeroed segment for a group (on its first rank): a channel's, or ``size``
+    bytes; its path, or None if ``/dev/shm`` lacks the room (the group then keeps its
+    c10d backend)."""
+    size = segment_bytes(members, slot_bytes) if size is None else size
     stat = os.statvfs(SHM_DIR)
     if stat.f_bavail * stat.f_frsize < 2 * size:
         return None
