@@ -117,10 +117,7 @@ def _checks(ctx) -> dict:
     sends[0][1], sends[2][0] = 2 * part_rows + 5, 0
     for dtype in DTYPES:
         for row_width in (width, (SLOT_BYTES // WORLD) // dtype.itemsize + 1):
-            if row_width != width:
-                splits = [[1] * WORLD for _ in range(WORLD)]
-            else:
-                splits = sends
+            splits = sends if row_width == width else [[1] * WORLD for _ in range(WORLD)]
             x = _integers(rank, sum(splits[rank]) * row_width, dtype).view(-1, row_width)
             received = [splits[src][rank] for src in range(WORLD)]
             results = []
