@@ -21,7 +21,9 @@ them; a posted receive is filled as soon as its pieces arrive, during any call o
 wait. So a rank waiting on anything keeps both directions moving, and two ranks with
 full rings in both directions, each waiting on its send, cannot deadlock (each empties
 the other's ring into its posted receives). Waits sleep on a futex of the counter they
-need; a peer that exits or stops answering raises ``PeerGone`` as the channel does.
+need, and wake every 100 µs instead while transfers the other way are pending (queued
+sends while receiving, posted receives while sending); a peer that exits or stops
+answering raises ``PeerGone`` as the channel does.
 """
 
 from __future__ import annotations
@@ -227,8 +229,10 @@ class SharedMemoryMailbox:
             if waited >= next_check:
                 next_check += _LIVENESS_EVERY_S
                 self._check_peer(peer, waited)
-            pending = sum(map(len, self._outgoing.values())) + sum(map(len, self._incoming.values()))
-            sleep_s = _POLL_S if pending > 1 else max(next_check - waited, 1e-3)
+            # Other transfers that need the other counter to move: check them now and then.
+            others = self._outgoing if receiving else self._incoming
+            polling = any(others.values())
+            sleep_s = _POLL_S if polling else max(next_check - waited, 1e-3)
             if not futex_wait(self._address(word), _low_word(seen), sleep_s):
                 time.sleep(_POLL_S)
 
