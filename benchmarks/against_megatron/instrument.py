@@ -89,9 +89,9 @@ def instrument() -> None:
         if hasattr(dist, name):
             setattr(dist, name, _timed_collective(getattr(dist, name)))
     torch.autograd.backward = _timed_backward(torch.autograd.backward)
-    from mtcore.backend.shared_memory import SharedMemoryChannel  # mtcore's tp groups
+    from mtcore.backend.shared_memory import SharedMemoryChannel  # mtcore's tp/dp/ep groups
 
-    for name in ("all_reduce", "all_gather", "reduce_scatter"):
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         setattr(SharedMemoryChannel, name, _timed_collective(getattr(SharedMemoryChannel, name)))
 
 

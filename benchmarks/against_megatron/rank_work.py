@@ -102,7 +102,7 @@ def _build_sides(ctx, cfg, compare_overlap: bool, compare_shm: bool) -> tuple[di
             "mtcore": MtcoreSide(ctx, cfg, overlap="1").step,
             "mtcore-blocking": MtcoreSide(ctx, cfg, overlap="0").step,
         }
-    if compare_shm and (cfg.tp > 1 or cfg.dp > 1):  # mtcore's tp/dp groups on gloo, as Megatron's
+    if compare_shm and (cfg.tp > 1 or cfg.dp > 1 or cfg.pp > 1):  # mtcore on gloo, as Megatron
         sides["mtcore-gloo"] = MtcoreSide(ctx, cfg, shm="0").step
     megatron = LegacyGPTSide(cfg) if cfg.legacy else MegatronTrainerSide(cfg)
     sides["megatron"] = megatron.step

@@ -1,11 +1,13 @@
 """The cpu backend's shared-memory channel inside c10d groups: one 3-rank run.
 
 A latency-bound group (tensor parallelism's) of one host gets a channel; its
-all-reduce, all-gather and reduce-scatter must give what gloo gives on a plain group
+all-reduce, all-gather, reduce-scatter and all-to-all must give what gloo gives on a plain group
 over the same ranks, bit for bit where the result does not depend on the order of
 the sum (integer-valued data), and the same bits on every rank where it does.
 Tensors larger than a slot take several rounds; FP8 and bf16 take the collective's
-fallbacks first. ``MTCORE_SHM_COLLECTIVES=0`` keeps a latency-bound group on gloo,
+fallbacks first. A p2p group's mailbox (``shared_memory_p2p``) must deliver what its
+sends hold, in posting order, with both neighbours at once. ``MTCORE_SHM_COLLECTIVES=0``
+keeps a latency-bound group on gloo,
 and so does one member unable to create or map the segment.
 Three ranks exercise the general reduction (two ranks have a shortcut in no path,
 but bf16 is widened only from three up).
@@ -106,6 +108,65 @@ def _checks(ctx) -> dict:
                 scattered.append(y)
             compare(f"reduce_scatter {dtype} {n}", *scattered)
 
+    # all-to-all of rows with uneven splits: one member sends nothing to another, the
+    # pair 0 -> 1 needs three rounds (rank 2, outside it, learns that from the headers),
+    # a row wider than a member's part of a slot goes through gloo
+    width = 64
+    part_rows = (SLOT_BYTES - 64) // WORLD // (width * 4)
+    sends = [[(s * 3 + d * 5) % 7 for d in range(WORLD)] for s in range(WORLD)]
+    sends[0][1], sends[2][0] = 2 * part_rows + 5, 0
+    for dtype in DTYPES:
+        for row_width in (width, (SLOT_BYTES // WORLD) // dtype.itemsize + 1):
+            splits = sends if row_width == width else [[1] * WORLD for _ in range(WORLD)]
+            x = _integers(rank, sum(splits[rank]) * row_width, dtype).view(-1, row_width)
+            received = [splits[src][rank] for src in range(WORLD)]
+            results = []
+            for group in (fast, plain):
+                y = torch.empty(sum(received), row_width, dtype=dtype)
+                coll.all_to_all(y, x, received, splits[rank], group=group)
+                results.append(y)
+            compare(f"all_to_all {dtype} width {row_width}", *results)
+    even = torch.arange(WORLD * 4, dtype=torch.float32) + 100 * rank
+    results = []
+    for group in (fast, plain):  # no splits: equal parts; output a strided view
+        y = torch.empty(2, WORLD * 4)[0]
+        coll.all_to_all(y, even, group=group)
+        results.append(y)
+    compare("all_to_all even strided output", *results)
+    out["all_to_all sample"] = results[0].tolist()
+
+    # sends and receives through a p2p group's mailbox, to both neighbours at once:
+    # messages larger than a ring (several laps), an empty one, a strided receive (gloo
+    # takes contiguous ones only); each
+    # rank waits on its sends first (its waits must fill its posted receives meanwhile)
+    from mtcore.backend.collective import P2P
+    from mtcore.backend.shared_memory_p2p import RING_SLOTS
+    from mtcore.backend.shared_memory_p2p import SLOT_BYTES as MAILBOX_SLOT
+
+    boxed = coll.new_group(ranks, p2p=True)
+    out["mailbox"] = coll.shared_memory_mailbox(boxed) is not None
+    lengths = (RING_SLOTS * MAILBOX_SLOT // 4 + 4099, 0, 1001)
+
+    def message(src, dst, n):
+        return torch.arange(n, dtype=torch.float32) * (dst + 1) + 1000 * src
+
+    for group in (boxed, plain):
+        ops, expected = [], []
+        for peer in ((rank + 1) % WORLD, (rank - 1) % WORLD):
+            ops += [P2P("send", message(rank, peer, n), peer, group) for n in lengths]
+        for peer in ((rank - 1) % WORLD, (rank + 1) % WORLD):
+            for n in lengths:
+                target = torch.empty(n, 2)[:, 0] if group is boxed else torch.empty(n)
+                ops.append(P2P("recv", target, peer, group))
+                expected.append(message(peer, rank, n))
+        handles = coll.batch_send_recv(ops)
+        for handle in handles:
+            handle.wait()
+        got = [op.tensor for op in ops if op.kind == "recv"]
+        ok = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        out[f"p2p {'mailbox' if group is boxed else 'gloo'}"] = ok
+        out["sends completed"] = all(h.is_completed() for h in handles)
+
     # rounding-dependent sums: the same bits on every rank, whatever the order
     noise = noise_of(rank)
     for dtype in (torch.float32, torch.bfloat16):
@@ -141,3 +202,7 @@ def test_the_channel_gives_what_gloo_gives_on_every_op_dtype_and_size():
         # bf16 is summed in float32 and rounded once: within half a bf16 ulp of |sum| <= 16
         assert result["error torch.bfloat16"] <= 2**-4, result["error torch.bfloat16"]
         assert result["async"] == (True, [3.0] * 5)
+        expected = [float(100 * src + 4 * rank + i) for src in range(WORLD) for i in range(4)]
+        assert result["all_to_all sample"] == expected, rank
+        assert result["mailbox"] and result["p2p mailbox"] and result["p2p gloo"], rank
+        assert result["sends completed"], rank

@@ -29,8 +29,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mtcore.backend import shared_memory
+from mtcore.backend import shared_memory, shared_memory_p2p
 from mtcore.backend.shared_memory import PeerGone, SharedMemoryChannel
+from mtcore.backend.shared_memory_p2p import SharedMemoryMailbox
 
 SHARED_MEMORY_ENV = "MTCORE_SHM_COLLECTIVES"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -224,7 +225,8 @@ class Collective:
     ``same_host_channels``: the backend's tensors live in host memory, so latency-bound
     groups whose members share this host may use shared-memory channels (see the
     module docstring); the channel serves all-reduce, all-gather and reduce-scatter of
-    contiguous CPU tensors, and every other call stays on the c10d backend.
+    contiguous CPU tensors and all-to-all of CPU tensors (the expert-parallel group's),
+    and every other call stays on the c10d backend.
     """
 
     def __init__(
@@ -242,6 +244,7 @@ class Collective:
         self.same_host_channels = same_host_channels
         self.timeout_s = DEFAULT_TIMEOUT_S  # of every group: set by init_process_group
         self._channels: dict[int, tuple[object, SharedMemoryChannel]] = {}
+        self._mailboxes: dict[int, tuple[object, SharedMemoryMailbox]] = {}
 
     # -- groups --------------------------------------------------------------------
     def init_process_group(
@@ -294,19 +297,28 @@ class Collective:
     def is_initialized(self) -> bool:
         return dist.is_initialized()
 
-    def new_group(self, ranks: Sequence[int], latency_bound: bool = False):
+    def new_group(self, ranks: Sequence[int], latency_bound: bool = False, p2p: bool = False):
         """A group over ``ranks``; every rank of the world must call this, in the same order.
 
         ``latency_bound``: the group carries blocking calls on the step's critical path
         (tensor parallelism; data parallelism's gradient reduction and ZeRO's param
         all-gather), so it gets a shared-memory channel where
         ``uses_shared_memory`` allows (its members set it up together, right here).
+        ``p2p``: its sends and receives between neighbouring members (a pipeline's
+        stages) go through a shared-memory mailbox, where the same allows
+        (``shared_memory_p2p``).
         """
         timeout = timedelta(seconds=self.timeout_s)
         group = dist.new_group(ranks=list(ranks), backend=self.c10d_backend, timeout=timeout)
         member = len(ranks) > 1 and dist.get_rank() in ranks
-        if latency_bound and member and self.uses_shared_memory():
-            self._open_channel(group)
+        if member and (latency_bound or p2p) and self.uses_shared_memory():
+            if latency_bound:
+                self._open_channel(group)
+            if p2p:
+                size = shared_memory_p2p.mailbox_bytes(len(ranks))
+                mailbox = self._open_segment(group, size, shared_memory_p2p.SharedMemoryMailbox)
+                if mailbox is not None:
+                    self._mailboxes[id(group)] = (group, mailbox)
         return group
 
     def uses_shared_memory(self) -> bool:
@@ -322,20 +334,34 @@ class Collective:
         entry = self._channels.get(id(group))
         return entry[1] if entry is not None and entry[0] is group else None
 
+    def shared_memory_mailbox(self, group):
+        """The mailbox serving ``group``'s sends and receives, if it has one."""
+        entry = self._mailboxes.get(id(group))
+        return entry[1] if entry is not None and entry[0] is group else None
+
     def _open_channel(self, group) -> None:
-        """Map one segment for ``group`` if every member can: the first member creates
-        it, the others open it by name (only a rank on the same host finds it) and see
-        each other's pids (to notice one exiting). Otherwise the group stays on c10d."""
+        members = dist.get_world_size(group)
+        size = shared_memory.segment_bytes(members)
+        channel = self._open_segment(group, size, SharedMemoryChannel)
+        if channel is not None:
+            self._channels[id(group)] = (group, channel)
+
+    def _open_segment(self, group, size: int, make):
+        """Map one segment of ``size`` bytes for ``group`` if every member can, as
+        ``make(path, group rank, pids, timeout_s)`` (a channel or a mailbox): the first
+        member creates it, the others open it by name (only a rank on the same host
+        finds it) and see each other's pids (to notice one exiting). Otherwise None:
+        the group stays on c10d."""
         rank, members = dist.get_rank(group), dist.get_world_size(group)
         box: list[str | None] = [None]
         if rank == 0:
             with contextlib.suppress(OSError):  # /dev/shm not writable: no channel
-                box = [shared_memory.create_segment(members)]
+                box = [shared_memory.create_segment(members, size=size)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         path, channel = box[0], None
         if path is not None:
             try:  # every member reaches the agreement below, whatever happens here
-                channel = SharedMemoryChannel(path, rank, [0] * members, self.timeout_s)
+                channel = make(path, rank, [0] * members, self.timeout_s)
             except (OSError, ValueError):
                 channel = None
         pids: list[object] = [None] * members
@@ -349,9 +375,10 @@ class Collective:
         if rank == 0 and path is not None:
             shared_memory.unlink_segment(path)
         if agreed.item() == 1 and channel is not None:
-            self._channels[id(group)] = (group, channel)
-        elif channel is not None:
+            return channel
+        if channel is not None:
             channel.close()
+        return None
 
     def rank(self, group=None) -> int:
         return dist.get_rank(group)
@@ -368,9 +395,10 @@ class Collective:
         returned after a job's last checkpoint (a gloo worker thread that does not
         join). The ranks are done by then, so a close that does not return in time is
         left to the process's exit."""
-        for _, channel in self._channels.values():
+        for _, channel in (*self._channels.values(), *self._mailboxes.values()):
             channel.close()
         self._channels.clear()
+        self._mailboxes.clear()
         if not dist.is_initialized():
             return
         closing = threading.Thread(target=dist.destroy_process_group, daemon=True)
@@ -484,6 +512,17 @@ class Collective:
     ):
         """Scatter dim-0 slices of ``input`` to ranks and gather theirs into ``output``."""
         output_v, input_v = self._as_bytes_if_needed("all_to_all", output, input)
+        channel = self._channel_for(group)
+        if channel is not None and channel.fits_rows(input_v):  # the same answer on every rank
+            size = self.world_size(group)
+            rows = output_v.shape[0] // size, input_v.shape[0] // size
+            with self._sync("all_to_all", group):
+                channel.all_to_all(
+                    output_v, input_v,
+                    output_splits if output_splits is not None else [rows[0]] * size,
+                    input_splits if input_splits is not None else [rows[1]] * size,
+                )  # fmt: skip
+            return self._finish(None, None, async_op, "all_to_all", group)
         with self._sync("all_to_all", group):
             work = dist.all_to_all_single(
                 output_v,
@@ -496,21 +535,53 @@ class Collective:
         return self._finish(work, None, async_op, "all_to_all", group)
 
     def batch_send_recv(self, ops: Iterable[P2P]) -> list[Handle]:
-        """Post sends and receives together so neighbours cannot deadlock on ordering."""
-        p2p_ops = []
-        for item in ops:
+        """Post sends and receives together so neighbours cannot deadlock on ordering.
+
+        Transfers with a neighbour in a group that has a shared-memory mailbox go through
+        it (both sides decide alike: the group and the peer); the rest through c10d."""
+        p2p_ops, boxed = [], {}
+        for i, item in enumerate(ops):
             if item.kind not in ("send", "recv"):
                 raise ValueError(f"P2P kind must be 'send' or 'recv', got {item.kind!r}")
+            mailbox = self._mailbox_for(item)
+            if mailbox is not None:
+                boxed[i] = (mailbox, item)
+                continue
             fn = dist.isend if item.kind == "send" else dist.irecv
             (view,) = self._as_bytes_if_needed("send_recv", item.tensor)
             p2p_ops.append(dist.P2POp(fn, view, item.peer, item.group))
-        if not p2p_ops:
+        if not p2p_ops and not boxed:
             return []
-        peers = sorted({item.peer for item in p2p_ops})
+        peers = sorted({item.peer for item in ops})
         what = lambda: f"rank {dist.get_rank()}: send/recv with rank(s) {peers}"  # noqa: E731
-        with _named(what, self.timeout_s):
-            works = dist.batch_isend_irecv(p2p_ops)
-        return [Handle(w, None, what, self.timeout_s) for w in works]
+        works = []
+        if p2p_ops:
+            with _named(what, self.timeout_s):
+                works = dist.batch_isend_irecv(p2p_ops)
+        if not boxed:
+            return [Handle(w, None, what, self.timeout_s) for w in works]
+        if len(works) not in (0, len(p2p_ops)):  # one work for a whole c10d batch
+            raise RuntimeError("a c10d batch with one handle cannot be mixed with a mailbox")
+        handles, rest = [], iter(works)
+        for i in range(len(ops)):
+            if i in boxed:
+                mailbox, item = boxed[i]
+                peer = dist.get_group_rank(item.group, item.peer)
+                move = mailbox.send if item.kind == "send" else mailbox.recv
+                work = move(item.tensor, peer)
+            else:
+                work = next(rest)
+            handles.append(Handle(work, None, what, self.timeout_s))
+        return handles
+
+    def _mailbox_for(self, item: P2P):
+        """The mailbox that carries ``item`` (a CPU tensor to or from a neighbour), or None."""
+        if not self._mailboxes or item.group is None or item.tensor.device.type != "cpu":
+            return None
+        mailbox = self.shared_memory_mailbox(item.group)
+        if mailbox is None or not mailbox.serves(dist.get_group_rank(item.group, item.peer)):
+            return None
+        return mailbox
 
     def barrier(self, group=None) -> None:
         with self._sync("barrier", group):
@@ -522,7 +593,7 @@ class Collective:
         if not self._channels:
             return None
         channel = self.shared_memory_channel(group)
-        if channel is None or not channel.takes(*tensors, op=op):
+        if channel is None or (tensors and not channel.takes(*tensors, op=op)):
             return None
         return channel
 

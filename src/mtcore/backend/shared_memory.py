@@ -15,7 +15,8 @@ The protocol, per round (a tensor larger than a slot takes several rounds):
 1. round ``k`` uses slot set ``k % 2``; rank ``r`` writes only its own slot;
 2. rank ``r`` stores ``k`` in its flag, then waits until every flag is ``>= k``;
 3. every rank reads every slot and writes its result (a reduction sums the slots
-   in rank order, so every rank gets the same bits).
+   in rank order, so every rank gets the same bits; an all-to-all reads its part of
+   each slot, the parts' sizes agreed in the first round's slot headers).
 
 Rank ``r`` overwrites a slot set only at round ``k + 2``, after it saw every flag
 reach ``k + 1``, which each peer stores only after it finished reading round ``k``:
@@ -43,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import mmap
 import os
 import platform
@@ -64,6 +66,7 @@ _WAKE_ALL = 0x7FFFFFFF
 _POLL_S = 50e-6  # only where the futex call fails (a sandbox that refuses it)
 _REDUCTIONS = ("sum", "avg", "max", "min")
 _X86_64 = ("x86_64", "amd64")
+_A2A_HEADER = 64  # all-to-all: a slot starts with the rounds its writer needs (int64)
 
 
 def supported_here() -> bool:
@@ -76,10 +79,11 @@ def segment_bytes(members: int, slot_bytes: int = SLOT_BYTES) -> int:
     return _PAGE + 2 * members * slot_bytes
 
 
-def create_segment(members: int, slot_bytes: int = SLOT_BYTES) -> str | None:
-    """Create a zeroed segment for a group (on its first rank); its path, or None if
-    ``/dev/shm`` lacks the room (the group then keeps its c10d backend)."""
-    size = segment_bytes(members, slot_bytes)
+def create_segment(members: int, slot_bytes: int = SLOT_BYTES, size: int | None = None) -> str | None:
+    """Create a zeroed segment for a group (on its first rank): a channel's, or ``size``
+    bytes; its path, or None if ``/dev/shm`` lacks the room (the group then keeps its
+    c10d backend)."""
+    size = segment_bytes(members, slot_bytes) if size is None else size
     stat = os.statvfs(SHM_DIR)
     if stat.f_bavail * stat.f_frsize < 2 * size:
         return None
@@ -155,8 +159,8 @@ class PeerGone(RuntimeError):
 
 
 class SharedMemoryChannel:
-    """One group's segment, mapped by this rank: all-reduce, all-gather and
-    reduce-scatter of contiguous CPU tensors among ``len(pids)`` same-host ranks."""
+    """One group's segment, mapped by this rank: all-reduce, all-gather, reduce-scatter
+    and all-to-all of CPU tensors among ``len(pids)`` same-host ranks."""
 
     def __init__(
         self,
@@ -183,6 +187,7 @@ class SharedMemoryChannel:
         base = self._bytes.data_ptr()
         self._flag_addresses = [base + slot * 8 for slot in self._flag_slots]
         self._round = 0
+        self._whole_slot = torch.empty(slot_bytes, dtype=torch.uint8, device="meta")
 
     # -- the three operations ----------------------------------------------------------
     def takes(self, *tensors: torch.Tensor, op: str | None = None) -> bool:
@@ -232,6 +237,67 @@ class SharedMemoryChannel:
             )
             own = [slot[self.rank * width : (self.rank + 1) * width] for slot in slots]
             _reduce(own, target[lo : lo + width], op, self.members)
+
+    @torch.no_grad()
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+    ) -> None:
+        """Rows (dim 0) of ``input``, ``input_splits[d]`` for member ``d`` in member order,
+        go to member ``d``; ``output`` gets member ``s``'s ``output_splits[s]`` rows in
+        member order (the rows must fit a slot's share: ``fits_rows``).
+
+        Each round, a rank's slot holds a header (the rounds it needs) and one part per
+        member, of up to ``q`` rows of what goes to that member; the first round's
+        headers tell every member how many rounds the call takes, so all of them make
+        the same number. The bytes are copied as they are: the same bits as gloo."""
+        row_bytes = _row_bytes(input)
+        q = self._rows_per_part(row_bytes)
+        src = input.contiguous().view(-1).view(torch.uint8)
+        dst = output if output.is_contiguous() else torch.empty_like(output)
+        out = dst.view(-1).view(torch.uint8)
+        send_at, recv_at = _offsets(input_splits), _offsets(output_splits)
+        need = max([-(-n // q) for n in (*input_splits, *output_splits) if n] + [1])
+        part = (self.slot_bytes - _A2A_HEADER) // self.members
+        total, j = need, 0
+        while j < total:
+            lo = j * q
+
+            def fill(mine, lo=lo):
+                mine[:8].view(torch.int64)[0] = need
+                for member, (first, count) in enumerate(zip(send_at, input_splits, strict=True)):
+                    n = min(max(count - lo, 0), q) * row_bytes
+                    if n:
+                        start = (first + lo) * row_bytes
+                        at = _A2A_HEADER + member * part
+                        mine[at : at + n].copy_(src[start : start + n])
+
+            slots = self._exchange(fill, self._whole_slot)
+            if j == 0:
+                total = max(int(slot[:8].view(torch.int64)[0]) for slot in slots)
+            at = _A2A_HEADER + self.rank * part
+            for member, (first, count) in enumerate(zip(recv_at, output_splits, strict=True)):
+                n = min(max(count - lo, 0), q) * row_bytes
+                if n:
+                    start = (first + lo) * row_bytes
+                    out[start : start + n].copy_(slots[member][at : at + n])
+            j += 1
+        if dst is not output:
+            output.copy_(dst)
+
+    def fits_rows(self, tensor: torch.Tensor) -> bool:
+        """Whether the channel serves an all-to-all of ``tensor``'s rows: a CPU tensor
+        whose dim-0 row fits a member's part of a slot (every member answers alike)."""
+        if tensor.device.type != "cpu" or tensor.dim() == 0:
+            return False
+        return self._rows_per_part(_row_bytes(tensor)) > 0
+
+    def _rows_per_part(self, row_bytes: int) -> int:
+        part = (self.slot_bytes - _A2A_HEADER) // self.members
+        return part // row_bytes if row_bytes else 1 << 62
 
     def close(self) -> None:
         try:
@@ -294,6 +360,20 @@ class SharedMemoryChannel:
                 f"shared-memory channel: group rank(s) {missing} did not arrive within "
                 f"{self.timeout_s:g} s"
             )
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    """Bytes in one dim-0 row of ``tensor``."""
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def _offsets(splits: Sequence[int]) -> list[int]:
+    """The first row of each split."""
+    starts, at = [], 0
+    for n in splits:
+        starts.append(at)
+        at += n
+    return starts
 
 
 def _reduce(slots: list[torch.Tensor], out: torch.Tensor, op: str, members: int) -> None:

@@ -45,7 +45,7 @@ environment:
   MTCORE_PLUGINS=a,b                  load only these plugins (entry point or distribution names)
   MTCORE_DISABLE_PLUGIN_AUTOLOAD=1    load no plugin unless MTCORE_PLUGINS names it
   MTCORE_KERNELS=reference            run the reference implementation of every kernel op
-  MTCORE_SHM_COLLECTIVES=0            keep tensor- and data-parallel groups of CPU ranks on gloo
+  MTCORE_SHM_COLLECTIVES=0            keep tp/dp/ep groups and pipeline transfers of CPU ranks on gloo
 """
 
 

@@ -195,7 +195,8 @@ def _collective(c: dict) -> list[str]:
     lines = [f"collective: c10d backend {c['c10d_backend']!r}; ReduceOp.AVG {avg}"]
     if "shared_memory" in c:
         lines.append(
-            f"  tensor- and data-parallel groups of one host through shared memory: "
+            f"  tensor-, data-, expert-parallel groups and pipeline transfers of one host "
+            f"through shared memory: "
             f"{c['shared_memory']}"
         )
     for binding in c.get("between_nodes", []):

@@ -338,8 +338,8 @@ def collective_facts(backend: Backend) -> dict:
 
 
 def shared_memory_facts(collective) -> str:
-    """Whether tensor- and data-parallel groups of one host get the shared-memory channel,
-    and why not."""
+    """Whether tensor-, data- and expert-parallel groups of one host get the shared-memory
+    channel (and pipeline groups the mailbox), and why not."""
     from mtcore.backend import shared_memory
     from mtcore.backend.collective import SHARED_MEMORY_ENV
 

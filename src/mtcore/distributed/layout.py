@@ -43,12 +43,18 @@ class Axis(str, enum.Enum):
 
 
 AXES = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)  # the rank order's axes, tp fastest
-# Groups whose calls block the step: tensor parallelism's, and the gradient reduction and
-# ZeRO param all-gather of data parallelism (expert params: edp). On one host they get a
-# shared-memory channel where the backend offers one (``new_group(latency_bound=True)``):
-# on gloo a 13 MB ZeRO-1 reduce-scatter and all-gather took 30 + 14 ms, through the
-# channel 6 + 4 ms (docs/results/megatron.md, dp2-distopt).
-CHANNEL_AXES = (Axis.TP, Axis.DP_CP, Axis.EDP)
+# Groups whose calls block the step: tensor parallelism's, the gradient reduction and
+# ZeRO param all-gather of data parallelism (expert params: edp), and expert
+# parallelism's token all-to-alls. On one host they get a shared-memory channel where
+# the backend offers one (``new_group(latency_bound=True)``): on gloo a 13 MB ZeRO-1
+# reduce-scatter and all-gather took 30 + 14 ms, through the channel 6 + 4 ms
+# (docs/results/megatron.md, dp2-distopt). Each channel costs its group's creation a
+# few gloo calls; mp and embed (one call each at a pipeline step's end) showed no gain.
+CHANNEL_AXES = (Axis.TP, Axis.DP_CP, Axis.EDP, Axis.EP)
+# Groups whose sends and receives are on the critical path: the pipeline's stages (1F1B
+# waits on every boundary transfer). On one host they go through a shared-memory mailbox
+# (``new_group(p2p=True)``).
+P2P_AXES = (Axis.PP,)
 
 
 class LayoutError(ValueError):
@@ -227,7 +233,9 @@ class ParallelLayout:
         layout = cls(spec, rank, world_size)
         for axis, members in _all_groups(spec):
             group = (
-                collective.new_group(members, latency_bound=axis in CHANNEL_AXES)
+                collective.new_group(
+                    members, latency_bound=axis in CHANNEL_AXES, p2p=axis in P2P_AXES
+                )
                 if world_size > 1
                 else None
             )

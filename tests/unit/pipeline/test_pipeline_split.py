@@ -105,7 +105,7 @@ class _FakeCollective:
     def __init__(self):
         self.created = []
 
-    def new_group(self, ranks, latency_bound=False):
+    def new_group(self, ranks, latency_bound=False, p2p=False):
         self.created.append(tuple(ranks))
         return f"group{tuple(ranks)}"
 
