@@ -19,6 +19,7 @@ The quantised value is ``data = x * scale`` and the original is recovered as
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import Tensor
@@ -84,8 +85,7 @@ def fp8_quantize(
         x = x.detach()
         if granularity == "tensor":
             return _quantize_tensor(x, dtype, fmax, scale)
-        unit = _unit_dims(x.shape, granularity)
-        return _quantize_units(_padded_float32(x, unit), x.shape, unit, dtype, fmax)
+        return _quantize_blocks(x, dtype, granularity)[0]
 
 
 def _check_quantize_args(x: Tensor, dtype: torch.dtype, granularity: str, scale) -> None:
@@ -136,14 +136,14 @@ def _unit_dims(shape, granularity: str) -> tuple[int, int]:
     return (1 if granularity == "1x128" else BLOCK), BLOCK
 
 
-def _padded_float32(x: Tensor, *units: tuple[int, int]) -> Tensor:
-    """``x`` copied into a float32 buffer padded with zeros to whole units of each of
-    ``units`` (zeros change no unit's amax and quantize to zero)."""
+def _padded_float32(x: Tensor, *units: tuple[int, int], slot: int = 0) -> Tensor:
+    """``x`` copied into a float32 scratch buffer (``_scratch``) padded with zeros to
+    whole units of each of ``units`` (zeros change no unit's amax and quantize to zero)."""
     m, k = x.shape
     rows = math.lcm(*(r for r, _ in units))
     cols = math.lcm(*(c for _, c in units))
     mp, kp = -(-m // rows) * rows, -(-k // cols) * cols
-    buf = torch.empty(mp, kp, dtype=torch.float32, device=x.device)
+    buf = _scratch((mp, kp), x.device, slot)
     if kp > k:
         buf[:, k:].zero_()
     if mp > m:
@@ -152,26 +152,65 @@ def _padded_float32(x: Tensor, *units: tuple[int, int]) -> Tensor:
     return buf
 
 
-def _quantize_units(
-    buf: Tensor, shape, unit: tuple[int, int], dtype: torch.dtype, fmax: float,
-    transposed: bool = False, out: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Quantize the ``shape`` corner of the zero-padded float32 ``buf``, one scale per
-    ``unit`` (rows x columns) of it: scaled into ``out`` (default: ``buf`` itself, in
-    place), clamped and rounded to ``dtype``. ``transposed``: return the transpose's data
-    (contiguous) and unit tensors, as :func:`fp8_quantize` of ``x.T`` does."""
-    (m, k), (r, c) = shape, unit
-    units = _units_of(buf, shape, unit)  # [units down, r, units across, c]
-    amax = _magnitude(units.amin(dim=(1, 3)), units.amax(dim=(1, 3)))
-    unit_scale = _scale_of(amax, fmax)
-    out = buf if out is None else out
-    torch.mul(units, unit_scale[:, None, :, None], out=_units_of(out, shape, unit))
-    scaled = out[:m, :k].clamp_(-fmax, fmax)
-    scale_inv = 1.0 / unit_scale
-    if not transposed:
-        return torch.empty(shape, dtype=dtype, device=buf.device).copy_(scaled), scale_inv, amax
-    data = torch.empty(k, m, dtype=dtype, device=buf.device).copy_(scaled.t())
-    return data, *_transposed(scale_inv, amax)
+_SCRATCH = threading.local()
+_SCRATCH_MAX = 1 << 26  # 64 MB per slot at most
+
+
+def _scratch(
+    shape: tuple[int, ...], device: torch.device, slot: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """A work buffer of ``shape`` and ``dtype``, never returned to a caller. On the CPU it
+    is reused from call to call (per thread and ``slot``, up to ``_SCRATCH_MAX`` bytes):
+    there a fresh buffer of a few MB costs more in page faults than the arithmetic on it
+    (the allocator hands large blocks back to the kernel when they are freed, and each
+    page faults in again on first use). Other devices have caching allocators."""
+    n = math.prod(shape)
+    size = n * dtype.itemsize
+    if device.type != "cpu" or size > _SCRATCH_MAX:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    flat = buffers.get(slot)
+    if flat is None or flat.numel() < size:
+        flat = buffers[slot] = torch.empty(size, dtype=torch.uint8)
+    return flat[:size].view(dtype).view(shape)
+
+
+def _quantize_blocks(
+    x: Tensor, dtype: torch.dtype, granularity: str, with_transpose: bool = False
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Row or block quantization of ``x`` (and of ``x.T``, when ``with_transpose``) from
+    one zero-padded float32 copy of it: ``|x|`` once, each unit's amax from it by one
+    reduction over a 4-D view, then per unit scale, clamp and round (the transpose's
+    data is rounded in ``x``'s layout and its bytes transposed: the cheapest transpose)."""
+    shape, fmax = x.shape, FP8_MAX[dtype]
+    units = [_unit_dims(shape, granularity)]
+    if with_transpose:  # units of x.T along its rows: columns of x (in 128-row strips)
+        units.append((BLOCK, 1) if granularity == "1x128" else (shape[0], 1))
+    buf = _padded_float32(x, *units)
+    magnitude = torch.abs(buf, out=_scratch(buf.shape, buf.device, slot=1))
+    amaxes = [_units_of(magnitude, shape, unit).amax(dim=(1, 3)) for unit in units]
+    if with_transpose:  # the scales of both in one go (small tensors: few ops)
+        scales = _scale_of(torch.cat([amax.view(-1) for amax in amaxes]), fmax)
+        unit_scales = [t.view(a.shape) for t, a in zip(scales.split([a.numel() for a in amaxes]), amaxes)]
+    else:
+        unit_scales = [_scale_of(amaxes[0], fmax)]
+    out = []
+    for i in reversed(range(len(units))):
+        # the transpose first: its products overwrite |x|, the others x's copy in place
+        unit, unit_scale, scaled = units[i], unit_scales[i], (buf, magnitude)[i]
+        per_unit = unit_scale[:, None, :, None]
+        torch.mul(_units_of(buf, shape, unit), per_unit, out=_units_of(scaled, shape, unit))
+        data = _round_to(scaled[: shape[0], : shape[1]].clamp_(-fmax, fmax), dtype)
+        out.append((data, unit_scale.reciprocal(), amaxes[i]))
+    if with_transpose:
+        data_t, scale_inv_t, amax_t = out.pop(0)
+        out.append((data_t.t().contiguous(), *_transposed(scale_inv_t, amax_t)))
+    return out
+
+
+def _round_to(scaled: Tensor, dtype: torch.dtype) -> Tensor:
+    """``scaled`` (float32, within the format's range) rounded to ``dtype``, contiguous."""
+    return torch.empty(scaled.shape, dtype=dtype, device=scaled.device).copy_(scaled)
 
 
 def _units_of(buf: Tensor, shape, unit: tuple[int, int]) -> Tensor:
@@ -218,7 +257,8 @@ def fp8_dequantize(
 
 
 def _fp8_values(data: Tensor) -> tuple[Tensor, float]:
-    """``(values, factor)`` with ``values.float() * factor == data.float()`` exactly.
+    """``(values, factor)`` with ``values.float() * factor == data.float()`` exactly;
+    on the CPU ``values`` is a scratch buffer, overwritten by the next call.
 
     torch converts FP8 to wider types on the CPU one element at a time (about 4 ns an
     element on an AVX-512 Xeon, eight times the other direction), which made the
@@ -236,16 +276,18 @@ def _fp8_values(data: Tensor) -> tuple[Tensor, float]:
     """
     if data.device.type != "cpu" or data.dtype not in FP8_MAX:
         return data.float(), 1.0
+    bits = _scratch(data.shape, data.device, slot=2, dtype=torch.int16)  # a temporary
     if data.dtype == torch.float8_e5m2:
-        bits = data.view(torch.uint8).to(torch.int16)
+        bits.copy_(data.view(torch.uint8))
         bits <<= 8
         return bits.view(torch.float16), 1.0
-    bits = data.view(torch.int8).to(torch.int16)  # sign-extended: bits 8-15 = the sign
+    bits.copy_(data.view(torch.int8))  # sign-extended: bits 8-15 = the sign
     bits <<= 7  # exponent and mantissa at bits 7-13; the sign at bits 14 and 15
     bits &= ~0x4000  # the sign at bit 15 only
-    magnitude = data.view(torch.uint8) & 0x7F
-    if int(magnitude.max()) == 0x7F:  # a NaN, only from a NaN input (quantizing saturates)
-        bits[magnitude == 0x7F] = 0x7E00
+    # A NaN (S.1111.111, only from a NaN input: quantizing saturates) is the largest
+    # byte read as int8 (+NaN, 0x7F) or as uint8 (-NaN, 0xFF).
+    if int(data.view(torch.int8).max()) == 0x7F or int(data.view(torch.uint8).max()) == 0xFF:
+        bits[(data.view(torch.uint8) & 0x7F) == 0x7F] = 0x7E00
     return bits.view(torch.float16), 256.0
 
 
@@ -296,14 +338,8 @@ def fp8_quantize_transpose(
         return (data, scale_inv, amax), (data.t().contiguous(), *_transposed(scale_inv, amax))
     _check_quantize_args(x, dtype, granularity, scale)
     with torch.no_grad():
-        x = x.detach()
-        fmax = FP8_MAX[dtype]
-        unit = _unit_dims(x.shape, granularity)
-        unit_t = (unit[1], 1) if granularity == "1x128" else (x.shape[0], 1)  # x's columns
-        buf = _padded_float32(x, unit, unit_t)
-        scaled_t = torch.empty_like(buf)
-        second = _quantize_units(buf, x.shape, unit_t, dtype, fmax, transposed=True, out=scaled_t)
-        return _quantize_units(buf, x.shape, unit, dtype, fmax), second
+        first, second = _quantize_blocks(x.detach(), dtype, granularity, with_transpose=True)
+        return first, second
 
 
 def _transposed(*units: Tensor) -> tuple[Tensor, ...]:
