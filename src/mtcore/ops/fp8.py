@@ -191,7 +191,8 @@ def _quantize_blocks(
     amaxes = [_units_of(magnitude, shape, unit).amax(dim=(1, 3)) for unit in units]
     if with_transpose:  # the scales of both in one go (small tensors: few ops)
         scales = _scale_of(torch.cat([amax.view(-1) for amax in amaxes]), fmax)
-        unit_scales = [t.view(a.shape) for t, a in zip(scales.split([a.numel() for a in amaxes]), amaxes)]
+        parts = scales.split([amax.numel() for amax in amaxes])
+        unit_scales = [part.view(amax.shape) for part, amax in zip(parts, amaxes, strict=True)]
     else:
         unit_scales = [_scale_of(amaxes[0], fmax)]
     out = []
