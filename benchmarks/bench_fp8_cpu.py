@@ -6,7 +6,10 @@ Each precision runs ``mtcore train configs/default.yaml --nproc 4`` twice, as
 ``bench_fp8_job.py`` does, for 30 and for 10 steps; the CPU time (user + system) of the
 run and every process it waited for, divided over the 20 steps between, is the CPU cost
 of a step without start-up. Wall time on a shared machine measures the other processes
-too; CPU time much less so. ``uptime`` before and after.
+too; CPU time much less so. ``uptime`` before and after. One run per length: the
+start-up's CPU (about 35 s) varies by several seconds from run to run, as much as the
+steps' differences between precisions, so two runs of this disagreed by up to 0.55 in
+the ratios (docs/fp8.md); repeat it, or read the steps' CPU time from inside the job.
 """
 
 from __future__ import annotations
