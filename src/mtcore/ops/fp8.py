@@ -19,6 +19,7 @@ The quantised value is ``data = x * scale`` and the original is recovered as
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import Tensor
@@ -43,38 +44,6 @@ def _unit_shape(shape: tuple[int, int], granularity: str) -> tuple[int, ...]:
     if granularity == "128x128":
         return (math.ceil(m / BLOCK), math.ceil(k / BLOCK))
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-
-
-def _unit_amax(x: Tensor, granularity: str) -> Tensor:
-    """``max |x|`` over each scaling unit, in float32 (exact: a max rounds nothing).
-
-    From each unit's minimum and maximum, without a ``|x|`` copy: the whole tensor's
-    from ``torch.aminmax`` (one pass); rows and blocks, of a float32 ``x``, from
-    ``amin`` and ``amax`` over views of it, a partial last block taken on its own (on
-    the CPU ``aminmax`` along a short last dimension does not vectorise: 0.8 ms for the
-    1x128 blocks of ``[512, 640]`` against 0.08 ms for ``amin`` and ``amax``)."""
-    m, k = x.shape
-    if granularity == "tensor":
-        return _magnitude(*torch.aminmax(x))
-    if granularity == "row":
-        return _magnitude(x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True))
-    full = k // BLOCK
-    parts = []
-    if full:
-        blocks = x[:, : full * BLOCK].view(m, full, BLOCK)
-        parts.append(_magnitude(blocks.amin(dim=2), blocks.amax(dim=2)))
-    if k % BLOCK:
-        rest = x[:, full * BLOCK :]
-        parts.append(_magnitude(rest.amin(dim=1, keepdim=True), rest.amax(dim=1, keepdim=True)))
-    per_strip = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [M, ceil(K/128)]
-    if granularity == "1x128":
-        return per_strip
-    return torch.stack([rows.amax(dim=0) for rows in per_strip.split(BLOCK)])  # 128x128
-
-
-def _magnitude(low: Tensor, high: Tensor) -> Tensor:
-    """``max(|low|, |high|)`` as float32 (NaN stays NaN; a zero is +0)."""
-    return torch.maximum(high, low.neg()).float().abs_()
 
 
 def fp8_quantize(
@@ -110,6 +79,16 @@ def fp8_quantize(
     Not differentiable: FP8 recipes quantise inside their own autograd
     functions and define the backward there.
     """
+    _check_quantize_args(x, dtype, granularity, scale)
+    fmax = FP8_MAX[dtype]
+    with torch.no_grad():
+        x = x.detach()
+        if granularity == "tensor":
+            return _quantize_tensor(x, dtype, fmax, scale)
+        return _quantize_blocks(x, dtype, granularity)[0]
+
+
+def _check_quantize_args(x: Tensor, dtype: torch.dtype, granularity: str, scale) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {list(x.shape)}")
     if x.numel() == 0:
@@ -121,28 +100,126 @@ def fp8_quantize(
         raise ValueError(
             f"a given scale is only allowed for 'tensor' granularity, not {granularity!r}"
         )
-    fmax = FP8_MAX[dtype]
 
-    with torch.no_grad():
-        x = x.detach()
-        if granularity == "tensor":
-            if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                x = x.float()  # products below are float32 either way
-            scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        else:  # float32 x, scaled in place: no mixed-dtype products (cast element by element)
-            x = scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
-        amax = _unit_amax(x, granularity)
-        if scale is None:
-            unit_scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax))
-            unit_scale = unit_scale.clamp(max=_FP32_MAX)
-        else:
-            unit_scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-            if unit_scale.numel() != 1:
-                raise ValueError(f"scale must have one element, got shape {list(unit_scale.shape)}")
-            unit_scale = unit_scale.reshape(())
-        _scale_units(x, unit_scale, granularity, scaled)
-        data = scaled.clamp_(-fmax, fmax).to(dtype)
-        return data, 1.0 / unit_scale, amax
+
+def _quantize_tensor(x: Tensor, dtype: torch.dtype, fmax: float, scale) -> tuple:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.float()  # products below are float32 either way
+    amax = _magnitude(*torch.aminmax(x))  # one pass, no |x| copy
+    if scale is None:
+        unit_scale = _scale_of(amax, fmax)
+    else:
+        unit_scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        if unit_scale.numel() != 1:
+            raise ValueError(f"scale must have one element, got shape {list(unit_scale.shape)}")
+        unit_scale = unit_scale.reshape(())
+    scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    torch.mul(x, unit_scale.reshape(1), out=scaled)  # 1-D: float32 products, not x's
+    data = scaled.clamp_(-fmax, fmax).to(dtype)
+    return data, 1.0 / unit_scale, amax
+
+
+def _scale_of(amax: Tensor, fmax: float) -> Tensor:
+    """``fmax / amax`` per unit, 1 where ``amax == 0``, capped at the float32 maximum."""
+    return torch.where(amax > 0, fmax / amax, 1.0).clamp_(max=_FP32_MAX)
+
+
+def _magnitude(low: Tensor, high: Tensor) -> Tensor:
+    """``max(|low|, |high|)`` as float32 (NaN stays NaN; a zero is +0)."""
+    return torch.maximum(high, low.neg()).float().abs_()
+
+
+def _unit_dims(shape, granularity: str) -> tuple[int, int]:
+    """(rows, columns) of one scaling unit of a row or block granularity on ``shape``."""
+    if granularity == "row":
+        return 1, shape[1]
+    return (1 if granularity == "1x128" else BLOCK), BLOCK
+
+
+def _padded_float32(x: Tensor, *units: tuple[int, int], slot: int = 0) -> Tensor:
+    """``x`` copied into a float32 scratch buffer (``_scratch``) padded with zeros to
+    whole units of each of ``units`` (zeros change no unit's amax and quantize to zero)."""
+    m, k = x.shape
+    rows = math.lcm(*(r for r, _ in units))
+    cols = math.lcm(*(c for _, c in units))
+    mp, kp = -(-m // rows) * rows, -(-k // cols) * cols
+    buf = _scratch((mp, kp), x.device, slot)
+    if kp > k:
+        buf[:, k:].zero_()
+    if mp > m:
+        buf[m:, :k].zero_()
+    buf[:m, :k].copy_(x)
+    return buf
+
+
+_SCRATCH = threading.local()
+_SCRATCH_MAX = 1 << 26  # 64 MB per slot at most
+
+
+def _scratch(
+    shape: tuple[int, ...], device: torch.device, slot: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """A work buffer of ``shape`` and ``dtype``, never returned to a caller. On the CPU it
+    is reused from call to call (per thread and ``slot``, up to ``_SCRATCH_MAX`` bytes):
+    there a fresh buffer of a few MB costs more in page faults than the arithmetic on it
+    (the allocator hands large blocks back to the kernel when they are freed, and each
+    page faults in again on first use). Other devices have caching allocators."""
+    n = math.prod(shape)
+    size = n * dtype.itemsize
+    if device.type != "cpu" or size > _SCRATCH_MAX:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    flat = buffers.get(slot)
+    if flat is None or flat.numel() < size:
+        flat = buffers[slot] = torch.empty(size, dtype=torch.uint8)
+    return flat[:size].view(dtype).view(shape)
+
+
+def _quantize_blocks(
+    x: Tensor, dtype: torch.dtype, granularity: str, with_transpose: bool = False
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Row or block quantization of ``x`` (and of ``x.T``, when ``with_transpose``) from
+    one zero-padded float32 copy of it: ``|x|`` once, each unit's amax from it by one
+    reduction over a 4-D view, then per unit scale, clamp and round (the transpose's
+    data is rounded in ``x``'s layout and its bytes transposed: the cheapest transpose)."""
+    shape, fmax = x.shape, FP8_MAX[dtype]
+    units = [_unit_dims(shape, granularity)]
+    if with_transpose:  # units of x.T along its rows: columns of x (in 128-row strips)
+        units.append((BLOCK, 1) if granularity == "1x128" else (shape[0], 1))
+    buf = _padded_float32(x, *units)
+    magnitude = torch.abs(buf, out=_scratch(buf.shape, buf.device, slot=1))
+    amaxes = [_units_of(magnitude, shape, unit).amax(dim=(1, 3)) for unit in units]
+    if with_transpose:  # the scales of both in one go (small tensors: few ops)
+        scales = _scale_of(torch.cat([amax.view(-1) for amax in amaxes]), fmax)
+        parts = scales.split([amax.numel() for amax in amaxes])
+        unit_scales = [part.view(amax.shape) for part, amax in zip(parts, amaxes, strict=True)]
+    else:
+        unit_scales = [_scale_of(amaxes[0], fmax)]
+    out = []
+    for i in reversed(range(len(units))):
+        # the transpose first: its products overwrite |x|, the others x's copy in place
+        unit, unit_scale, scaled = units[i], unit_scales[i], (buf, magnitude)[i]
+        per_unit = unit_scale[:, None, :, None]
+        torch.mul(_units_of(buf, shape, unit), per_unit, out=_units_of(scaled, shape, unit))
+        data = _round_to(scaled[: shape[0], : shape[1]].clamp_(-fmax, fmax), dtype)
+        out.append((data, unit_scale.reciprocal(), amaxes[i]))
+    if with_transpose:
+        data_t, scale_inv_t, amax_t = out.pop(0)
+        out.append((data_t.t().contiguous(), *_transposed(scale_inv_t, amax_t)))
+    return out
+
+
+def _round_to(scaled: Tensor, dtype: torch.dtype) -> Tensor:
+    """``scaled`` (float32, within the format's range) rounded to ``dtype``, contiguous."""
+    return torch.empty(scaled.shape, dtype=dtype, device=scaled.device).copy_(scaled)
+
+
+def _units_of(buf: Tensor, shape, unit: tuple[int, int]) -> Tensor:
+    """The whole ``unit``s (rows x columns) covering the ``shape`` corner of ``buf``, as
+    a view ``[units down, rows, units across, columns]``."""
+    (m, k), (r, c) = shape, unit
+    down, across = -(-m // r), -(-k // c)
+    return buf[: down * r, : across * c].unflatten(1, (across, c)).unflatten(0, (down, r))
 
 
 def fp8_dequantize(
@@ -169,49 +246,20 @@ def fp8_dequantize(
             f"{list(expected)}, got {list(scale_inv.shape)}"
         )
     values, factor = _fp8_values(data)
-    # float32 products in place, rounded once to out_dtype: the bits a mixed-dtype
-    # multiply into out_dtype gives, but vectorised (torch casts mixed dtypes element
-    # by element on the CPU).
-    wide = values.float()
-    _scale_units(wide, scale_inv.float() * factor, granularity, wide)
-    return wide.to(out_dtype)
-
-
-def _scale_units(values: Tensor, per_unit: Tensor, granularity: str, out: Tensor) -> None:
-    """``out = values * per_unit`` expanded per unit: the product in float32, rounded
-    once to ``out``'s dtype. Blocks are views of ``values`` (no expanded scale tensor)."""
+    per_unit = scale_inv.float() * factor
     if granularity == "tensor":
-        torch.mul(values, per_unit.reshape(1), out=out)  # 1-D: float32 products, not values'
-        return
-    if granularity == "row":
-        torch.mul(values, per_unit, out=out)
-        return
-    if granularity == "1x128":
-        _scale_column_blocks(values, per_unit, out)
-        return
-    for block_row, start in enumerate(range(0, values.shape[0], BLOCK)):  # 128x128
-        rows = slice(start, start + BLOCK)
-        _scale_column_blocks(values[rows], per_unit[block_row : block_row + 1], out[rows])
-
-
-def _scale_column_blocks(values: Tensor, per_block: Tensor, out: Tensor) -> None:
-    """``out = values * per_block`` with one scale per 128 columns (``per_block``
-    ``[rows or 1, ceil(K / 128)]``); the last block may be partial."""
-    m, k = values.shape
-    full = k // BLOCK
-    if full:
-        cols = full * BLOCK
-        torch.mul(
-            values[:, :cols].view(m, full, BLOCK),
-            per_block[:, :full, None],
-            out=out[:, :cols].view(m, full, BLOCK),
-        )
-    if k % BLOCK:
-        torch.mul(values[:, full * BLOCK :], per_block[:, full:], out=out[:, full * BLOCK :])
+        wide = values.float()
+        torch.mul(wide, per_unit.reshape(1), out=wide)  # float32 products, rounded once below
+        return wide.to(out_dtype)
+    (m, k), unit = shape, _unit_dims(shape, granularity)
+    wide = _padded_float32(values, unit)  # float16 to float32: vectorised
+    _units_of(wide, shape, unit).mul_(per_unit[:, None, :, None])
+    return torch.empty(shape, dtype=out_dtype, device=data.device).copy_(wide[:m, :k])
 
 
 def _fp8_values(data: Tensor) -> tuple[Tensor, float]:
-    """``(values, factor)`` with ``values.float() * factor == data.float()`` exactly.
+    """``(values, factor)`` with ``values.float() * factor == data.float()`` exactly;
+    on the CPU ``values`` is a scratch buffer, overwritten by the next call.
 
     torch converts FP8 to wider types on the CPU one element at a time (about 4 ns an
     element on an AVX-512 Xeon, eight times the other direction), which made the
@@ -229,16 +277,18 @@ def _fp8_values(data: Tensor) -> tuple[Tensor, float]:
     """
     if data.device.type != "cpu" or data.dtype not in FP8_MAX:
         return data.float(), 1.0
+    bits = _scratch(data.shape, data.device, slot=2, dtype=torch.int16)  # a temporary
     if data.dtype == torch.float8_e5m2:
-        bits = data.view(torch.uint8).to(torch.int16)
+        bits.copy_(data.view(torch.uint8))
         bits <<= 8
         return bits.view(torch.float16), 1.0
-    bits = data.view(torch.int8).to(torch.int16)  # sign-extended: bits 8-15 = the sign
+    bits.copy_(data.view(torch.int8))  # sign-extended: bits 8-15 = the sign
     bits <<= 7  # exponent and mantissa at bits 7-13; the sign at bits 14 and 15
     bits &= ~0x4000  # the sign at bit 15 only
-    magnitude = data.view(torch.uint8) & 0x7F
-    if int(magnitude.max()) == 0x7F:  # a NaN, only from a NaN input (quantizing saturates)
-        bits[magnitude == 0x7F] = 0x7E00
+    # A NaN (S.1111.111, only from a NaN input: quantizing saturates) is the largest
+    # byte read as int8 (+NaN, 0x7F) or as uint8 (-NaN, 0xFF).
+    if int(data.view(torch.int8).max()) == 0x7F or int(data.view(torch.uint8).max()) == 0xFF:
+        bits[(data.view(torch.uint8) & 0x7F) == 0x7F] = 0x7E00
     return bits.view(torch.float16), 256.0
 
 
@@ -284,6 +334,14 @@ def fp8_quantize_transpose(
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {list(x.shape)}")
-    return fp8_quantize(x, dtype, granularity, scale), fp8_quantize(
-        x.t().contiguous(), dtype, granularity, scale
-    )
+    if granularity in ("tensor", "128x128"):  # the transpose's units are the same elements
+        data, scale_inv, amax = fp8_quantize(x, dtype, granularity, scale)
+        return (data, scale_inv, amax), (data.t().contiguous(), *_transposed(scale_inv, amax))
+    _check_quantize_args(x, dtype, granularity, scale)
+    with torch.no_grad():
+        first, second = _quantize_blocks(x.detach(), dtype, granularity, with_transpose=True)
+        return first, second
+
+
+def _transposed(*units: Tensor) -> tuple[Tensor, ...]:
+    return tuple(u.t().contiguous() if u.dim() == 2 else u for u in units)
