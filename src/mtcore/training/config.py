@@ -249,6 +249,16 @@ class TrainingConfig(Section):
         description="before step 1, check the backend's non-reference kernels against the "
         "reference ops (cached per machine) and its collectives; false: skip",
     )
+    # Python's cyclic collector, left automatic, runs whenever allocation counts say: in the
+    # middle of a step, on every rank at other moments (a collective then waits for the
+    # slowest), 6-10% of a CPU job's time (docs/fp8.md). torchtitan's gc_freq does the same.
+    gc_interval: int = Field(
+        50,
+        ge=0,
+        description="steps between the loop's own garbage collections (generations 0 and 1, "
+        "at a step's start, every rank alike); automatic collection is off while training. "
+        "0: Python's automatic collection",
+    )
     sample_prompt: str | None = Field("def ", description="printed continuation at the end")
     sample_tokens: int = Field(64, ge=0)
 

@@ -10,6 +10,8 @@ Rank 0 prints and writes TensorBoard events; every rank holds the agreed loss.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.util
 import os
 import sys
@@ -386,9 +388,23 @@ class _Loop:
         if (fp8 := self.config.precision.fp8_config()) is not None:
             paths = "/".join(sorted(set(fp8.paths(self.backend.fp8).values())))
             self.say(f"fp8 ({fp8.format}): {fp8.describe()} | block linear GEMMs: {paths}")
+        with collected_every(self.t.gc_interval):
+            self._loop()
+        self._save(self.t.steps, final=True)
+        self.progress.close()
+        self.scalars.close()
+        self.result.wall_s = time.perf_counter() - start
+        ran, start = self.t.steps - self.result.start_step, self.result.start_step
+        since = f" (steps {start + 1}-{self.t.steps}, resumed at {start})" if start else ""
+        self.say(f"done: {ran} steps{since} in {self.result.wall_s:.1f} s")
+        return self.result
+
+    def _loop(self) -> None:
         window_t, window_steps = 0.0, 0
         for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0 = time.perf_counter()
+            if self.t.gc_interval and step % self.t.gc_interval == 0:
+                gc.collect(1)  # timed with the step: it is the step's cost
             self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.decay_steps))
             out = self.engine.train_step(self._batch(self.train_loader), self.stop.requested)
             window_t += time.perf_counter() - t0
@@ -413,14 +429,6 @@ class _Loop:
             if self._due(step, self.config.checkpoint.interval) and step != self.t.steps:
                 self._save(step)
             self.checkpoints.poll()  # commits a finished asynchronous save
-        self._save(self.t.steps, final=True)
-        self.progress.close()
-        self.scalars.close()
-        self.result.wall_s = time.perf_counter() - start
-        ran, start = self.t.steps - self.result.start_step, self.result.start_step
-        since = f" (steps {start + 1}-{self.t.steps}, resumed at {start})" if start else ""
-        self.say(f"done: {ran} steps{since} in {self.result.wall_s:.1f} s")
-        return self.result
 
     def _preempted(self, step: int) -> None:
         """Every rank: commit ``step`` (collective), then raise ``Preempted``."""
@@ -521,6 +529,24 @@ class _Loop:
             )
             self.say(f"sample ({self.t.sample_tokens} tokens after {self.t.sample_prompt!r}):")
             self.say(self.result.sample)
+
+
+@contextlib.contextmanager
+def collected_every(interval: int):
+    """Python's automatic garbage collection off while the loop runs (``interval`` > 0:
+    the loop collects generations 0 and 1 every ``interval`` steps itself, as torchtitan's
+    ``gc_freq`` does), and back as it was afterwards. One full collection first."""
+    if not interval:
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def sample(config: FamilyConfig, weights, tokenizer, prompt: str, n: int, backend, top_k=20) -> str:

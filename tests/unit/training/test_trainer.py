@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 
@@ -46,11 +47,21 @@ def test_no_checkpoint_no_tensorboard_no_sample(tiny, tmp_path):
     config = tiny(
         checkpoint={"dir": None},
         logging={"tensorboard_dir": None},
-        training={"steps": 2, "sample_prompt": None, "eval_interval": 0},
+        training={"steps": 4, "sample_prompt": None, "eval_interval": 0, "gc_interval": 2},
     )
-    result = train(validate(config), stream=io.StringIO())
+    collections = []  # the generation of each collection that starts while training runs
+    record = lambda phase, info: phase == "start" and collections.append(info["generation"])  # noqa: E731
+    gc.callbacks.append(record)
+    try:
+        result = train(validate(config), stream=io.StringIO())
+    finally:
+        gc.callbacks.remove(record)
     assert result.checkpoint is None and result.sample is None
     assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "checkpoints").exists()
+    # gc_interval 2 over 4 steps: one full collection before the loop, then the loop's
+    # own at steps 2 and 4, none automatic; Python's collection is back afterwards
+    assert collections == [2, 1, 1], collections
+    assert gc.isenabled()
 
 
 def test_progress_bar_on_a_terminal_plain_lines_otherwise():
