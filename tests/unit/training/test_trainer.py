@@ -49,8 +49,10 @@ def test_no_checkpoint_no_tensorboard_no_sample(tiny, tmp_path):
         logging={"tensorboard_dir": None},
         training={"steps": 4, "sample_prompt": None, "eval_interval": 0, "gc_interval": 2},
     )
-    collections = []  # the generation of each collection that starts while training runs
-    record = lambda phase, info: phase == "start" and collections.append(info["generation"])  # noqa: E731
+    collections = []  # (generation, automatic collection on) of each collection
+    record = lambda phase, info: phase == "start" and collections.append(  # noqa: E731
+        (info["generation"], gc.isenabled())
+    )
     gc.callbacks.append(record)
     try:
         result = train(validate(config), stream=io.StringIO())
@@ -58,9 +60,11 @@ def test_no_checkpoint_no_tensorboard_no_sample(tiny, tmp_path):
         gc.callbacks.remove(record)
     assert result.checkpoint is None and result.sample is None
     assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "checkpoints").exists()
-    # gc_interval 2 over 4 steps: one full collection before the loop, then the loop's
-    # own at steps 2 and 4, none automatic; Python's collection is back afterwards
-    assert collections == [2, 1, 1], collections
+    # gc_interval 2 over 4 steps: a full collection before the loop, then with automatic
+    # collection off the loop's own at steps 2 and 4; Python's collection back afterwards
+    loop = collections.index((2, True))
+    assert [g for g, automatic in collections if not automatic] == [1, 1], collections
+    assert collections[loop + 1 : loop + 3] == [(1, False), (1, False)], collections
     assert gc.isenabled()
 
 
