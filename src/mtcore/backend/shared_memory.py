@@ -96,6 +96,18 @@ def create_segment(members: int, slot_bytes: int = SLOT_BYTES, size: int | None 
     return path
 
 
+def map_segment(path: str, size: int) -> mmap.mmap:
+    """Map a group's segment, made by its first member, after checking it has ``size``
+    bytes (a channel's or a mailbox's)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 def unlink_segment(path: str) -> None:
     """Remove the segment's name; the members' mappings stay valid."""
     with contextlib.suppress(FileNotFoundError):
@@ -173,14 +185,7 @@ class SharedMemoryChannel:
         self.rank, self.members, self.slot_bytes = rank, len(pids), slot_bytes
         self.timeout_s = timeout_s
         self.pids = tuple(pids)
-        size = segment_bytes(self.members, slot_bytes)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = map_segment(path, segment_bytes(self.members, slot_bytes))
         self._flags = memoryview(self._map)[:_PAGE].cast("q")
         self._flag_slots = [r * _FLAG_STRIDE for r in range(self.members)]
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)

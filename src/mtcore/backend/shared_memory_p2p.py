@@ -29,8 +29,6 @@ answering raises ``PeerGone`` as the channel does.
 from __future__ import annotations
 
 import collections
-import mmap
-import os
 import time
 from collections.abc import Sequence
 
@@ -41,6 +39,7 @@ from mtcore.backend.shared_memory import (
     _low_word,
     futex_wait,
     futex_wake,
+    map_segment,
     pid_alive,
 )
 
@@ -121,14 +120,7 @@ class SharedMemoryMailbox:
     ):  # fmt: skip
         self.rank, self.members, self.slot_bytes = rank, len(pids), slot_bytes
         self.pids, self.timeout_s = tuple(pids), timeout_s
-        size = mailbox_bytes(self.members, slot_bytes)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = map_segment(path, mailbox_bytes(self.members, slot_bytes))
         counters = _counter_bytes(self.members)
         self._counters = memoryview(self._map)[:counters].cast("q")
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -148,18 +140,17 @@ class SharedMemoryMailbox:
         return (self.rank, peer) in self._rings
 
     def send(self, tensor: torch.Tensor, peer: int) -> _MailboxWork:
-        message = _Message(tensor, receiving=False)
-        if not message.done:
-            self._outgoing[peer].append(message)
-        self.progress()
-        return _MailboxWork(self, message, peer, receiving=False)
+        return self._post(tensor, peer, receiving=False)
 
     def recv(self, tensor: torch.Tensor, peer: int) -> _MailboxWork:
-        message = _Message(tensor, receiving=True)
+        return self._post(tensor, peer, receiving=True)
+
+    def _post(self, tensor: torch.Tensor, peer: int, receiving: bool) -> _MailboxWork:
+        message = _Message(tensor, receiving=receiving)
         if not message.done:
-            self._incoming[peer].append(message)
+            (self._incoming if receiving else self._outgoing)[peer].append(message)
         self.progress()
-        return _MailboxWork(self, message, peer, receiving=True)
+        return _MailboxWork(self, message, peer, receiving=receiving)
 
     # -- moving pieces -------------------------------------------------------------------
     def progress(self) -> None:
