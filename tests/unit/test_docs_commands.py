@@ -490,12 +490,23 @@ def run_block(block: PythonBlock) -> tuple[int, str]:
 BLOCKS = all_python_blocks()
 
 
+@pytest.fixture(scope="module")
+def python_results() -> dict[tuple[str, int], tuple[int, str]]:
+    """Every runnable block, run side by side (each is mostly one interpreter's start-up)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    runnable = [b for b in BLOCKS if b.marker is None]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {(b.doc, b.line): pool.submit(run_block, b) for b in runnable}
+        return {key: future.result() for key, future in futures.items()}
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.doc}:{b.line}" for b in BLOCKS])
-def test_documented_python_runs(block: PythonBlock):
+def test_documented_python_runs(block: PythonBlock, python_results):
     if block.marker is not None:
         pytest.skip(f"marked not run here: {block.marker}")
     expected = PYTHON_NOT_RUN.get(block.doc, {}).get(block.first_line)
-    status, last = run_block(block)
+    status, last = python_results[block.doc, block.line]
     where = f"{block.doc}:{block.line}"
     if expected is None:
         assert status == 0, f"{where}: the block fails: {last}"
