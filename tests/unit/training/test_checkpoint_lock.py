@@ -18,6 +18,7 @@ import yaml
 
 from mtcore.training.checkpoint import CheckpointError
 from mtcore.training.checkpoint import owner as owner_lock
+from tests.unit.training.conftest import tiny_config
 
 SHORT = dict(training=dict(steps=2, sample_tokens=0), checkpoint=dict(interval=1))
 
@@ -100,16 +101,34 @@ def test_a_lock_from_another_host_is_live_until_its_heartbeat_is_old(tmp_path):
     assert not path.exists()
 
 
-@pytest.mark.parametrize(
-    "key", ["checkpoint.dir", "logging.tensorboard_dir", "data.cache_dir", "cache_file"]
-)
-def test_an_unwritable_directory_is_refused_before_step_1(tmp_path, tiny, run_mtcore, key):
-    """Root ignores permission bits: a path under a regular file is unwritable to anyone."""
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a directory")
-    bad = blocker if key == "cache_file" else blocker / "sub"
-    key = "data.cache_dir" if key == "cache_file" else key
-    run = run_mtcore("train", _job(tmp_path, tiny), f"--{key}", bad)
+UNWRITABLE = ["checkpoint.dir", "logging.tensorboard_dir", "data.cache_dir", "cache_file"]
+
+
+@pytest.fixture(scope="module")
+def unwritable_runs(tmp_path_factory, corpus, data_cache, run_mtcore) -> dict:
+    """Per case: (the key, the unwritable path, the run), the four jobs side by side
+    (each is mostly an interpreter's start-up). Root ignores permission bits: a path
+    under a regular file is unwritable to anyone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def start(case: str):
+        root = tmp_path_factory.mktemp(case)
+        blocker = root / "a_file"
+        blocker.write_text("not a directory")
+        bad = blocker if case == "cache_file" else blocker / "sub"
+        key = "data.cache_dir" if case == "cache_file" else case
+        job = root / "job.yaml"
+        config = tiny_config(corpus, data_cache, root, **SHORT)
+        job.write_text(yaml.safe_dump(config))
+        return key, bad, run_mtcore("train", str(job), f"--{key}", bad)
+
+    with ThreadPoolExecutor(max_workers=len(UNWRITABLE)) as pool:
+        return dict(zip(UNWRITABLE, pool.map(start, UNWRITABLE), strict=True))
+
+
+@pytest.mark.parametrize("case", UNWRITABLE)
+def test_an_unwritable_directory_is_refused_before_step_1(unwritable_runs, case):
+    key, bad, run = unwritable_runs[case]
     assert run.returncode == 2, run.stdout + run.stderr
     assert "step 1" not in run.stdout + run.stderr
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
