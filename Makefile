@@ -21,8 +21,14 @@ $(STAMP): pyproject.toml plugins/mtcore_cuda/pyproject.toml plugins/mtcore_musa/
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# Two pytest workers (pytest-xdist), one test file at a time each, so a module's
+# fixtures are built once: on two cores much of one worker's time is a process starting
+# or a rank waiting, and the other worker fills it (docs/ci.md has the timings).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
 test: lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" $(XDIST)
 
 test-all: lint
 	$(PY) -m pytest
@@ -54,7 +60,7 @@ $(FLOOR_STAMP): pyproject.toml plugins/mtcore_cuda/pyproject.toml plugins/mtcore
 	touch $(FLOOR_STAMP)
 
 test-torch-floor: $(FLOOR_STAMP)
-	PATH="$(CURDIR)/$(FLOOR_VENV)/bin:$$PATH" $(FLOOR_PY) -m pytest -m "not slow"
+	PATH="$(CURDIR)/$(FLOOR_VENV)/bin:$$PATH" $(FLOOR_PY) -m pytest -m "not slow" $(XDIST)
 
 # Rewrites tests/unit/torch_floor/torch_api_floor.json: the torch API surface the source
 # uses, as the oldest supported torch has it (after a new torch call the floor test asks).

@@ -216,9 +216,13 @@ def test_delayed_history_advances_once_per_training_pass():
     )
 
 
-def test_doctor_says_which_recipe_gemms_fall_back():
+def test_doctor_says_which_recipe_gemms_fall_back(monkeypatch):
+    from mtcore.cli import render
     from mtcore.cli.render import _fp8
     from mtcore.cli.report import fp8_facts
+
+    # doctor wraps to the terminal's width; the lines below are whole at 120 columns
+    monkeypatch.setattr(render, "WIDTH", 120)
 
     backend = types.SimpleNamespace(
         fp8=FP8(native_granularities=frozenset({("tensor", "tensor"), ("row", "row")}))
