@@ -26,12 +26,17 @@ lint: $(STAMP)
 # or a rank waiting, and the other worker fills it (docs/ci.md has the timings).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
+# Bytecode caches on, even where the environment turns them off (PYTHONDONTWRITEBYTECODE=1
+# on the project's machines): otherwise every process the suite starts compiles mtcore's
+# source again, and every pytest worker rewrites every test module's asserts again.
+# The caches are __pycache__ folders next to the sources (.gitignore'd).
+PYC_ON := env -u PYTHONDONTWRITEBYTECODE
 
 test: lint
-	$(PY) -m pytest -m "not slow" $(XDIST)
+	$(PYC_ON) $(PY) -m pytest -m "not slow" $(XDIST)
 
 test-all: lint
-	$(PY) -m pytest
+	$(PYC_ON) $(PY) -m pytest
 
 # What goes wrong on a cluster, slow: a node lost and replaced, a node cut off for
 # good (namespace nodes), a real two-node Slurm, a rank stopped mid-collective, a
@@ -39,7 +44,7 @@ test-all: lint
 # Debian's slurmctld, slurmd, slurm-client and munge; each test says why it skips
 # without them. (The default suite runs doctor on a namespace node.)
 test-cluster: $(STAMP)
-	$(PY) -m pytest -m slow tests/e2e/test_multi_node.py tests/e2e/test_slurm.py \
+	$(PYC_ON) $(PY) -m pytest -m slow tests/e2e/test_multi_node.py tests/e2e/test_slurm.py \
 		tests/e2e/test_rank_lifetime.py tests/e2e/test_preemption.py \
 		tests/e2e/test_checkpoint_kill.py
 
@@ -60,7 +65,7 @@ $(FLOOR_STAMP): pyproject.toml plugins/mtcore_cuda/pyproject.toml plugins/mtcore
 	touch $(FLOOR_STAMP)
 
 test-torch-floor: $(FLOOR_STAMP)
-	PATH="$(CURDIR)/$(FLOOR_VENV)/bin:$$PATH" $(FLOOR_PY) -m pytest -m "not slow" $(XDIST)
+	PATH="$(CURDIR)/$(FLOOR_VENV)/bin:$$PATH" $(PYC_ON) $(FLOOR_PY) -m pytest -m "not slow" $(XDIST)
 
 # Rewrites tests/unit/torch_floor/torch_api_floor.json: the torch API surface the source
 # uses, as the oldest supported torch has it (after a new torch call the floor test asks).
