@@ -90,7 +90,7 @@ def test_log_lines_report_the_cpu_time_of_all_ranks(trained):
     for step, wall_s, cpu_ms in found[1:]:  # the first interval holds each rank's start
         assert 0 < cpu_ms <= 1.5 * cores * wall_s * 1e3, (step, wall_s, cpu_ms, cores)
     ends = [0] + [step for step, _, _ in found]  # each interval's steps: ends[i] - ends[i - 1]
-    logged_s = sum((b - a) * c / 1e3 for a, b, (_, _, c) in zip(ends, ends[1:], found, strict=True))
+    logged_s = sum((b - a) * c / 1e3 for a, b, (_, _, c) in zip(ends[:-1], ends[1:], found, strict=True))
     assert logged_s <= out.cpu_s, (logged_s, out.cpu_s)
 
 
