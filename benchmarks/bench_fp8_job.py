@@ -6,13 +6,16 @@
 Each precision is one ``mtcore train configs/default.yaml --nproc 4`` run, as a user
 starts it (``--training.steps``, no evaluation, checkpoint in a temporary directory);
 the step time is the trainer's own ``s/step`` of every logging interval after the
-first (the first holds start-up and the first step). Runs alternate: in each round
-every precision runs once, the order rotating from round to round, so load from other
-processes falls on all alike. Reported: each precision's median step time, its paired
-ratio to ``bf16`` (median over rounds of the ratio in the same round), its last loss,
-and the FP8 GEMM path the backend took (``mtcore doctor``'s line). ``uptime`` before
-and after. FP8 runs use the hybrid format (E4M3 forward, E5M2 gradients) unless the
-name says ``e4m3``.
+first (the first holds start-up and the first step), and so is the CPU time of a step
+(the log line's ``cpu N ms/step``: every rank's CPU time over the interval, summed, per
+step). Runs alternate: in each round every precision runs once, the order rotating
+from round to round, so load from other processes falls on all alike. Reported: each
+precision's median wall and CPU time per step, their paired ratios to ``bf16`` (median
+over rounds of the ratio in the same round) with each round's, its last loss, and the
+FP8 GEMM path the backend took (``mtcore doctor``'s line). ``uptime`` before and after.
+Wall time on a shared machine measures the other processes as much as the job; CPU
+time much less so. FP8 runs use the hybrid format (E4M3 forward, E5M2 gradients) unless
+the name says ``e4m3``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ PRECISIONS = {
     "fp32-fp8-current": ["--precision.fp8", "e4m3", "--precision.fp8_recipe", "current"],
 }  # fmt: skip
 # the trainer's log line; the step time is read from tokens/s (s/step has 2 decimals)
-STEP_LINE = re.compile(r"step (\d+)/\d+ \| loss ([\d.]+) .*\| ([\d,]+) tokens/s")
+STEP_LINE = re.compile(
+    r"step (\d+)/\d+ \| loss ([\d.]+) .*\| ([\d,]+) tokens/s .*\| cpu (\d+) ms/step"
+)
 TOKENS_PER_STEP = 16 * 128  # configs/default.yaml: global batch 16 x seq 128
 
 
@@ -58,12 +63,17 @@ def run_job(name: str, steps: int, interval: int, workdir: Path) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"{name}: exit {out.returncode}\n{text[-3000:]}")
     found = [
-        (int(s), float(loss), TOKENS_PER_STEP / float(rate.replace(",", "")))
-        for s, loss, rate in STEP_LINE.findall(text)
+        (int(s), float(loss), TOKENS_PER_STEP / float(rate.replace(",", "")), float(cpu) / 1e3)
+        for s, loss, rate, cpu in STEP_LINE.findall(text)
     ]
-    timed = [t for step, _, t in found if step > interval]
+    timed = [(wall, cpu) for step, _, wall, cpu in found if step > interval]
     paths = re.findall(r"fp8 \(.*", text)
-    return {"step_s": statistics.mean(timed), "loss": found[-1][1], "paths": paths[:1]}
+    return {
+        "step_s": statistics.mean(wall for wall, _ in timed),
+        "cpu_s": statistics.mean(cpu for _, cpu in timed),
+        "loss": found[-1][1],
+        "paths": paths[:1],
+    }
 
 
 def main() -> None:
@@ -76,26 +86,32 @@ def main() -> None:
     args = parser.parse_args()
     names = args.precisions if "bf16" in args.precisions else ["bf16", *args.precisions]
     print(f"load at start: {load_average()}")
-    times = {name: [] for name in names}
+    times = {name: {"step_s": [], "cpu_s": []} for name in names}
     last = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 res = run_job(name, args.steps, args.interval, Path(tmp))
-                times[name].append(res["step_s"])
+                for key in times[name]:
+                    times[name][key].append(res[key])
                 last[name] = res
                 print(f"round {r + 1}: {name:<18} {res['step_s'] * 1e3:7.1f} ms/step, "
+                      f"cpu {res['cpu_s'] * 1e3:7.1f} ms/step (all ranks), "
                       f"loss {res['loss']:.4f} | {load_average()}", flush=True)  # fmt: skip
     print(f"load at end: {load_average()}")
-    print("\n| precision | step ms (median) | paired ratio to bf16 | per round | last loss |")
-    print("|---|---|---|---|---|")
+    print("\n| precision | wall ms/step (median) | wall ratio to bf16 (paired) | per round "
+          "| CPU ms/step, all ranks (median) | CPU ratio to bf16 (paired) | per round "
+          "| last loss |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for name in names:
-        ratios = [a / b for a, b in zip(times[name], times["bf16"], strict=True)]
-        print(
-            f"| {name} | {statistics.median(times[name]) * 1e3:.1f} | "
-            f"{statistics.median(ratios):.3f} | {', '.join(f'{x:.3f}' for x in ratios)} | "
-            f"{last[name]['loss']:.4f} |"
-        )
+        cells = []
+        for key in ("step_s", "cpu_s"):
+            ratios = [a / b for a, b in zip(times[name][key], times["bf16"][key], strict=True)]
+            cells += [
+                f"{statistics.median(times[name][key]) * 1e3:.1f}",
+                f"{statistics.median(ratios):.3f}",
+                ", ".join(f"{x:.3f}" for x in ratios),
+            ]
+        print(f"| {name} | {' | '.join(cells)} | {last[name]['loss']:.4f} |")
     for name in names:
         for line in last[name]["paths"]:
             print(f"{name}: {line}")

@@ -8,7 +8,9 @@ embedding tied across the stages) through `mtcore train --nproc 2`, then
 
 from __future__ import annotations
 
+import os
 import re
+import resource
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +18,11 @@ import pytest
 import yaml
 
 LINE = re.compile(r"^step (\d+)/(\d+) \| loss ([0-9.]+)", re.MULTILINE)
+# a log line's step, wall time (from tokens/s: s/step has 2 decimals) and all ranks' CPU
+TIMES = re.compile(
+    r"^step (\d+)/\d+ \|.* ([\d,]+) tokens/s \|.*\| cpu (\d+) ms/step$", re.MULTILINE
+)
+TOKENS_PER_STEP = 8 * 32  # the job's global batch x seq_len
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +52,16 @@ def _losses(stdout: str) -> list[float]:
 @pytest.fixture(scope="module")
 def trained(job, run_mtcore):
     root, path = job
+    before = _children_cpu_s()
     out = run_mtcore("train", path, "--nproc", "2")
     assert out.returncode == 0, out.stdout + out.stderr
+    out.cpu_s = _children_cpu_s() - before  # the launcher and both ranks, start-up included
     return root, out
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def test_train_on_two_ranks_learns_and_writes_outputs(trained):
@@ -61,6 +75,23 @@ def test_train_on_two_ranks_learns_and_writes_outputs(trained):
     assert (root / "checkpoints" / "latest").read_text().strip() == "step_000012"
     assert list((root / "tensorboard").glob("events.out.tfevents.*"))
     assert "sample (8 tokens after 'def '):" in out.stdout
+
+
+def test_log_lines_report_the_cpu_time_of_all_ranks(trained):
+    """``cpu N ms/step``: both ranks' CPU time per step, summed at log time. Over an
+    interval the ranks cannot use more CPU than the cores give in its wall time (a figure
+    per interval, not per step, or counted twice, would), and all intervals together no
+    more than the whole run's processes took."""
+    _, out = trained
+    found = [(int(s), TOKENS_PER_STEP / float(r.replace(",", "")), int(c))
+             for s, r, c in TIMES.findall(out.stdout)]  # fmt: skip
+    assert [s for s, _, _ in found] == [1, 3, 6, 9, 12], out.stdout
+    cores = len(os.sched_getaffinity(0))
+    for step, wall_s, cpu_ms in found[1:]:  # the first interval holds each rank's start
+        assert 0 < cpu_ms <= 1.5 * cores * wall_s * 1e3, (step, wall_s, cpu_ms, cores)
+    ends = [0] + [step for step, _, _ in found]  # each interval's steps: ends[i] - ends[i - 1]
+    logged_s = sum((b - a) * c / 1e3 for a, b, (_, _, c) in zip(ends[:-1], ends[1:], found, strict=True))
+    assert logged_s <= out.cpu_s, (logged_s, out.cpu_s)
 
 
 def test_generate_from_the_checkpoint(trained, run_mtcore):

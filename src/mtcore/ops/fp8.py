@@ -113,9 +113,12 @@ def _quantize_tensor(x: Tensor, dtype: torch.dtype, fmax: float, scale) -> tuple
         if unit_scale.numel() != 1:
             raise ValueError(f"scale must have one element, got shape {list(unit_scale.shape)}")
         unit_scale = unit_scale.reshape(())
-    scaled = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    torch.mul(x, unit_scale.reshape(1), out=scaled)  # 1-D: float32 products, not x's
-    data = scaled.clamp_(-fmax, fmax).to(dtype)
+    # float32 products (the 1-D scale takes part in type promotion): x widened into a
+    # reused buffer, then scaled in place; a fresh buffer costs its page faults, and a
+    # product of two dtypes is converted element by element (both about 2x the work)
+    scaled = _scratch(tuple(x.shape), x.device, slot=0).copy_(x)
+    scaled.mul_(unit_scale.reshape(1))
+    data = _round_to(scaled.clamp_(-fmax, fmax), dtype)
     return data, 1.0 / unit_scale, amax
 
 
@@ -302,8 +305,12 @@ def fp8_widen(data: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     if dtype == torch.float32:
         wide = values.float()
         return wide if factor == 1.0 else wide.mul_(factor)
-    out = torch.empty(data.shape, dtype=dtype, device=data.device)
-    return torch.mul(values, factor, out=out)  # exact: FP8 values fit float16 too
+    # Through float32 (exact): float16 to bfloat16, directly or in a product of the two,
+    # goes element by element, three times the two vectorised conversions and the product.
+    wide = _scratch(tuple(data.shape), data.device, slot=0).copy_(values)
+    if factor != 1.0:
+        wide.mul_(factor)
+    return torch.empty(data.shape, dtype=dtype, device=data.device).copy_(wide)
 
 
 def fp8_quantize_transpose(

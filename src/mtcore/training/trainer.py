@@ -400,14 +400,15 @@ class _Loop:
         return self.result
 
     def _loop(self) -> None:
-        window_t, window_steps = 0.0, 0
+        window_t, window_cpu, window_steps = 0.0, 0.0, 0
         for step in range(self.result.start_step + 1, self.t.steps + 1):
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             if self.t.gc_interval and step % self.t.gc_interval == 0:
                 gc.collect(1)  # timed with the step: it is the step's cost
             self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.decay_steps))
             out = self.engine.train_step(self._batch(self.train_loader), self.stop.requested)
             window_t += time.perf_counter() - t0
+            window_cpu += time.process_time() - cpu0  # every thread of this process
             window_steps += 1
             self.result.losses.append(out.loss)
             if out.moe is not None:
@@ -418,8 +419,8 @@ class _Loop:
                 self.say(message)
             first = self.result.start_step + 1  # the first step of this run (resumed or not)
             if step % self.config.logging.interval == 0 or step in (first, self.t.steps):
-                self._log(step, out, lr, window_t / window_steps)
-                window_t, window_steps = 0.0, 0
+                self._log(step, out, lr, window_t / window_steps, window_cpu / window_steps)
+                window_t, window_cpu, window_steps = 0.0, 0.0, 0
             elif self.is_main:
                 self.progress.update(step, f"loss {out.loss:.4f}")
             if self._due(step, self.t.eval_interval):
@@ -454,8 +455,10 @@ class _Loop:
         lengths = family_of(self.model_config).sequence_lengths(self.model_config)
         return [shard_batch(batch, lengths, self.cp, self.cp_rank) for batch in batches]
 
-    def _log(self, step: int, out: StepOutcome, lr: float, step_s: float) -> None:
-        memory = self._peak_memory()
+    def _log(self, step: int, out: StepOutcome, lr: float, step_s: float, cpu_s: float) -> None:
+        """``step_s``: this rank's mean wall time per step over the interval; ``cpu_s``:
+        its CPU time per step (``time.process_time``, all threads), summed over ranks here."""
+        memory, cpu_s = self._over_ranks(cpu_s)
         tokens_s = self.t.global_batch_size * self.model_config.seq_len / step_s
         tflops = self.flops / step_s / self.layout.world_size / 1e12
         norm = f"{out.grad_norm:.3f}" if out.grad_norm is not None else "n/a"
@@ -465,7 +468,8 @@ class _Loop:
         self.say(
             f"step {step}/{self.t.steps} | loss {out.loss:.4f}{parts} | lr {lr:.2e} | grad norm {norm} | "
             f"{tokens_s:,.0f} tokens/s | {tflops:.3f} TFLOP/s/rank | MFU "
-            f"{format_mfu(tflops, self.peak)} | mem {format_bytes(memory)} | {step_s:.2f} s/step"
+            f"{format_mfu(tflops, self.peak)} | mem {format_bytes(memory)} | {step_s:.2f} s/step | "
+            f"cpu {cpu_s * 1e3:.0f} ms/step"
         )
         fp16 = self.config.precision.dtype == "fp16"
         scalars = {
@@ -477,6 +481,7 @@ class _Loop:
             "train/mfu": tflops / self.peak if self.peak else None,
             "train/memory_bytes": float(memory),
             "train/step_s": step_s,
+            "train/cpu_step_s": cpu_s,
             "train/loss_scale": out.loss_scale if fp16 else None,
             **{f"train/{name}": value for name, value in terms.items()},
         }
@@ -485,11 +490,17 @@ class _Loop:
             scalars.update({f"moe/{key}": value for key, value in out.moe.items()})
         self.scalars.add(step, scalars)
 
-    def _peak_memory(self) -> int:
-        t = torch.tensor([float(self.backend.device.max_memory_allocated())], device=self.device)
-        if self.layout.world_size > 1:
+    def _over_ranks(self, cpu_s: float) -> tuple[int, float]:
+        """(the largest peak memory of any rank, the sum of the ranks' ``cpu_s``) in one
+        all-reduce: each rank writes its two figures into its own column, zeros elsewhere,
+        so the max over ranks holds every rank's figures."""
+        n, rank = self.layout.world_size, self.layout.rank
+        t = torch.zeros(2, n, device=self.device)
+        t[0, rank] = float(self.backend.device.max_memory_allocated())
+        t[1, rank] = cpu_s
+        if n > 1:
             self.backend.collective.all_reduce(t, op="max")
-        return int(t.item())
+        return int(t[0].max().item()), float(t[1].sum().item())
 
     def _evaluate(self, step: int) -> None:
         if self.prep.data.valid is None:

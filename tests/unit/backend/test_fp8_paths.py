@@ -106,15 +106,17 @@ def test_a_pair_chosen_slower_takes_the_fallback_and_says_why():
     assert torch.equal(fp8.scaled_matmul(a, b), fallback_scaled_matmul(a, b, torch.float32))
 
 
-def test_fp8_bytes_widen_exactly_to_float32():
+@pytest.mark.parametrize("wide", [torch.float32, torch.bfloat16])
+def test_fp8_bytes_widen_exactly(wide):
     every_byte = torch.arange(256, dtype=torch.uint8)
+    bits = torch.int32 if wide == torch.float32 else torch.int16
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         values = every_byte.view(dtype).reshape(16, 16).t()  # not contiguous either
-        want, got = values.float(), fp8_widen(values)
-        assert torch.equal(want.isnan(), got.isnan()), dtype
+        want, got = values.to(wide), fp8_widen(values, wide)
+        assert got.dtype == wide and torch.equal(want.isnan(), got.isnan()), dtype
         finite = ~want.isnan()
         # bit patterns: -0.0 stays -0.0
-        assert torch.equal(want[finite].view(torch.int32), got[finite].view(torch.int32)), dtype
+        assert torch.equal(want[finite].view(bits), got[finite].view(bits)), dtype
 
 
 def test_the_measurements_live_in_the_data_cache(monkeypatch, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 
 import pytest
 import yaml
@@ -27,6 +28,10 @@ def test_tensorboard_holds_the_runs_config(tiny, tmp_path):
     assert saved["logging"]["run_name"] == "tb-run"
     assert saved["training"]["steps"] == 2
     assert "train/loss" in events.Tags()["scalars"]
+    wall, cpu = (events.Scalars(f"train/{tag}") for tag in ("step_s", "cpu_step_s"))
+    assert [e.step for e in cpu] == [1, 2] and all(e.value > 0 for e in cpu)
+    cores = len(os.sched_getaffinity(0))  # one process: its threads on the cores it may use
+    assert all(c.value <= cores * w.value for c, w in zip(cpu, wall, strict=True))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
