@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtcore.backend.device import Availability
-from mtcore.ops import FP8_MAX, GRANULARITIES, fp8_dequantize, fp8_widen
+from mtcore.ops import FP8_MAX, GRANULARITIES, fp8_dequantize
 
 GranularityPairs = frozenset[tuple[str, str]]
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -36,13 +36,16 @@ class Quantized:
     ``values`` (the FP8 values widened, unscaled) and ``dequantize`` remember their
     result per dtype, and a ``transpose()`` widens through its source: the fallback
     GEMMs of an FP8 linear read one operand, or its transpose, more than once (the
-    output gradient in dgrad and wgrad, the weight in every GEMM of a step).
+    output gradient in dgrad and wgrad, the weight in every GEMM of a step). Both run
+    through ``dequantizer``: the backend's ``fp8_dequantize`` kernel op where the
+    tensor came from ``FP8``, else the reference op.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     amax: torch.Tensor
     granularity: str
+    dequantizer: Callable = field(default=fp8_dequantize, repr=False, compare=False)
     _wide: dict = field(default_factory=dict, repr=False, compare=False)
     _transpose_of: Quantized | None = field(default=None, repr=False, compare=False)
 
@@ -52,7 +55,8 @@ class Quantized:
             return self._transpose_of.values(dtype).t()
         key = ("values", dtype)
         if key not in self._wide:
-            self._wide[key] = fp8_widen(self.data, dtype)
+            one = torch.ones((), device=self.data.device)  # products by 1: exact
+            self._wide[key] = self.dequantizer(self.data, one, "tensor", out_dtype=dtype)
         return self._wide[key]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -60,7 +64,7 @@ class Quantized:
             return self._transpose_of.dequantize(dtype).t()
         key = ("dequantized", dtype)
         if key not in self._wide:
-            self._wide[key] = fp8_dequantize(
+            self._wide[key] = self.dequantizer(
                 self.data, self.scale_inv, self.granularity, out_dtype=dtype
             )
         return self._wide[key]
@@ -72,7 +76,9 @@ class Quantized:
         if self.granularity not in ("tensor", "128x128"):
             raise ValueError(f"{self.granularity!r} scaling units do not transpose")
         scale_inv, amax = (t.t() if t.dim() == 2 else t for t in (self.scale_inv, self.amax))
-        return Quantized(self.data.t(), scale_inv, amax, self.granularity, _transpose_of=self)
+        return Quantized(
+            self.data.t(), scale_inv, amax, self.granularity, self.dequantizer, _transpose_of=self
+        )
 
 
 ShapeRule = Callable[[torch.Tensor, torch.Tensor], bool]
@@ -187,6 +193,7 @@ class FP8:
         self._available = available or (lambda: Availability(True))
         self._quantize: Callable | None = None
         self._quantize_transpose: Callable | None = None
+        self._dequantize: Callable = fp8_dequantize
 
     @property
     def native_granularities(self) -> GranularityPairs:
@@ -217,13 +224,26 @@ class FP8:
             self._mixed = bool(source() if callable(source) else source)
         return self._mixed
 
-    def bound_to(self, quantize: Callable, quantize_transpose: Callable | None = None) -> FP8:
-        """A copy that quantizes with ``quantize`` (a backend's kernel dispatcher), and
-        with ``quantize_transpose`` for :meth:`quantize_transpose` when given."""
+    def bound_to(
+        self,
+        quantize: Callable,
+        quantize_transpose: Callable | None = None,
+        dequantize: Callable | None = None,
+    ) -> FP8:
+        """A copy that quantizes with ``quantize`` (a backend's kernel dispatcher), with
+        ``quantize_transpose`` for :meth:`quantize_transpose` and ``dequantize`` for its
+        tensors' fallback GEMMs when given."""
         bound = copy.copy(self)
         bound._quantize = quantize
         bound._quantize_transpose = quantize_transpose
+        bound._dequantize = dequantize or fp8_dequantize
         return bound
+
+    def quantized(
+        self, data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor, granularity: str
+    ) -> Quantized:
+        """A ``Quantized`` of this backend (one rebuilt from saved tensors, say)."""
+        return Quantized(data, scale_inv, amax, granularity, self._dequantize)
 
     @property
     def formats(self) -> dict[str, torch.dtype]:
@@ -266,7 +286,7 @@ class FP8:
         if quantize is None:
             from mtcore.ops import fp8_quantize as quantize
         data, scale_inv, amax = quantize(x, dtype, granularity, scale)
-        return Quantized(data, scale_inv, amax, granularity)
+        return self.quantized(data, scale_inv, amax, granularity)
 
     def quantize_transpose(
         self,
@@ -286,8 +306,9 @@ class FP8:
         if fused is None:
             from mtcore.ops import fp8_quantize_transpose as fused
         (data, scale_inv, amax), (data_t, scale_inv_t, amax_t) = fused(x, dtype, granularity, scale)
-        return Quantized(data, scale_inv, amax, granularity), Quantized(
-            data_t, scale_inv_t, amax_t, granularity
+        return (
+            self.quantized(data, scale_inv, amax, granularity),
+            self.quantized(data_t, scale_inv_t, amax_t, granularity),
         )
 
     def is_native(self, a_granularity: str, b_granularity: str) -> bool:

@@ -17,6 +17,7 @@ import platform
 
 import torch
 
+from mtcore.backend import host_fp8
 from mtcore.backend.collective import Collective, gloo_capabilities
 from mtcore.backend.device import CpuDevice
 from mtcore.backend.fp8 import FP8
@@ -55,6 +56,7 @@ def cpu_scaled_mm_pairs() -> frozenset[tuple[str, str]]:
     return frozenset(works)
 
 
+@functools.cache
 def cpu_identity() -> str:
     """The host CPU as the FP8 path measurement keys it: architecture, model and flags."""
     model = flags = ""
@@ -93,10 +95,11 @@ def mtcore_backends() -> list[BackendSpec]:
             choose=functools.partial(measured_paths, machine=cpu_identity()),
         ),
         accelerator=False,
+        diagnostics=lambda: {"FP8 quantize/dequantize": host_fp8.describe(cpu_identity())},
         description="host CPU: gloo collectives (tensor-parallel groups of one host through "
         "shared memory), torch fused SDPA/flash-LSE/RMSNorm/LayerNorm/"
-        "cross-entropy/AdamW kernels, FP8 through torch._scaled_mm where measured faster "
-        "than the fallback matmul",
+        "cross-entropy/AdamW kernels, FP8 quantization in C compiled here, FP8 GEMMs "
+        "through torch._scaled_mm where measured faster than the fallback matmul",
     )
     return [host]
 
@@ -128,6 +131,7 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
         # Every dtype: F.silu on float32 operands, one rounding, as the reference.
         KernelImpl("swiglu", torch_native.silu_glu_fp32, "torch-silu", priority=50),
     ]
+    impls += _fp8_kernels()
     if flash_lse.cpu_flash_attention_lse_available():
         # torch's CPU flash kernel returns the log-sum-exp ring attention merges with.
         impls.append(
@@ -151,3 +155,33 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
             )
         )
     return impls
+
+
+def _fp8_kernels() -> list[KernelImpl]:
+    """FP8 quantization and dequantization in C (``host_fp8``), built on first use: the
+    predicates build it when a kernel table first resolves an FP8 op, and refuse where
+    the build failed (the reference ops serve; ``host_fp8.unavailable_reason``)."""
+
+    def takes_input(query) -> bool:
+        return query.dtype in host_fp8.INPUT_DTYPES and host_fp8.load(cpu_identity())
+
+    # A call dispatches dequantize on its FP8 bytes, a check (the kit's, the trainer's)
+    # on the result's dtype; the guard checks the result's dtype of each call.
+    def takes_bytes(query) -> bool:
+        serves = (*host_fp8.FORMATS, *host_fp8.OUTPUT_DTYPES)
+        return query.dtype in serves and host_fp8.load(cpu_identity())
+
+    ops = (
+        ("fp8_quantize", host_fp8.fp8_quantize, takes_input, host_fp8.quantize_fits),
+        (
+            "fp8_quantize_transpose",
+            host_fp8.fp8_quantize_transpose,
+            takes_input,
+            host_fp8.quantize_fits,
+        ),
+        ("fp8_dequantize", host_fp8.fp8_dequantize, takes_bytes, host_fp8.dequantize_fits),
+    )
+    return [
+        KernelImpl(op, fn, host_fp8.KERNEL_NAME, priority=50, predicate=accepts, fallback_ok=fits)
+        for op, fn, accepts, fits in ops
+    ]

@@ -68,7 +68,10 @@ class Backend:
         self.device = spec.device
         self.collective = spec.collective
         self.kernels = KernelTable(spec.name, kernels)
-        self.fp8 = spec.fp8.bound_to(self.kernels.fp8_quantize, self.kernels.fp8_quantize_transpose)
+        table = self.kernels
+        self.fp8 = spec.fp8.bound_to(
+            table.fp8_quantize, table.fp8_quantize_transpose, table.fp8_dequantize
+        )
 
     def torch_device(self, index: int | None = None) -> torch.device:
         return self.device.torch_device(index)

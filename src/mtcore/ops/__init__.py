@@ -19,7 +19,6 @@ from mtcore.ops.fp8 import (
     fp8_dequantize,
     fp8_quantize,
     fp8_quantize_transpose,
-    fp8_widen,
 )
 from mtcore.ops.loss import cross_entropy
 from mtcore.ops.moe import grouped_mm
@@ -39,6 +38,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "grouped_mm": grouped_mm,
     "fp8_quantize": fp8_quantize,
     "fp8_quantize_transpose": fp8_quantize_transpose,
+    "fp8_dequantize": fp8_dequantize,
 }
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "fp8_dequantize",
     "fp8_quantize",
     "fp8_quantize_transpose",
-    "fp8_widen",
     "grouped_mm",
     "layer_norm",
     "merge_attention",

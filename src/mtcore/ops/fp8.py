@@ -33,7 +33,7 @@ BLOCK = 128
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
-def _unit_shape(shape: tuple[int, int], granularity: str) -> tuple[int, ...]:
+def unit_shape(shape: tuple[int, int], granularity: str) -> tuple[int, ...]:
     m, k = shape
     if granularity == "tensor":
         return ()
@@ -79,7 +79,7 @@ def fp8_quantize(
     Not differentiable: FP8 recipes quantise inside their own autograd
     functions and define the backward there.
     """
-    _check_quantize_args(x, dtype, granularity, scale)
+    check_quantize_args(x, dtype, granularity, scale)
     fmax = FP8_MAX[dtype]
     with torch.no_grad():
         x = x.detach()
@@ -88,14 +88,14 @@ def fp8_quantize(
         return _quantize_blocks(x, dtype, granularity)[0]
 
 
-def _check_quantize_args(x: Tensor, dtype: torch.dtype, granularity: str, scale) -> None:
+def check_quantize_args(x: Tensor, dtype: torch.dtype, granularity: str, scale) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {list(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"x must be non-empty, got shape {list(x.shape)}")
     if dtype not in FP8_MAX:
         raise ValueError(f"dtype must be one of {list(FP8_MAX)}, got {dtype}")
-    _unit_shape(tuple(x.shape), granularity)  # validates granularity
+    unit_shape(tuple(x.shape), granularity)  # validates granularity
     if scale is not None and granularity != "tensor":
         raise ValueError(
             f"a given scale is only allowed for 'tensor' granularity, not {granularity!r}"
@@ -132,8 +132,10 @@ def _magnitude(low: Tensor, high: Tensor) -> Tensor:
     return torch.maximum(high, low.neg()).float().abs_()
 
 
-def _unit_dims(shape, granularity: str) -> tuple[int, int]:
-    """(rows, columns) of one scaling unit of a row or block granularity on ``shape``."""
+def unit_dims(shape, granularity: str) -> tuple[int, int]:
+    """(rows, columns) of one scaling unit of ``granularity`` on ``shape``."""
+    if granularity == "tensor":
+        return shape[0], shape[1]
     if granularity == "row":
         return 1, shape[1]
     return (1 if granularity == "1x128" else BLOCK), BLOCK
@@ -186,7 +188,7 @@ def _quantize_blocks(
     reduction over a 4-D view, then per unit scale, clamp and round (the transpose's
     data is rounded in ``x``'s layout and its bytes transposed: the cheapest transpose)."""
     shape, fmax = x.shape, FP8_MAX[dtype]
-    units = [_unit_dims(shape, granularity)]
+    units = [unit_dims(shape, granularity)]
     if with_transpose:  # units of x.T along its rows: columns of x (in 128-row strips)
         units.append((BLOCK, 1) if granularity == "1x128" else (shape[0], 1))
     buf = _padded_float32(x, *units)
@@ -239,25 +241,30 @@ def fp8_dequantize(
     Returns:
         ``[M, K]`` in ``out_dtype``.
     """
-    if data.dim() != 2:
-        raise ValueError(f"data must be 2-D [M, K], got shape {list(data.shape)}")
+    check_dequantize_args(data, scale_inv, granularity)
     shape = (data.shape[0], data.shape[1])
-    expected = _unit_shape(shape, granularity)
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(
-            f"scale_inv for {granularity!r} on {list(shape)} must have shape "
-            f"{list(expected)}, got {list(scale_inv.shape)}"
-        )
     values, factor = _fp8_values(data)
     per_unit = scale_inv.float() * factor
     if granularity == "tensor":
         wide = values.float()
         torch.mul(wide, per_unit.reshape(1), out=wide)  # float32 products, rounded once below
         return wide.to(out_dtype)
-    (m, k), unit = shape, _unit_dims(shape, granularity)
+    (m, k), unit = shape, unit_dims(shape, granularity)
     wide = _padded_float32(values, unit)  # float16 to float32: vectorised
     _units_of(wide, shape, unit).mul_(per_unit[:, None, :, None])
     return torch.empty(shape, dtype=out_dtype, device=data.device).copy_(wide[:m, :k])
+
+
+def check_dequantize_args(data: Tensor, scale_inv: Tensor, granularity: str) -> None:
+    if data.dim() != 2:
+        raise ValueError(f"data must be 2-D [M, K], got shape {list(data.shape)}")
+    shape = (data.shape[0], data.shape[1])
+    expected = unit_shape(shape, granularity)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"scale_inv for {granularity!r} on {list(shape)} must have shape "
+            f"{list(expected)}, got {list(scale_inv.shape)}"
+        )
 
 
 def _fp8_values(data: Tensor) -> tuple[Tensor, float]:
@@ -295,24 +302,6 @@ def _fp8_values(data: Tensor) -> tuple[Tensor, float]:
     return bits.view(torch.float16), 256.0
 
 
-def fp8_widen(data: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``data.to(dtype)`` of an E4M3 or E5M2 tensor, bit for bit (NaN included), fast on
-    the CPU (see ``_fp8_values``). ``dtype``: float32 or bfloat16; both hold every FP8
-    value, and the sums of their products in a GEMM (float16 overflows there)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
-    values, factor = _fp8_values(data)
-    if dtype == torch.float32:
-        wide = values.float()
-        return wide if factor == 1.0 else wide.mul_(factor)
-    # Through float32 (exact): float16 to bfloat16, directly or in a product of the two,
-    # goes element by element, three times the two vectorised conversions and the product.
-    wide = _scratch(tuple(data.shape), data.device, slot=0).copy_(values)
-    if factor != 1.0:
-        wide.mul_(factor)
-    return torch.empty(data.shape, dtype=dtype, device=data.device).copy_(wide)
-
-
 def fp8_quantize_transpose(
     x: Tensor, dtype: torch.dtype, granularity: str, scale: Tensor | float | None = None
 ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
@@ -344,7 +333,7 @@ def fp8_quantize_transpose(
     if granularity in ("tensor", "128x128"):  # the transpose's units are the same elements
         data, scale_inv, amax = fp8_quantize(x, dtype, granularity, scale)
         return (data, scale_inv, amax), (data.t().contiguous(), *_transposed(scale_inv, amax))
-    _check_quantize_args(x, dtype, granularity, scale)
+    check_quantize_args(x, dtype, granularity, scale)
     with torch.no_grad():
         first, second = _quantize_blocks(x.detach(), dtype, granularity, with_transpose=True)
         return first, second

@@ -16,7 +16,7 @@ import torch
 from mtcore.backend import FP8, fp8_paths
 from mtcore.backend.fp8 import FALLBACK, GemmPath, fallback_scaled_matmul
 from mtcore.backend.host import NATIVE_FP8, cpu_identity, cpu_scaled_mm_pairs
-from mtcore.ops import fp8_widen
+from mtcore.ops import fp8_dequantize
 
 E4M3 = torch.float8_e4m3fn
 # Measuring times torch._scaled_mm itself, which torch 2.7 does not run on the CPU.
@@ -108,11 +108,12 @@ def test_a_pair_chosen_slower_takes_the_fallback_and_says_why():
 
 @pytest.mark.parametrize("wide", [torch.float32, torch.bfloat16])
 def test_fp8_bytes_widen_exactly(wide):
+    """The fallback GEMM's operands: FP8 bytes dequantized with a unit scale are exact."""
     every_byte = torch.arange(256, dtype=torch.uint8)
     bits = torch.int32 if wide == torch.float32 else torch.int16
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         values = every_byte.view(dtype).reshape(16, 16).t()  # not contiguous either
-        want, got = values.to(wide), fp8_widen(values, wide)
+        want, got = values.to(wide), fp8_dequantize(values, torch.ones(()), "tensor", wide)
         assert got.dtype == wide and torch.equal(want.isnan(), got.isnan()), dtype
         finite = ~want.isnan()
         # bit patterns: -0.0 stays -0.0

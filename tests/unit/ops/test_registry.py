@@ -42,6 +42,7 @@ EXPECTED_PARAMS = {
     "grouped_mm": ["x", "weight", "tokens_per_expert"],
     "fp8_quantize": ["x", "dtype", "granularity", "scale"],
     "fp8_quantize_transpose": ["x", "dtype", "granularity", "scale"],
+    "fp8_dequantize": ["data", "scale_inv", "granularity", "out_dtype"],
 }
 OPS_DIR = Path(ops.__file__).parent
 

@@ -566,5 +566,33 @@ def check_fp8_quantize_transpose(fn: Callable, guard: Callable | None, dtype, de
     return ran
 
 
+def check_fp8_dequantize(fn: Callable, guard: Callable | None, dtype, device) -> list[str]:
+    """FP8 bytes of the quantize cases back to ``dtype``: exactly the reference's values
+    (one float32 product per element, rounded once), for every granularity and format."""
+    reference = REFERENCE_OPS["fp8_dequantize"]
+    quantize = REFERENCE_OPS["fp8_quantize"]
+    ran = []
+    for name, x, fmt, gran, scale in fp8_quantize_cases():
+        where = f"fp8_dequantize case {name!r} (to {dtype_name(dtype)})"
+        data, scale_inv, _ = quantize(x, fmt, gran, scale)
+        data_d, scale_inv_d = data.to(device), scale_inv.to(device)
+        if guard is not None and not guard(data_d, scale_inv_d, gran, dtype):
+            continue
+        got = fn(data_d, scale_inv_d, gran, out_dtype=dtype)
+        assert got.dtype == dtype, f"{where}: dtype {got.dtype}, expected {dtype}"
+        compare(got, reference(data, scale_inv, gran, out_dtype=dtype), where, Tolerance(0.0, 0.0))
+        ran.append(name)
+    return ran
+
+
+# Ops whose check is a function of its own, not ``check_op``'s forward/backward cases.
+SPECIAL_CHECKS: dict[str, Callable[..., list[str]]] = {
+    "adamw_step": check_adamw,
+    "fp8_quantize": check_fp8_quantize,
+    "fp8_quantize_transpose": check_fp8_quantize_transpose,
+    "fp8_dequantize": check_fp8_dequantize,
+}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

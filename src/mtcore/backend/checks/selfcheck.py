@@ -28,8 +28,6 @@ import torch
 
 from mtcore.backend.kernels import REFERENCE, KernelQuery
 
-# Ops whose kit check is a function of its own (not ``check_op``'s forward/backward).
-_SPECIAL = ("adamw_step", "fp8_quantize", "fp8_quantize_transpose")
 CACHE_ENV = "MTCORE_SELFCHECK_CACHE"
 
 
@@ -97,17 +95,12 @@ def check_kernels(backend, dtype: torch.dtype) -> SelfCheck:
     """Run the kit's cases for every selected non-reference implementation in ``dtype``."""
     from mtcore.backend.checks import kernel_cases as kit
 
-    special = {
-        "adamw_step": kit.check_adamw,
-        "fp8_quantize": kit.check_fp8_quantize,
-        "fp8_quantize_transpose": kit.check_fp8_quantize_transpose,
-    }
     device = backend.torch_device()
     result = SelfCheck(key_of(backend, dtype), backend.name, kit.dtype_name(dtype))
     start = time.perf_counter()
     for impl in selected(backend, dtype):
         label = f"{impl.op} ({impl.name}, plugin {impl.plugin or '?'})"
-        check = special.get(impl.op)
+        check = kit.SPECIAL_CHECKS.get(impl.op)
         if check is None and impl.op not in kit.CASES:
             continue  # no cases for it: the kit's own run reports that
         try:

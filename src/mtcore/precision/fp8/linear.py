@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mtcore.backend.fp8 import Quantized
 from mtcore.precision.fp8.state import FP8Scaling
 
 
@@ -60,7 +59,7 @@ class _FP8Matmul(torch.autograd.Function):
         fp8, recipe = scaling.fp8, scaling.recipe
         dy = dy.contiguous()
         data, scale_inv = ctx.saved_tensors
-        kept = Quantized(data, scale_inv, scale_inv, ctx.granularity)
+        kept = fp8.quantized(data, scale_inv, scale_inv, ctx.granularity)
         w_t = ctx.weight.transpose()
         if ctx.per_tensor:
             qg = scaling.quantize(dy, "grad")

@@ -13,9 +13,7 @@ from mtcore.backend import KernelQuery
 from mtcore.backend.checks.kernel_cases import (
     CASES,
     KERNEL_DTYPES,
-    check_adamw,
-    check_fp8_quantize,
-    check_fp8_quantize_transpose,
+    SPECIAL_CHECKS,
     check_op,
     dtype_name,
 )
@@ -39,12 +37,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def test_kernel(op, impl, dtype, device):
     try:
-        if op == "adamw_step":
-            ran = check_adamw(impl.fn, impl.fallback_ok, dtype, device)
-        elif op == "fp8_quantize":
-            ran = check_fp8_quantize(impl.fn, impl.fallback_ok, dtype, device)
-        elif op == "fp8_quantize_transpose":
-            ran = check_fp8_quantize_transpose(impl.fn, impl.fallback_ok, dtype, device)
+        if op in SPECIAL_CHECKS:
+            ran = SPECIAL_CHECKS[op](impl.fn, impl.fallback_ok, dtype, device)
         elif op in CASES:
             ran = check_op(op, impl.fn, impl.fallback_ok, dtype, device)
         else:
