@@ -235,7 +235,7 @@ class FamilyData:
 class imported_on_call:  # lower case: it stands in for a function
     """``module.name`` as a function that imports ``module`` when it is first called: a
     family names its adapters' functions (HF, Megatron) without loading them, and torch,
-    whenever the registry hands out the family (``mtcore plan``, ``mtcore --help``).
+    whenever the registry hands out the family (``mtcore plan``, a config's checks).
     ``inspect.signature`` sees the function's own signature (it imports the module)."""
 
     def __init__(self, module: str, name: str):
