@@ -65,8 +65,9 @@ from torch import nn
 from mtcore.backend import KernelImpl, select_backend
 from mtcore.models.t5 import T5Config
 from mtcore.models.t5.blocks import relative_position_bucket
-from mtcore.models.t5.data import corrupt, lengths_of, noise_mask, span_lengths
+from mtcore.models.t5.data import corrupt, noise_mask
 from mtcore.models.t5.model import IGNORE_INDEX
+from mtcore.models.t5.spans import lengths_of, span_lengths
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig
 

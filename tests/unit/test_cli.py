@@ -171,6 +171,50 @@ def test_no_command_prints_usage_and_exits_2():
     assert "doctor" in result.stderr and "plugins" in result.stderr
 
 
+# Run in one fresh process: every call must answer without importing torch (seconds of
+# CPU per process); a command imports it inside ``run`` when it builds something.
+WITHOUT_TORCH = """
+import contextlib, io, json, sys
+from mtcore.cli.main import COMMANDS, main
+
+def status(argv):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return main(argv)
+        except SystemExit as e:
+            return e.code
+
+calls = [["--help"], ["--version"], [], ["no-such-command"], ["plan", "configs/default.yaml"],
+         ["train", "configs/default.yaml", "--model.no_such_key", "1"]]
+calls += [[name, "--help"] for name in COMMANDS] + [[name, "--no-such-flag"] for name in COMMANDS]
+calls += [["plan", f"configs/{name}.yaml", "--gpus", "8", "--hardware", "H100-SXM"]
+          for name in ("default", "moe", "bert", "t5", "llava")]
+calls += [["plan", "configs/default.yaml", "--gpus", "4", "--hardware", "cpu-host", "--search"]]
+seen = []
+for argv in calls:
+    seen.append((argv, status(argv), "torch" in sys.modules))
+print(json.dumps(seen))
+"""
+
+
+def test_help_usage_errors_and_plan_do_not_import_torch():
+    """`mtcore --help`, `--version`, every `COMMAND --help`, usage errors and `mtcore plan`
+    (a family per config) answer without importing torch."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH], cwd=root, env=cli_env(),
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    first = next((argv for argv, _, torch_in in seen if torch_in), None)
+    assert first is None, f"`mtcore {' '.join(first)}` imported torch"
+    statuses = {" ".join(argv): status for argv, status, _ in seen}
+    assert statuses["--help"] == statuses["--version"] == statuses["plan --help"] == 0
+    assert statuses[""] == statuses["no-such-command"] == statuses["plan configs/default.yaml"] == 2
+    assert statuses["train configs/default.yaml --model.no_such_key 1"] == 2
+    planned = [k for k in statuses if k.startswith("plan configs/") and "--gpus" in k]
+    assert len(planned) == 6 and all(statuses[k] == 0 for k in planned), statuses
+
+
 def test_plugins_lists_the_cpu_plugin_with_version_status_and_backends(runs):
     result = runs["plugins"]
     assert result.returncode == 0, result.stderr

@@ -120,12 +120,8 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtcore.backend import BackendError, PluginWarning, select_backend
-    from mtcore.data.progress import report_to
-    from mtcore.plan.memory_fit import check_memory
     from mtcore.training.config import ConfigError
     from mtcore.training.overrides import load_config, read_file
-    from mtcore.training.trainer import prepare
 
     if args.config is None:
         # The built-in defaults are a long job (1000 steps, bf16); the README's is a file.
@@ -136,11 +132,20 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
+    try:  # a config the trainer would refuse is refused before torch is imported
         config = load_config(args.config, args.overrides)
         plan = args.launch
         if plan.max_restarts and config.checkpoint.dir is None:
             raise ConfigError("--max-restarts needs a checkpoint.dir to resume from")
+    except ConfigError as e:
+        print(f"mtcore train: error: {e}", file=sys.stderr)
+        return 2
+    from mtcore.backend import BackendError, PluginWarning, select_backend
+    from mtcore.data.progress import report_to
+    from mtcore.plan.memory_fit import check_memory
+    from mtcore.training.trainer import prepare
+
+    try:
         if args.config and not read_file(args.config):  # an empty file: say what runs
             note = f"{args.config} holds no settings; training with the defaults"
             print(f"mtcore train: note: {note}", file=sys.stderr)

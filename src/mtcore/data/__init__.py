@@ -19,19 +19,43 @@ embedding from ``tok.vocab_size``: a trained BPE can come out smaller than asked
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from mtcore.data.blend import BlendedDataset, blending_indices
 from mtcore.data.cache import DataError
 from mtcore.data.config import DataConfig, default_cache_dir
 from mtcore.data.corpus import DEFAULT_CORPUS_BYTES
-from mtcore.data.indexed import IndexedDataset
-from mtcore.data.loader import EpochSampler, LMLoader, TokenLoader, check_batch_sizes, lm_batches
-from mtcore.data.samples import SequenceDataset
-from mtcore.data.splits import config_sources, train_and_valid
-from mtcore.data.tokenizer import EOD_TOKEN, Tokenizer, get_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from mtcore.data.blend import BlendedDataset
+    from mtcore.data.samples import SequenceDataset
+    from mtcore.data.tokenizer import Tokenizer
+
+# The settings above load with the package (a config is read, e.g. by ``mtcore plan``,
+# without numpy, tokenizers or torch); what reads and serves the data on first use.
+_ON_USE = {
+    "BlendedDataset": "blend",
+    "blending_indices": "blend",
+    "IndexedDataset": "indexed",
+    "EpochSampler": "loader",
+    "LMLoader": "loader",
+    "TokenLoader": "loader",
+    "check_batch_sizes": "loader",
+    "lm_batches": "loader",
+    "SequenceDataset": "samples",
+    "EOD_TOKEN": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str):
+    if name in _ON_USE:
+        return getattr(importlib.import_module(f"{__name__}.{_ON_USE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_CORPUS_BYTES",
@@ -71,6 +95,11 @@ def build_datasets(config: DataConfig | None = None, **overrides) -> Datasets:
     """
     if config is None or overrides:
         config = DataConfig.model_validate({**(config.model_dump() if config else {}), **overrides})
+    from mtcore.data.blend import BlendedDataset
+    from mtcore.data.samples import SequenceDataset
+    from mtcore.data.splits import config_sources, train_and_valid
+    from mtcore.data.tokenizer import get_tokenizer
+
     cache_dir = config.resolved_cache_dir()
     start = time.perf_counter()
     sources, all_files = config_sources(config)

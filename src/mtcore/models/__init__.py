@@ -5,6 +5,9 @@ The trainer, checkpoints, planner and CLI use only what this package exports: a
 family is found by name (``get_family``) or from a config (``family_of``), and a
 model section is parsed into its family's config class by ``parse_model_config``.
 Concrete models are imported from their family's folder (``mtcore.models.gpt``).
+
+Importing the seam does not import torch (``mtcore plan`` and the CLI's parser read
+families, configs and shapes without it); a family's models load when it builds them.
 """
 
 from mtcore.models.family import (
@@ -20,8 +23,8 @@ from mtcore.models.family import (
     MessageSpecs,
     ModelFamily,
     PipelineStage,
-    TensorSpec,
     check_family,
+    imported_on_call,
 )
 from mtcore.models.registry import (
     BUILTIN as BUILTIN_FAMILIES,
@@ -60,6 +63,16 @@ __all__ = [
     "family_names",
     "family_of",
     "get_family",
+    "imported_on_call",
     "parse_model_config",
     "reset_plugin_families",
 ]
+
+
+def __getattr__(name: str):
+    # TensorSpec is the pipeline runner's (torch); families that send tensors import it.
+    if name == "TensorSpec":
+        from mtcore.parallel.pipeline import TensorSpec
+
+        return TensorSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

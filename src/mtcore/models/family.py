@@ -25,27 +25,34 @@ names the family and the member:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from torch import Tensor, nn
 
 from mtcore.distributed.layout import reject_bool_numbers
 from mtcore.models.shape import ModelShape, NotModelled
-from mtcore.parallel.moe import MoESpec
-from mtcore.parallel.pipeline import TensorSpec
 
-Batch = dict[str, Tensor]
+# The seam describes models without building one: `mtcore plan` and the CLI's parser read
+# families, configs and shapes in a process that never imports torch. Tensors and modules
+# appear here only in annotations.
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+
+    from mtcore.parallel.moe import MoESpec
+    from mtcore.parallel.pipeline import TensorSpec
+
+Batch = dict[str, "Tensor"]
 """One micro-batch: named tensors (``tokens``, ``labels``, ``padding_mask``, ...)."""
 
 
-MessageSpecs = Callable[[int], dict[str, TensorSpec]]
+MessageSpecs = Callable[[int], dict[str, "TensorSpec"]]
 """``boundary -> {name: TensorSpec}``: what virtual stage ``boundary`` sends to stage
 ``boundary + 1`` (known before the step; it may differ from boundary to boundary)."""
 
@@ -225,6 +232,26 @@ class FamilyData:
     loader_takes_group: bool = False
 
 
+class imported_on_call:  # lower case: it stands in for a function
+    """``module.name`` as a function that imports ``module`` when it is first called: a
+    family names its adapters' functions (HF, Megatron) without loading them, and torch,
+    whenever the registry hands out the family (``mtcore plan``, a config's checks).
+    ``inspect.signature`` sees the function's own signature (it imports the module)."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __call__(self, *args, **kwargs):
+        return self.__wrapped__(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"imported_on_call({self.module!r}, {self.name!r})"
+
+
 @dataclass(frozen=True)
 class HFAdapter:
     """A family's HuggingFace interop. ``model_types``: the ``model_type`` values of a
@@ -369,7 +396,7 @@ class ModelFamily(ABC):
 _CALLS: dict[str, tuple[tuple, dict]] = {
     "build_chunks": (("config", "layout", "backend", 0, None), {}),
     "one_process": (("config", "backend"), {}),
-    "messages": (("config", "layout", 1, torch.float32), {}),
+    "messages": (("config", "layout", 1, "dtype"), {}),
     "loss_counts": (("config", {}), {}),
     "data": (("data_config", "model_config"), {}),
     "metric_names": (("config",), {}),

@@ -10,7 +10,7 @@ YAML/TOML files and ``--section.key value`` overrides is ``mtcore.training.overr
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import (
     BaseModel,
@@ -27,9 +27,13 @@ from mtcore.distributed.layout import LayoutSpec, reject_bool_numbers
 from mtcore.models import FamilyConfig, FamilyError, parse_model_config
 from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
 from mtcore.parallel.pipeline import validate_pipeline
-from mtcore.precision import MixedPrecision
-from mtcore.precision.fp8 import FP8Recipe, check_backend_fp8
 from mtcore.training.schedules import Schedule, lr_at
+
+# A config is read and checked without torch (`mtcore plan`); the precision objects it
+# builds for the trainer (torch dtypes, FP8 scaling) are imported where they are made.
+if TYPE_CHECKING:
+    from mtcore.precision import MixedPrecision
+    from mtcore.precision.fp8 import FP8Recipe
 
 
 class ConfigError(ValueError):
@@ -143,6 +147,8 @@ class PrecisionConfig(Section):
     def fp8_config(self) -> FP8Recipe | None:
         if self.fp8 is None:
             return None
+        from mtcore.precision.fp8 import FP8Recipe
+
         return FP8Recipe(
             format=self.fp8,
             scaling=self.fp8_recipe,
@@ -155,12 +161,16 @@ class PrecisionConfig(Section):
         """ConfigError when FP8 is asked for and ``backend`` cannot run it."""
         recipe = self.fp8_config()
         if recipe is not None:
+            from mtcore.precision.fp8 import check_backend_fp8
+
             try:
                 check_backend_fp8(recipe, backend.fp8)
             except ValueError as e:
                 raise ConfigError(f"{e} (backend {backend.name!r})") from None
 
     def mixed_precision(self) -> MixedPrecision:
+        from mtcore.precision import MixedPrecision
+
         return MixedPrecision(
             self.dtype, self.loss_scale, initial_scale=self.initial_scale, fp8=self.fp8_config()
         )

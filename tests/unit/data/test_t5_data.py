@@ -9,18 +9,14 @@ import torch
 
 from mtcore.data import DataConfig, DataError
 from mtcore.models.t5.data import (
-    EOS_TOKEN,
     IGNORE_INDEX,
-    NUM_SENTINELS,
-    PAD_TOKEN,
     SpanLoader,
     build_span_data,
     corrupt,
-    lengths_of,
     noise_mask,
-    span_counts,
-    span_lengths,
 )
+from mtcore.models.t5.names import EOS_TOKEN, NUM_SENTINELS, PAD_TOKEN
+from mtcore.models.t5.spans import lengths_of, span_counts, span_lengths
 
 ENC, DEC = 48, 16
 

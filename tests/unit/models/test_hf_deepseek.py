@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.models.common.latent_attention import MLASpec, softmax_scale
+from mtcore.models.common.latent_spec import MLASpec, softmax_scale
 from mtcore.models.common.sampling import continue_tokens
 from mtcore.models.gpt import GPT, GPTConfig, single_context
 from mtcore.models.gpt.hf import HFInteropError, export_hf, import_hf, model_config_from_hf

@@ -39,6 +39,7 @@ from mtcore.data.config import DataConfig
 from mtcore.data.indexed import IndexedDataset
 from mtcore.data.splits import config_sources, train_and_valid
 from mtcore.data.tokenizer import Tokenizer, get_tokenizer
+from mtcore.models.bert.names import BERT_SPECIAL_TOKENS
 from mtcore.models.bert.pair_loader import PairLoader, mask_sequence
 
 __all__ = [
@@ -56,7 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-BERT_SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]", "[PAD]")
 PAIR_TASKS = ("nsp", "sop", "none")
 _PAIR_TABLE_SALT = 0xB3A7_2A15  # keeps the pair draws apart from other streams of one seed
 

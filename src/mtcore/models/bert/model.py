@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtcore.models.bert.config import BertConfig
+from mtcore.models.bert.names import DECODER_COPY
 from mtcore.models.common.chunks import PipelineChunk, build_chunks
 from mtcore.models.common.layers import MLP, Attention, Context, Norm
 from mtcore.models.family import BuiltModel
@@ -53,8 +54,6 @@ from mtcore.parallel.tensor import (
 from mtcore.precision.fp8 import FP8Recipe
 
 IGNORE_INDEX = -100
-WORD_EMBEDDING = "embed.word.weight"
-DECODER_COPY = "mlm.decoder.weight"  # the last stage's copy of the word embedding
 
 
 def _drawn(c: Context, name: str, shape: tuple[int, ...]) -> nn.Parameter:

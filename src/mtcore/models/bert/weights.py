@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from torch import Tensor
 
 from mtcore.models.bert.config import BertConfig
-from mtcore.models.bert.model import DECODER_COPY, WORD_EMBEDDING
+from mtcore.models.bert.names import DECODER_COPY, WORD_EMBEDDING
 from mtcore.models.common.full_weights import check_weight_shapes, load_chunk_weights
 
 

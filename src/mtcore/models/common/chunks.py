@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from mtcore.models.common.layers import Context, make_context, single_context
-from mtcore.models.family import BuiltModel, MessageSpecs, TensorSpec
-from mtcore.parallel.pipeline import stage_plans
+from mtcore.models.family import BuiltModel, MessageSpecs
+from mtcore.parallel.pipeline import TensorSpec, stage_plans
 from mtcore.precision.fp8 import FP8Recipe
 
 

@@ -4,12 +4,31 @@ The model is the shared decoder (``mtcore.models.common.decoder``); this folder 
 what makes it a family: its config class, its data pipeline, its HF adapter and the
 ``ModelFamily`` subclass. The names below are the decoder's, as GPT users import them."""
 
+import importlib
+
 from mtcore.models.common.decoder.config import STYLES
-from mtcore.models.common.decoder.model import GPT, IGNORE_INDEX, Block, build_gpt
-from mtcore.models.common.decoder.weights import full_weight_shapes, load_full_weights
-from mtcore.models.common.layers import Context, make_context, single_context
 from mtcore.models.gpt.config import GPTConfig
 from mtcore.models.gpt.family import FAMILY
+
+# The family and its config load with the package (without torch); the model on first use.
+_MODEL = {
+    "GPT": "mtcore.models.common.decoder.model",
+    "IGNORE_INDEX": "mtcore.models.common.decoder.model",
+    "Block": "mtcore.models.common.decoder.model",
+    "build_gpt": "mtcore.models.common.decoder.model",
+    "full_weight_shapes": "mtcore.models.common.decoder.weights",
+    "load_full_weights": "mtcore.models.common.decoder.weights",
+    "Context": "mtcore.models.common.layers",
+    "make_context": "mtcore.models.common.layers",
+    "single_context": "mtcore.models.common.layers",
+}
+
+
+def __getattr__(name: str):
+    if name in _MODEL:
+        return getattr(importlib.import_module(_MODEL[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FAMILY",

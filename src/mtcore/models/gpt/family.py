@@ -1,27 +1,39 @@
-"""The GPT family (``model.family: gpt``, the default): what the engine and trainer consume."""
+"""The GPT family (``model.family: gpt``, the default): what the engine and trainer consume.
+
+The family, its config and its shape load without torch (the planner and the CLI read
+them); the model, its data pipeline and its adapters are imported where they are used.
+"""
 
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from mtcore.models.common.chunks import hidden_state_messages
-from mtcore.models.common.decoder.model import GPT, IGNORE_INDEX, build
-from mtcore.models.common.decoder.mtp import mtp_targets, mtp_term
+from mtcore.models.common.decoder.hf_architectures import MODEL_TYPES
 from mtcore.models.common.decoder.shape import decoder_shape
-from mtcore.models.common.layers import single_context
 from mtcore.models.family import (
     Capabilities,
     FamilyData,
     HFAdapter,
     MegatronAdapter,
     ModelFamily,
+    imported_on_call,
 )
-from mtcore.models.gpt import hf, megatron
 from mtcore.models.gpt.config import GPTConfig
-from mtcore.models.gpt.data import gpt_data
+from mtcore.models.gpt.megatron.args import (
+    MODEL_ARGUMENTS,
+    megatron_args,
+    model_config_from_megatron,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from mtcore.models.common.decoder.model import GPT
+
+HF = "mtcore.models.gpt.hf"
+MEGATRON = "mtcore.models.gpt.megatron.ranks"
 
 
 class GPTFamily(ModelFamily):
@@ -31,33 +43,45 @@ class GPTFamily(ModelFamily):
     checkpoint_aliases = MappingProxyType(
         {"output.weight": "embed.tok.weight", "mtp_embed.tok.weight": "embed.tok.weight"}
     )
-    hf = HFAdapter(hf.MODEL_TYPES, hf.import_hf, hf.export_hf)
+    hf = HFAdapter(MODEL_TYPES, imported_on_call(HF, "import_hf"), imported_on_call(HF, "export_hf"))
     megatron = MegatronAdapter(
-        megatron.model_config_from_megatron,
-        megatron.megatron_args,
-        megatron.from_dist,
-        megatron.from_ranks,
-        megatron.to_ranks,
-        megatron.MODEL_ARGUMENTS,
+        model_config_from_megatron,
+        megatron_args,
+        imported_on_call(MEGATRON, "from_dist"),
+        imported_on_call(MEGATRON, "from_ranks"),
+        imported_on_call(MEGATRON, "to_ranks"),
+        MODEL_ARGUMENTS,
     )
     description = "decoder-only transformer: Llama and GPT-2 styles, GQA, mixture of experts"
 
     def build_chunks(self, config: GPTConfig, layout, backend, seed: int = 0, fp8=None):
+        from mtcore.models.common.decoder.model import build
+
         return build(config, layout, backend, seed, fp8)
 
     def one_process(self, config: GPTConfig, backend=None) -> GPT:
+        from mtcore.models.common.decoder.model import GPT
+        from mtcore.models.common.layers import single_context
+
         return GPT(config, single_context(config, backend))
 
     def messages(self, config: GPTConfig, layout, micro_batch_size: int, dtype: torch.dtype):
+        from mtcore.models.common.chunks import hidden_state_messages
+
         return hidden_state_messages(config, layout, micro_batch_size, dtype)
 
     def loss_counts(self, config: GPTConfig, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        from mtcore.models.common.decoder.model import IGNORE_INDEX
+        from mtcore.models.common.decoder.mtp import mtp_targets, mtp_term
+
         counts = {"lm": (batch["labels"] != IGNORE_INDEX).sum()}
         for k in range(1, config.mtp_depth + 1):  # multi-token prediction's targets
             counts[mtp_term(k)] = (mtp_targets(batch["labels"], k) != IGNORE_INDEX).sum()
         return counts
 
     def data(self, data_config, model_config: GPTConfig) -> FamilyData:
+        from mtcore.models.gpt.data import gpt_data
+
         return gpt_data(data_config, model_config)
 
     def shape(self, config: GPTConfig):
@@ -66,6 +90,8 @@ class GPTFamily(ModelFamily):
     def generate(self, model: GPT, tokenizer, prompt: str, max_new_tokens: int, top_k=None,
                  temperature: float = 1.0, generator=None, image=None) -> str:  # fmt: skip
         """The prompt and its continuation (greedy, or top-k sampling with ``generator``)."""
+        import torch
+
         ids = tokenizer.encode(prompt) or [tokenizer.eod_id]
         tokens = torch.tensor([ids], device=next(model.parameters()).device)
         out = model.generate(tokens, max_new_tokens, top_k, temperature, generator)

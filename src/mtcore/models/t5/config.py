@@ -44,7 +44,7 @@ class T5Config(FamilyConfig):
 
     ``seq_len`` is the encoder's input length and ``decoder_seq_len`` the decoder's
     (None: what span corruption of a ``seq_len`` input needs, see
-    ``mtcore.models.t5.data.span_lengths``).
+    ``mtcore.models.t5.spans.span_lengths``).
     """
 
     family: Literal["t5"] = "t5"
@@ -99,7 +99,7 @@ class T5Config(FamilyConfig):
                 "set head_dim"
             )
         from mtcore.data import DataError
-        from mtcore.models.t5.data import span_lengths
+        from mtcore.models.t5.spans import span_lengths
 
         try:  # lengths the data cannot fill are refused here, before any process starts
             need = span_lengths(

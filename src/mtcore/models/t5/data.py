@@ -37,77 +37,13 @@ from mtcore.data.indexed import IndexedDataset
 from mtcore.data.loader import TokenLoader
 from mtcore.data.splits import config_sources, train_and_valid
 from mtcore.data.tokenizer import Tokenizer, get_tokenizer
+from mtcore.models.t5.names import EOS_TOKEN, PAD_TOKEN, SENTINEL_TOKENS, T5_SPECIAL_TOKENS
+from mtcore.models.t5.spans import SpanLengths, span_counts, span_lengths
 
 log = logging.getLogger(__name__)
 
-NUM_SENTINELS = 100  # T5's extra_ids
-PAD_TOKEN, EOS_TOKEN = "<pad>", "</s>"
-SENTINEL_TOKENS = tuple(f"<extra_id_{k}>" for k in range(NUM_SENTINELS))
-T5_SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, *SENTINEL_TOKENS)
 IGNORE_INDEX = -100
 _SPAN_SALT = 0x5A17_C0DE  # keeps span draws apart from the sampler's (seed, epoch) stream
-
-
-def span_counts(length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
-    """(noise tokens, noise spans) of a piece of ``length >= 2`` tokens: at least one
-    of each, and at least one kept token per span (a kept run precedes each span)."""
-    noise = min(max(round(length * noise_density), 1), length - 1)
-    spans = min(max(round(noise / mean_span_length), 1), noise, length - noise)
-    return noise, spans
-
-
-class SpanLengths(NamedTuple):
-    """The piece length and what its corruption needs: ``encoder_len`` (kept tokens, a
-    sentinel per span, ``</s>``) and ``decoder_len`` (a sentinel per span, the noise,
-    ``</s>``)."""
-
-    raw_len: int
-    noise: int
-    spans: int
-    encoder_len: int
-    decoder_len: int
-
-
-def lengths_of(raw_len: int, noise_density: float, mean_span_length: float) -> SpanLengths:
-    noise, spans = span_counts(raw_len, noise_density, mean_span_length)
-    return SpanLengths(raw_len, noise, spans, raw_len - noise + spans + 1, noise + spans + 1)
-
-
-def span_lengths(
-    encoder_len: int,
-    noise_density: float = 0.15,
-    mean_span_length: float = 3.0,
-    decoder_len: int | None = None,
-) -> SpanLengths:
-    """The longest piece whose corrupted input fits ``encoder_len`` (and whose target
-    fits ``decoder_len``, when given), or a DataError naming the lengths.
-
-    Both needs grow with the piece length, so the first piece that does not fit ends
-    the search. T5's 512 input tokens at 0.15 / 3 are 568-token pieces, 114 targets.
-    """
-    best = None
-    for raw in range(2, 2 * encoder_len + 8):
-        need = lengths_of(raw, noise_density, mean_span_length)
-        if need.encoder_len > encoder_len or (
-            decoder_len is not None and need.decoder_len > decoder_len
-        ):
-            break
-        best = need
-    if best is None:
-        smallest = lengths_of(2, noise_density, mean_span_length)
-        lengths = f"encoder length {encoder_len}"
-        if decoder_len is not None:
-            lengths += f" and decoder length {decoder_len}"
-        raise DataError(
-            f"{lengths} cannot hold one corrupted span: span corruption needs at least "
-            f"{smallest.encoder_len} encoder and {smallest.decoder_len} decoder positions"
-        )
-    if best.spans > NUM_SENTINELS:
-        raise DataError(
-            f"encoder length {encoder_len} gives pieces of {best.raw_len} tokens with "
-            f"{best.spans} noise spans, more than the {NUM_SENTINELS} sentinel tokens"
-        )
-    return best
 
 
 def _composition(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from mtcore.models.common.chunks import PipelineChunk
 from mtcore.models.common.layers import Context, Norm, make_context
-from mtcore.models.family import BuiltModel, MessageSpecs, TensorSpec
+from mtcore.models.family import BuiltModel, MessageSpecs
 from mtcore.models.t5.blocks import (
     DecoderBlock,
     EncoderBlock,
@@ -43,7 +43,9 @@ from mtcore.models.t5.blocks import (
     cp_positions,
 )
 from mtcore.models.t5.config import T5Config
+from mtcore.models.t5.names import LM_HEAD
 from mtcore.parallel.context import gather_key_mask
+from mtcore.parallel.pipeline import TensorSpec
 from mtcore.parallel.pipeline.split import stage_plans
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
@@ -57,7 +59,6 @@ from mtcore.parallel.tensor import (
 from mtcore.precision.fp8 import FP8Recipe
 
 IGNORE_INDEX = -100
-EMBEDDING, LM_HEAD = "embed.weight", "lm_head.weight"
 
 
 def _embedding(c: Context) -> nn.Module:

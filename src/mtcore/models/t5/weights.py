@@ -15,7 +15,7 @@ from torch import Tensor
 
 from mtcore.models.common.full_weights import check_weight_shapes, load_chunk_weights
 from mtcore.models.t5.config import T5Config
-from mtcore.models.t5.model import EMBEDDING, LM_HEAD
+from mtcore.models.t5.names import EMBEDDING, LM_HEAD
 
 
 def full_weight_shapes(config: T5Config) -> dict[str, tuple[int, ...]]:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec, reject_bool_numbers
 from mtcore.models.common.decoder.config import DecoderConfig
-from mtcore.models.vlm.data import ImageDataConfig
+from mtcore.models.vlm.image_samples import ImageDataConfig
 
 PARTS = ("vision", "projector", "language")
 _VISION_STRUCTURE = (

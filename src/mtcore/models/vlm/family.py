@@ -1,21 +1,32 @@
-"""The LLaVA family (``model.family: llava``): what the engine and trainer consume."""
+"""The LLaVA family (``model.family: llava``): what the engine and trainer consume.
+
+The family, its config and its shape load without torch (the planner and the CLI read
+them); the model, its data pipeline and its adapter are imported where they are used.
+"""
 
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from mtcore.models.common.chunks import hidden_state_messages
-from mtcore.models.common.decoder.model import IGNORE_INDEX
-from mtcore.models.common.layers import single_context
-from mtcore.models.family import Capabilities, FamilyData, HFAdapter, ModelFamily
-from mtcore.models.vlm import hf
+from mtcore.models.family import (
+    Capabilities,
+    FamilyData,
+    HFAdapter,
+    ModelFamily,
+    imported_on_call,
+)
 from mtcore.models.vlm.config import LlavaConfig
-from mtcore.models.vlm.data import ImageTextLoader, build_image_text_data, prompt_batch
-from mtcore.models.vlm.model import Llava, build
+from mtcore.models.vlm.image_samples import IMAGE_TOKEN
 from mtcore.models.vlm.shape import llava_shape
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from mtcore.models.vlm.model import Llava
+
+HF = "mtcore.models.vlm.hf"
 
 
 class LlavaFamily(ModelFamily):
@@ -25,21 +36,35 @@ class LlavaFamily(ModelFamily):
         generates=True, reads_images=True, mixture_of_experts=True, context_parallel=True
     )
     checkpoint_aliases = MappingProxyType({"output.weight": "embed.tok.weight"})
-    hf = HFAdapter(("llava",), hf.import_llava, hf.export_llava, tokenizer_tokens=(hf.IMAGE_TOKEN,))
+    hf = HFAdapter(
+        ("llava",),
+        imported_on_call(HF, "import_llava"),
+        imported_on_call(HF, "export_llava"),
+        tokenizer_tokens=(IMAGE_TOKEN,),
+    )
     description = "vision-language: a ViT and a projector in front of a GPT (LLaVA)"
 
     def build_chunks(self, config: LlavaConfig, layout, backend, seed: int = 0, fp8=None):
+        from mtcore.models.vlm.model import build
+
         return build(config, layout, backend, seed, fp8)
 
     def one_process(self, config: LlavaConfig, backend=None) -> Llava:
+        from mtcore.models.common.layers import single_context
+        from mtcore.models.vlm.model import Llava
+
         return Llava(config, single_context(config, backend))
 
     def messages(self, config: LlavaConfig, layout, micro_batch_size: int, dtype: torch.dtype):
         # image embeddings join the hidden states on stage 0
+        from mtcore.models.common.chunks import hidden_state_messages
+
         return hidden_state_messages(config, layout, micro_batch_size, dtype)
 
     def loss_counts(self, config: LlavaConfig, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Target tokens (captions and answers; never image positions or masked prompts)."""
+        from mtcore.models.common.decoder.model import IGNORE_INDEX
+
         return {"lm": (batch["labels"] != IGNORE_INDEX).sum()}
 
     def metric_names(self, config: LlavaConfig) -> tuple[str, ...]:
@@ -47,6 +72,8 @@ class LlavaFamily(ModelFamily):
 
     def data(self, data_config, model_config: LlavaConfig) -> FamilyData:
         """Image-text records, or the embedded shapes (``data.py``)."""
+        from mtcore.models.vlm.data import ImageTextLoader, build_image_text_data
+
         data = build_image_text_data(
             data_config,
             model_config.seq_len,
@@ -71,6 +98,8 @@ class LlavaFamily(ModelFamily):
                  temperature: float = 1.0, generator=None, image=None) -> str:  # fmt: skip
         """The answer to ``prompt`` about ``image`` (a path; None: no image), rendered as the
         data pipeline renders a user turn; greedy or top-k sampling."""
+        from mtcore.models.vlm.data import prompt_batch
+
         batch = prompt_batch(prompt, image, tokenizer, model.config)
         device = next(model.parameters()).device
         batch = {name: t.to(device) for name, t in batch.items()}

@@ -69,9 +69,9 @@ from mtcore.models.common.hf_files import (
     write_weights_and_config,
 )
 from mtcore.models.vlm.config import LlavaConfig
+from mtcore.models.vlm.image_samples import IMAGE_TOKEN
 from mtcore.models.vlm.weights import check_full_weights, language_config
 
-IMAGE_TOKEN = "<image>"
 _ACTIVATIONS = ("quick_gelu", "gelu")
 _RENAMES = (  # applied in order, each at most once: every naming -> one
     ("model.vision_tower.", "vision_tower."),

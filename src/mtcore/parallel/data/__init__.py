@@ -1,12 +1,26 @@
-"""Data parallelism: bucketed fp32 gradient buffers, reductions overlapped with backward."""
+"""Data parallelism: bucketed fp32 gradient buffers, reductions overlapped with backward.
 
-from mtcore.parallel.data.buffer import Bucket, GradBuffer
-from mtcore.parallel.data.ddp import (
-    DEFAULT_BUCKET_SIZE,
-    DataParallel,
-    DataParallelConfig,
-    LaunchRecord,
-)
+The settings (``config``) load with the package; the buffers and the ``DataParallel``
+wrapper (torch) on first use.
+"""
+
+import importlib
+
+from mtcore.parallel.data.config import DEFAULT_BUCKET_SIZE, DataParallelConfig
+
+_WITH_TORCH = {
+    "Bucket": "buffer",
+    "GradBuffer": "buffer",
+    "DataParallel": "ddp",
+    "LaunchRecord": "ddp",
+}
+
+
+def __getattr__(name: str):
+    if name in _WITH_TORCH:
+        return getattr(importlib.import_module(f"{__name__}.{_WITH_TORCH[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_BUCKET_SIZE",

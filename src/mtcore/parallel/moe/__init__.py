@@ -3,25 +3,39 @@
 See docs/moe.md. The layer: ``MoELayer(hidden, MoESpec(...), tp=..., layout=..., ...)``.
 """
 
-from mtcore.parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
-from mtcore.parallel.moe.dispatch_dedup import DedupAllToAllDispatcher
-from mtcore.parallel.moe.experts import (
-    GroupedExperts,
-    full_expert_tensor,
-    is_expert_parameter,
-    mark_expert_parallel,
-    named_expert_parameters,
-)
-from mtcore.parallel.moe.layer import DISPATCHERS, MoELayer, ep_group
-from mtcore.parallel.moe.router import (
-    capacity_keep_mask,
-    load_balancing_loss,
-    route,
-    sequence_load_balancing_loss,
-    update_bias,
-    z_loss,
-)
-from mtcore.parallel.moe.spec import MoESpec, MoEStats, expert_capacity
+import importlib
+
+from mtcore.parallel.moe.spec import MoESpec, expert_capacity
+
+# The settings load with the package (a model config holds them without torch); the
+# layer, router, dispatchers and experts on first use.
+_WITH_TORCH = {
+    "AllGatherDispatcher": "dispatch",
+    "AllToAllDispatcher": "dispatch",
+    "DedupAllToAllDispatcher": "dispatch_dedup",
+    "GroupedExperts": "experts",
+    "full_expert_tensor": "experts",
+    "is_expert_parameter": "experts",
+    "mark_expert_parallel": "experts",
+    "named_expert_parameters": "experts",
+    "DISPATCHERS": "layer",
+    "MoELayer": "layer",
+    "MoEStats": "layer",
+    "ep_group": "layer",
+    "capacity_keep_mask": "router",
+    "load_balancing_loss": "router",
+    "route": "router",
+    "sequence_load_balancing_loss": "router",
+    "update_bias": "router",
+    "z_loss": "router",
+}
+
+
+def __getattr__(name: str):
+    if name in _WITH_TORCH:
+        return getattr(importlib.import_module(f"{__name__}.{_WITH_TORCH[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DISPATCHERS",

@@ -30,6 +30,8 @@ micro-batch and is refused under cp.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -49,7 +51,7 @@ from mtcore.parallel.moe.router import (
     update_bias,
     z_loss,
 )
-from mtcore.parallel.moe.spec import MoESpec, MoEStats
+from mtcore.parallel.moe.spec import MoESpec
 from mtcore.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 from mtcore.parallel.tensor.mappings import (
     TPGroup,
@@ -87,6 +89,28 @@ def _in_backward() -> bool:
     """True while the autograd engine runs (activation recompute calls forward from there)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
+
+
+@dataclass
+class MoEStats:
+    """Load statistics summed over forwards since the last ``MoELayer.pop_stats``.
+
+    tokens_per_expert: ``[num_experts]`` int64, assignments routed (before dropping)
+      by this rank's forwards. Every tp rank of a group counts the same tokens.
+    dropped: assignments dropped by the capacity limit.
+    aux_loss, z_loss: sums of the unscaled loss values (divide by ``forwards``); under
+    cp, this rank's contributions: their mean over cp is the micro-batch's loss.
+    """
+
+    tokens_per_expert: torch.Tensor
+    dropped: int = 0
+    aux_loss: float = 0.0
+    z_loss: float = 0.0
+    forwards: int = 0
+
+    @classmethod
+    def zeros(cls, num_experts: int) -> MoEStats:
+        return cls(torch.zeros(num_experts, dtype=torch.int64))
 
 
 class Router(nn.Module):

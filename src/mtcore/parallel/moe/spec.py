@@ -1,4 +1,5 @@
-"""What a mixture-of-experts layer is: its settings (``MoESpec``) and load statistics.
+"""What a mixture-of-experts layer is: its settings (``MoESpec``), read with a config
+without torch (the layer's load statistics, ``MoEStats``, are ``layer``'s).
 
 The spec is a frozen pydantic model so a bad setting fails when the config is
 read, naming the number, not deep inside a forward. ``check(ep, tp)`` adds the
@@ -8,10 +9,8 @@ layout-dependent checks (experts over ep, hidden sizes over tp).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mtcore.distributed.layout import reject_bool_numbers
@@ -121,25 +120,3 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float | N
     if factor is None:
         return None
     return math.ceil(factor * tokens * top_k / num_experts)
-
-
-@dataclass
-class MoEStats:
-    """Load statistics summed over forwards since the last ``MoELayer.pop_stats``.
-
-    tokens_per_expert: ``[num_experts]`` int64, assignments routed (before dropping)
-      by this rank's forwards. Every tp rank of a group counts the same tokens.
-    dropped: assignments dropped by the capacity limit.
-    aux_loss, z_loss: sums of the unscaled loss values (divide by ``forwards``); under
-    cp, this rank's contributions: their mean over cp is the micro-batch's loss.
-    """
-
-    tokens_per_expert: torch.Tensor
-    dropped: int = 0
-    aux_loss: float = 0.0
-    z_loss: float = 0.0
-    forwards: int = 0
-
-    @classmethod
-    def zeros(cls, num_experts: int) -> MoEStats:
-        return cls(torch.zeros(num_experts, dtype=torch.int64))

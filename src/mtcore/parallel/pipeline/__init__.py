@@ -5,14 +5,14 @@ interleaved 1F1B, zero-bubble ZB-H1 and its interleaved form); ``simulate`` chec
 executes one rank's list over ``Collective.batch_send_recv``; ``split`` says
 which layers each (rank, chunk) owns and validates batch sizes; ``groups``
 holds the pipeline and tied-embedding groups.
+
+Schedules, their simulation and the split are arithmetic, imported with the package (the
+planner and config checks use them without torch); the runner, the groups and
+``StageModule`` move tensors and are imported on first use.
 """
 
-from mtcore.parallel.pipeline.groups import (
-    PipelineGroups,
-    allreduce_tied_grads,
-    sync_tied_weights,
-)
-from mtcore.parallel.pipeline.runner import PipelineRunner, StepStats, TensorSpec
+import importlib
+
 from mtcore.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -29,7 +29,6 @@ from mtcore.parallel.pipeline.schedules import (
 from mtcore.parallel.pipeline.simulate import Timeline, simulate
 from mtcore.parallel.pipeline.split import (
     SplitError,
-    StageModule,
     StagePlan,
     layer_counts,
     num_microbatches,
@@ -37,6 +36,24 @@ from mtcore.parallel.pipeline.split import (
     stage_plans,
     validate_pipeline,
 )
+
+_WITH_TORCH = {
+    "PipelineGroups": "groups",
+    "allreduce_tied_grads": "groups",
+    "sync_tied_weights": "groups",
+    "PipelineRunner": "runner",
+    "StepStats": "runner",
+    "TensorSpec": "runner",
+    "StageModule": "stage_module",
+}
+
+
+def __getattr__(name: str):
+    if name in _WITH_TORCH:
+        module = importlib.import_module(f"{__name__}.{_WITH_TORCH[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "SCHEDULES",

@@ -46,8 +46,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec
-from mtcore.models.common.decoder.mtp import MTPSpec
-from mtcore.models.common.latent_attention import MLASpec
+from mtcore.models.common.decoder.mtp_spec import MTPSpec
+from mtcore.models.common.latent_spec import MLASpec
 from mtcore.models.common.layout_checks import check_block_split
 from mtcore.models.family import FamilyConfig
 from mtcore.parallel.moe import MoESpec

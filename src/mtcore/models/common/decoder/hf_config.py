@@ -29,21 +29,11 @@ import torch
 from pydantic import ValidationError
 
 from mtcore.models.common.decoder.config import DecoderConfig, RopeScaling
+from mtcore.models.common.decoder.hf_architectures import ARCHITECTURES, MODEL_TYPES
 from mtcore.models.common.decoder.hf_deepseek import check_deepseek, deepseek_fields, deepseek_keys
 from mtcore.models.common.decoder.hf_experts import check_mixtral, check_qwen3_moe
 from mtcore.models.common.hf_files import DTYPE_NAMES, HFInteropError, check_model_type, need
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-MODEL_TYPES = tuple(ARCHITECTURES)
 _HF_NAMES = {
     "llama": "Llama",
     "mistral": "Mistral",

@@ -20,22 +20,12 @@ reads a copy of the embedding (``GPT.mtp_embed``, a tied copy).
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from mtcore.models.common.latent_attention import ReplicatedLinear
 from mtcore.models.common.layers import Context, Norm
 
 IGNORE_INDEX = -100
-
-
-class MTPSpec(BaseModel):
-    """``depth`` prediction modules; their losses weigh ``loss_weight`` in all."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    depth: int = Field(1, ge=1)
-    loss_weight: float = Field(0.3, gt=0.0)
 
 
 def mtp_term(k: int) -> str:

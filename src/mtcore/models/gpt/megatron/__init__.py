@@ -9,8 +9,12 @@ weights).
   legacy per-rank state dicts) as full weights, and back.
 
 Reading and writing the checkpoint directories (DCP, the pickled per-rank files) is
-``mtcore.training.checkpoint.megatron``; the command is ``mtcore convert``.
+``mtcore.training.checkpoint.megatron``; the command is ``mtcore convert``. ``args`` loads
+with the package (the GPT family names ``MODEL_ARGUMENTS`` without torch); the tensor
+modules on first use.
 """
+
+import importlib
 
 from mtcore.models.gpt.megatron.args import (
     MEGATRON_DEFAULTS,
@@ -19,13 +23,23 @@ from mtcore.models.gpt.megatron.args import (
     megatron_args,
     model_config_from_megatron,
 )
-from mtcore.models.gpt.megatron.ranks import from_dist, from_ranks, to_ranks
-from mtcore.models.gpt.megatron.weights import (
-    from_megatron_tensors,
-    merge_tp_shards,
-    split_tp_shards,
-    to_megatron_tensors,
-)
+
+_TENSORS = {
+    "from_dist": "ranks",
+    "from_ranks": "ranks",
+    "to_ranks": "ranks",
+    "from_megatron_tensors": "weights",
+    "merge_tp_shards": "weights",
+    "split_tp_shards": "weights",
+    "to_megatron_tensors": "weights",
+}
+
+
+def __getattr__(name: str):
+    if name in _TENSORS:
+        return getattr(importlib.import_module(f"{__name__}.{_TENSORS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MEGATRON_DEFAULTS",
