@@ -7,11 +7,16 @@ validates the config; only rank 0 prints a problem with it. Exit status: 0 done,
 143 preempted: a SIGTERM stopped the ranks at an agreed step, which they committed
 (``mtcore.training.preemption``); the same command continues from it.
 
-A rank ends when the process that started it dies (Linux: a parent-death signal),
-so killing the launcher never leaves ranks training, and writing checkpoints, on
+A rank ends when the process that started it dies (Linux: a parent-death signal;
+under `mtcore train` that is the rank server, which ends with the launcher), so
+killing the launcher never leaves ranks training, and writing checkpoints, on
 their own; the last committed checkpoint stays intact (commits are atomic). A
 collective that a peer does not answer within ``training.collective_timeout_s``
 ends the rank with one line naming the call and its ranks.
+
+`mtcore train` does not start ``python -m mtcore.train`` for each rank: it forks its
+ranks from a server that imported torch and this package once (``mtcore.rank_server``),
+and each one runs ``forked_rank``; the exit statuses are the same.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import signal
 import sys
 import time
 
-LAUNCHER_PID_ENV = "MTCORE_LAUNCHER_PID"
 # A file `mtcore train`'s launcher watches: a rank that stops on bad input creates it, so
 # the launcher ends the job at once instead of having the agent restart ranks that would
 # find the same problem (``--max-restarts``).
@@ -34,24 +38,42 @@ BAD_INPUT_FILE_ENV = "MTCORE_BAD_INPUT_FILE"
 BAD_INPUT_GRACE_S = 15.0
 
 
-def end_with_parent() -> None:
-    """Have the kernel kill this process when its parent (the launcher, or torchrun's
-    agent) dies; exit at once if it died already. Linux only; elsewhere a no-op."""
+def end_with_parent(parent: int | None) -> None:
+    """Have the kernel kill this process when its parent (the launcher, torchrun's agent,
+    or the rank server) dies; exit at once if ``parent``, the pid the parent had, is no
+    longer this process's parent (it died before the signal was armed). Linux only;
+    elsewhere a no-op."""
+    pr_set_pdeathsig = 1
+    if not _prctl(pr_set_pdeathsig, int(signal.SIGKILL)):
+        return  # nothing armed: nothing to check
+    if parent is not None and os.getppid() != parent:
+        sys.exit(1)  # the parent died before the signal was armed: do not train as an orphan
+
+
+# What each rank calls itself (``name_this_rank``): at most 15 bytes (Linux's limit).
+RANK_PROCESS_NAME = "mtcore-rank-{rank}"
+
+
+def name_this_rank() -> None:
+    """Name this process ``mtcore-rank-<RANK>``: what ``ps``, ``top`` and ``/proc/PID/comm``
+    show, and how tools and tests tell the ranks apart (a forked rank's command line is
+    its server's). Linux only; elsewhere a no-op."""
+    name = RANK_PROCESS_NAME.format(rank=os.environ.get("RANK", "0"))
+    pr_set_name = 15
+    _prctl(pr_set_name, name.encode()[:15])
+
+
+def _prctl(option: int, argument) -> bool:
+    """Linux's ``prctl(option, argument)``; False where there is none, or it failed."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     import ctypes
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl: nothing to arm
-        return
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher and launcher.isascii() and launcher.isdigit() and os.getppid() != int(launcher):
-        # The launcher died before the signal was armed: do not train as an orphan.
-        sys.exit(1)
+        return libc.prctl(option, argument, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def tell_launcher_bad_input() -> None:
@@ -126,6 +148,28 @@ def run_rank(make_config) -> int:
     return 0
 
 
+def forked_rank(*argv: str) -> None:
+    """A rank that `mtcore train`'s launcher forked from its rank server, with ``argv`` as
+    ``main`` takes it. Ends the process with ``main``'s exit status, as ``python -m
+    mtcore.train`` does; an unexpected error prints its traceback (the fork server's
+    worker wrapper would only hand it to the agent)."""
+    import traceback
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it; a rank must not
+    server = sys.modules.get("mtcore.rank_server")  # absent: forked by another fork server
+    end_with_parent(server.SERVER_PID if server is not None else None)
+    name_this_rank()
+    try:
+        code = main(list(argv))
+    except KeyboardInterrupt:
+        code = 130
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    end_with_parent()  # a restarted rank's parent is still the launcher (the agent)
+    end_with_parent(None)  # torchrun's agent: a restarted rank's parent too
+    name_this_rank()
     sys.exit(main(sys.argv[1:]))

@@ -16,27 +16,13 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
+from mtcore.testing.processes import rank_pids
+
 LOSS = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)", re.MULTILINE)
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of local rank ``rank`` among the launcher's children (from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
 
 
 def _losses(text: str) -> dict[int, str]:
@@ -78,7 +64,7 @@ def test_kill_mid_save_then_resume_from_the_previous_checkpoint(
         assert time.monotonic() < deadline, "the job never reached the save of step 4"
         time.sleep(0.05)
     partial = partial.parent
-    rank0 = _rank_pid(first.pid, 0)
+    rank0 = rank_pids(below=first.pid).get(0)
     assert rank0 is not None
     os.kill(rank0, signal.SIGKILL)
     killed_log, _ = first.communicate(timeout=120)

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mtcore.testing.processes import rank_pids
+
 STEPS = 6
 LOSS = re.compile(r"^step (\d+)/\d+ \| loss ([0-9.]+)", re.MULTILINE)
 RESUMED = re.compile(r"checkpoint: resumed from (\S+) at step (\d+)")
@@ -43,21 +45,6 @@ def _config(tmp_path: Path, corpus: Path, ckpt: Path | None) -> Path:
     path = tmp_path / f"job_{ckpt.name if ckpt else 'none'}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of rank ``rank`` among the launcher's children (from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
 
 
 def _losses(text: str) -> dict[int, str]:
@@ -94,7 +81,7 @@ def test_a_killed_rank_restarts_the_job_which_resumes_exactly(
             assert job.poll() is None, job.communicate()[0]
             assert time.monotonic() < deadline, f"the job never committed step {after}"
             time.sleep(0.02)
-        pid = _rank_pid(job.pid, victim)
+        pid = rank_pids(below=job.pid).get(victim)
         assert pid is not None, what
         os.kill(pid, signal.SIGKILL)
         log, _ = job.communicate(timeout=300)

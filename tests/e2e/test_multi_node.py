@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from mtcore.testing import nodes
+from mtcore.testing.processes import rank_pids
 from mtcore.testing.runs import by_step, short_run, tensorboard_scalars, weight_differences
 from mtcore.training.checkpoint import manifest as mf
 
@@ -101,19 +102,6 @@ def _rendezvous(run_id: str, nnodes: str, **extra: str) -> list[str]:
     for flag, value in extra.items():
         args += [f"--{flag.replace('_', '-')}", value]
     return args
-
-
-def _ranks(node) -> list[int]:
-    """The training ranks (processes with RANK in their environment) running on ``node``."""
-    found = []
-    for pid in node.pids():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(entry.startswith(b"RANK=") for entry in environ):
-            found.append(pid)
-    return found
 
 
 def _one_host(run_mtcore, config, directory: Path, nproc: int, *overrides) -> str:
@@ -193,9 +181,9 @@ def test_a_node_cut_off_for_good_shrinks_the_job_and_commits_nothing_after(
         shrunk_in = time.monotonic() - cut
         # The cut-off ranks give up within the collective timeout (their agent then waits
         # for a rendezvous it cannot reach, and gives up too).
-        while _ranks(node1) and time.monotonic() - cut < timeout_s + 30:
+        while rank_pids(among=node1.pids()) and time.monotonic() - cut < timeout_s + 30:
             time.sleep(0.2)
-        ranks_left = _ranks(node1)
+        ranks_left = rank_pids(among=node1.pids())
         left_behind = job.launchers[1]
         left_behind.wait(timeout=300)
         gave_up_in = time.monotonic() - cut

@@ -6,9 +6,9 @@ matter), ``checkpoint.interval 0`` (no save of its own before the end):
 1. SIGTERM to rank 1 alone (tp rank 1: the flag must reach rank 0 through the loss
    reduction): both ranks stop after the same step, commit it, and the job exits 143
    with one line naming the step and the commit;
-2. the same command with ``--checkpoint.resume true``, SIGTERM to the launcher this time
-   (what an agent or ``mtcore train`` receives from the cluster): exit 143 again, a later
-   commit;
+2. the same command with ``--checkpoint.resume true``, SIGTERM to every process of the
+   job this time, the launcher and its rank server included (Slurm signals every process
+   of a job step; the launcher passes the signal on too): exit 143 again, a later commit;
 3. resumed once more to the end: every loss (full precision, TensorBoard, steps trained
    twice logged twice with the same value) and the final weights equal an uninterrupted
    run's, bit for bit.
@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mtcore.testing.processes import rank_pids
 from mtcore.testing.runs import by_step, tensorboard_scalars, weight_differences
 
 # Long enough that a signal sent when a step's line is read lands well before the end,
@@ -66,8 +67,9 @@ class Run:
 
     def __init__(self, command: list[str], env: dict[str, str]):
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True,  # a process group of its own, as a job step's
+        )  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -93,20 +95,6 @@ class Run:
         return "".join(self.lines)
 
 
-def _rank_pid(launcher: int, rank: int) -> int:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    raise AssertionError(f"no rank {rank} under pid {launcher}")
-
-
 @pytest.mark.slow  # make test-cluster (about 25 s)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 def test_sigterm_commits_an_agreed_step_and_the_next_run_continues_exactly(
@@ -125,7 +113,7 @@ def test_sigterm_commits_an_agreed_step_and_the_next_run_continues_exactly(
     # 1. One rank alone gets the signal.
     first = Run(command, env)
     first.wait_for_step(3)
-    os.kill(_rank_pid(first.process.pid, 1), signal.SIGTERM)
+    os.kill(rank_pids(below=first.process.pid)[1], signal.SIGTERM)
     log = first.finish()
     assert first.process.returncode == 143, log
     stopped = PREEMPTED.search(log) or OTHER_RANK.search(log)
@@ -135,10 +123,10 @@ def test_sigterm_commits_an_agreed_step_and_the_next_run_continues_exactly(
     assert (checkpoints / "latest").read_text().strip() == f"step_{step:06d}"
     assert "Traceback" not in log, log
 
-    # 2. The launcher gets it (the cluster signals the agent, which passes it on).
+    # 2. Every process of the job gets it, the launcher (which passes it on) included.
     second = Run([*command, "--checkpoint.resume", "true"], env)
     second.wait_for_step(step + 2)
-    second.process.send_signal(signal.SIGTERM)
+    os.killpg(second.process.pid, signal.SIGTERM)
     log = second.finish()
     assert second.process.returncode == 143, log
     assert f"resumed from {checkpoints / f'step_{step:06d}'} at step {step}" in log, log

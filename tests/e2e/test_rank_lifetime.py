@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mtcore.testing.processes import alive, rank_pids
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and prctl")
 
 
@@ -40,31 +42,6 @@ def job(tmp_path_factory, write_code_corpus) -> Path:
     path = root / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def _ranks_of(launcher: int) -> dict[int, int]:
-    """``RANK -> pid`` of the launcher's child processes (read from /proc)."""
-    ranks = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        rank = [v for v in env if v.startswith(b"RANK=")]
-        if ppid == launcher and rank:
-            ranks[int(rank[0][5:])] = int(entry.name)
-    return ranks
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _start(job: Path, cli_env, mtcore_script) -> subprocess.Popen:
@@ -95,16 +72,16 @@ def test_killing_the_launcher_ends_its_ranks(job, cli_env, mtcore_script):
     proc = _start(job, cli_env, mtcore_script)
     try:
         _wait_for_training(proc)
-        ranks = _ranks_of(proc.pid)
+        ranks = rank_pids(below=proc.pid)
         assert sorted(ranks) == [0, 1], ranks
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in ranks.values()):
+        while time.monotonic() < deadline and any(alive(p) for p in ranks.values()):
             time.sleep(0.2)
-        assert not [p for p in ranks.values() if _alive(p)], "ranks outlived the launcher"
+        assert not [p for p in ranks.values() if alive(p)], "ranks outlived the launcher"
     finally:
-        for pid in _ranks_of(proc.pid).values():
+        for pid in rank_pids(below=proc.pid).values():
             os.kill(pid, signal.SIGKILL)
 
 
@@ -116,14 +93,14 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(job, cli_env, mtcore_scr
     stopped = None
     try:
         _wait_for_training(proc)
-        ranks = _ranks_of(proc.pid)
+        ranks = rank_pids(below=proc.pid)
         stopped = ranks[1]
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
         out, _ = proc.communicate(timeout=90)
         took = time.monotonic() - start
     finally:
-        if stopped is not None and _alive(stopped):
+        if stopped is not None and alive(stopped):
             os.kill(stopped, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()

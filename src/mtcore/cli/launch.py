@@ -1,8 +1,10 @@
 """Where `mtcore train`'s ranks run: this host alone, or one of several nodes.
 
 `mtcore train` runs torch's elastic agent (``torch.distributed.run``, the launcher
-behind ``torchrun``) in its own process. Alone, the agent's rendezvous is local
-(``--standalone``); with ``--nnodes`` or ``--rdzv-endpoint`` it is the c10d
+behind ``torchrun``) in its own process, with the options ``torchrun`` takes; the
+agent forks the ranks from a server that loaded torch and mtcore once
+(``mtcore.rank_server``) instead of starting an interpreter for each. Alone, the
+agent's rendezvous is local (``--standalone``); with ``--nnodes`` or ``--rdzv-endpoint`` it is the c10d
 rendezvous every node's agent joins, as ``torchrun`` does on a cluster, and the
 same environment variables set the same options when a flag is absent
 (``PET_NNODES``, ``PET_RDZV_ENDPOINT``, ...: what Kubeflow's training operator
@@ -285,29 +287,27 @@ class BadInputWatch:
 def launch(
     plan: Launch, config: str | None, overrides: list[str], unreachable_s: float = 600.0
 ) -> int:
-    """Start this node's ranks of ``python -m mtcore.train`` through the elastic agent; when
-    one dies, it restarts all of them up to ``max_restarts`` times (they resume). A
-    multi-node launch ends when the rendezvous stays unreachable for ``unreachable_s``
-    (``RendezvousWatch``)."""
+    """Start this node's ranks (``mtcore.train.forked_rank``, forked from the rank server)
+    through the elastic agent; when one dies, it restarts all of them up to
+    ``max_restarts`` times (they resume). A multi-node launch ends when the rendezvous
+    stays unreachable for ``unreachable_s`` (``RendezvousWatch``)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
+    if plan.max_restarts or plan.multi_node:
+        # The agent's shared store outlives a restart, and restarted gloo ranks would read
+        # the dead ranks' addresses from it: a fresh store for every round instead.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    bad_input = BadInputWatch()  # sets the file's name in the ranks' environment
+    start_rank_server()  # the ranks' environment is complete; it loads torch while we do
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as elastic_run
 
     from mtcore.training.preemption import PREEMPTED_EXIT
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: ranks share the cores
-    # The ranks' parent is this process (the elastic agent runs in it): each rank arms a
-    # parent-death signal and checks this pid, so no rank outlives a killed launcher.
-    os.environ["MTCORE_LAUNCHER_PID"] = str(os.getpid())
-    if plan.max_restarts or plan.multi_node:
-        # The agent's shared store outlives a restart, and restarted gloo ranks would read
-        # the dead ranks' addresses from it: a fresh store for every round instead.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    argv = [*plan.torchrun_arguments(), "-m", "mtcore.train"]
-    argv += ([config] if config else []) + list(overrides)
+    agent_args = get_args_parser().parse_args([*plan.torchrun_arguments(), "-m", "mtcore.train"])
+    rank_argv = ([config] if config else []) + list(overrides)
     # The agent logs a failed rank, a signal, each rank it stops; one line says it instead
     # (the rank's own, or the one below). Only the agent logs in this process.
     quiet = logging.root.manager.disable
@@ -323,11 +323,10 @@ def launch(
             file=sys.stderr,
             flush=True,
         )
-    bad_input = BadInputWatch()
     try:
         with watch, bad_input:
             try:
-                elastic_run(get_args_parser().parse_args(argv))
+                run_agent(agent_args, rank_argv)
             except SignalException:
                 if bad_input.fired:  # the ranks said what was wrong; no restart repeats it
                     return 2
@@ -354,6 +353,41 @@ def launch(
     finally:
         logging.disable(quiet)
     return 0
+
+
+def start_rank_server() -> None:
+    """Start the fork server the ranks come from (``mtcore.rank_server``), in the
+    background; a process that already runs a fork server keeps its own. Call it from
+    the main thread (the server ends when the thread that started it does), once the
+    environment the ranks need is set: a rank gets the server's environment, which is
+    this process's now, and on top of it only the variables the agent sets for each rank
+    (``RANK``, ``WORLD_SIZE``, ...). The ranks' output is unbuffered, as under
+    ``python -u``."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    multiprocessing.set_forkserver_preload(["mtcore.rank_server"])
+    forkserver.ensure_running()
+
+
+def run_agent(args, rank_argv: list[str]) -> None:
+    """What ``torchrun`` does with ``args`` (``torch.distributed.run.run``), except that
+    each rank is ``mtcore.train.forked_rank(*rank_argv)`` forked from the rank server
+    rather than a new ``python -m mtcore.train`` process."""
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    from mtcore.train import forked_rank
+
+    if args.standalone:  # as torchrun: a local c10d rendezvous on a free port
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    elastic_launch(config, entrypoint=forked_rank)(*rank_argv)
 
 
 def failed(failures: dict) -> int:
