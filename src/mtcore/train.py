@@ -155,7 +155,10 @@ def forked_rank(*argv: str) -> None:
     worker wrapper would only hand it to the agent)."""
     import traceback
 
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it; a rank must not
+    # The signals a new interpreter started by the agent has: the server ignores SIGTERM,
+    # and SIGINT too where the launcher started with it ignored (a script's `cmd &`).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     server = sys.modules.get("mtcore.rank_server")  # absent: forked by another fork server
     end_with_parent(server.SERVER_PID if server is not None else None)
     name_this_rank()

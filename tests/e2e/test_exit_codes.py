@@ -5,7 +5,9 @@ processes):
 * ``checkpoint.load`` of a checkpoint of another architecture;
 * ``checkpoint.resume`` with a changed ``training.seed`` (the data sampler refuses it);
 * an unknown ``MTCORE_BACKEND``, under `mtcore train` and under plain torchrun;
-* SIGINT to the launcher's process group (as a terminal's Ctrl-C) mid-training.
+* SIGINT to the launcher's process group (as a terminal's Ctrl-C) mid-training, the
+  launcher started with SIGINT ignored (a script's background job, `mtcore train ... &`):
+  the ranks still take it (they are forked from a server that inherited the ignore).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import yaml
 
 from mtcore.cli.launch import failed as _failed
+from mtcore.testing.processes import rank_pids
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,7 @@ def test_ctrl_c_ends_the_job_in_one_line(job, cli_env, mtcore_script):
          "--training.steps", "100000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
         start_new_session=True,  # its own process group, as a terminal's foreground job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as a shell's `&`
     )  # fmt: skip
     try:
         lines, deadline = [], time.monotonic() + 120
@@ -111,6 +115,10 @@ def test_ctrl_c_ends_the_job_in_one_line(job, cli_env, mtcore_script):
                 break
             lines.append(line)
         assert lines and lines[-1].startswith("step 3/"), "".join(lines)
+        ranks = rank_pids(below=proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        for pid in ranks.values():  # neither SIGINT nor SIGTERM ignored (else the agent's kill)
+            assert not _ignored(pid) & (1 << signal.SIGINT - 1 | 1 << signal.SIGTERM - 1), pid
         os.killpg(proc.pid, signal.SIGINT)  # the launcher and both ranks, as Ctrl-C does
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -120,6 +128,12 @@ def test_ctrl_c_ends_the_job_in_one_line(job, cli_env, mtcore_script):
     assert proc.returncode == 130, rest
     assert rest.rstrip().splitlines()[-1:] == ["mtcore train: interrupted"], rest
     assert "Traceback" not in rest and "error:" not in rest, rest
+
+
+def _ignored(pid: int) -> int:
+    """The mask of signals ``pid`` ignores (``SigIgn`` in ``/proc/PID/status``)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
 
 
 def _failures(**codes: int) -> dict:
