@@ -37,12 +37,10 @@ def commands(nproc: int, steps: int) -> dict[str, list[str]]:
         "--checkpoint.dir", "null", "--logging.tensorboard_dir", "null",
         "--logging.interval", "1",
     ]  # fmt: skip
+    torchrun = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m"]
     return {
         "mtcore train": [str(BIN / "mtcore"), "train", *job, "--nproc", str(nproc)],
-        "torchrun": [
-            str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "mtcore.train", *job,
-        ],  # fmt: skip
+        "torchrun": [*torchrun, "mtcore.train", *job],
     }
 
 
