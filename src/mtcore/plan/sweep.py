@@ -87,8 +87,9 @@ def measure(
     config: str | None, layout: str, nproc: int, steps: int, overrides: list[str]
 ) -> Measured:
     """Train ``layout`` for ``steps`` steps on ``nproc`` local ranks, each under
-    ``rank_main``, through torch's elastic launcher (as ``mtcore train`` starts them),
-    after preparing the data here once (as ``mtcore train`` does: ranks that each found
+    ``rank_main``, through torch's elastic launcher, each rank a new interpreter (so
+    each one's peak memory is its own: `mtcore train` forks its ranks from a server whose
+    pages they share), after preparing the data here once (as ``mtcore train`` does: ranks that each found
     an untokenized corpus would all build its cache at once)."""
     run = [*overrides, *layout_overrides(layout), *QUIET]
     run += ["--training.steps", str(steps), "--training.eval_interval", str(steps + 1)]
