@@ -4,11 +4,11 @@
 behind ``torchrun``) in its own process, with the options ``torchrun`` takes; the
 agent forks the ranks from a server that loaded torch and mtcore once
 (``mtcore.rank_server``) instead of starting an interpreter for each. Alone, the
-agent's rendezvous is local (``--standalone``); with ``--nnodes`` or ``--rdzv-endpoint`` it is the c10d
-rendezvous every node's agent joins, as ``torchrun`` does on a cluster, and the
-same environment variables set the same options when a flag is absent
-(``PET_NNODES``, ``PET_RDZV_ENDPOINT``, ...: what Kubeflow's training operator
-sets for an elastic PyTorchJob).
+agent's rendezvous is local (``--standalone``); with ``--nnodes`` or
+``--rdzv-endpoint`` it is the c10d rendezvous every node's agent joins, as
+``torchrun`` does on a cluster, and the same environment variables set the same
+options when a flag is absent (``PET_NNODES``, ``PET_RDZV_ENDPOINT``, ...: what
+Kubeflow's training operator sets for an elastic PyTorchJob).
 """
 
 from __future__ import annotations
@@ -306,6 +306,7 @@ def launch(
 
     from mtcore.training.preemption import PREEMPTED_EXIT
 
+    # torchrun's options; its script (required) names what `torchrun` would run instead
     agent_args = get_args_parser().parse_args([*plan.torchrun_arguments(), "-m", "mtcore.train"])
     rank_argv = ([config] if config else []) + list(overrides)
     # The agent logs a failed rank, a signal, each rank it stops; one line says it instead
