@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 
@@ -297,7 +298,8 @@ def launch(
         # the dead ranks' addresses from it: a fresh store for every round instead.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     bad_input = BadInputWatch()  # sets the file's name in the ranks' environment
-    start_rank_server()  # the ranks' environment is complete; it loads torch while we do
+    # The ranks' environment is complete; the server loads torch while this process does.
+    stop_rank_server = start_rank_server()
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -353,23 +355,40 @@ def launch(
         return 128 + e.sigval
     finally:
         logging.disable(quiet)
+        stop_rank_server()
     return 0
 
 
-def start_rank_server() -> None:
+def start_rank_server() -> Callable[[], None]:
     """Start the fork server the ranks come from (``mtcore.rank_server``), in the
-    background; a process that already runs a fork server keeps its own. Call it from
-    the main thread (the server ends when the thread that started it does), once the
-    environment the ranks need is set: a rank gets the server's environment, which is
-    this process's now, and on top of it only the variables the agent sets for each rank
-    (``RANK``, ``WORLD_SIZE``, ...). The ranks' output is unbuffered, as under
-    ``python -u``."""
+    background, and return what ends it. Call it from the main thread (the server ends
+    when the thread that started it does), once the environment the ranks need is set:
+    a rank gets the server's environment, which is this process's now, and on top of it
+    only the variables the agent sets for each rank (``RANK``, ``WORLD_SIZE``, ...). The
+    ranks' output is unbuffered, as under ``python -u``.
+
+    A process that already runs a fork server (a program that calls `mtcore train`'s
+    ``main`` in its own process) keeps its own, and the ranks come from it; ours is
+    ended once the job is (it ignores SIGTERM, which later users of the process's fork
+    server must not inherit)."""
     import multiprocessing
     from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the process's one fork server (multiprocessing's)
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return lambda: None
+    preload = list(getattr(server, "_preload_modules", ["__main__"]))
+
+    def stop() -> None:
+        with suppress(AttributeError, OSError, TypeError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)  # its ranks have ended
+            server._stop()  # reaps it and forgets it: the next user starts a new one
+        multiprocessing.set_forkserver_preload(preload)
 
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     multiprocessing.set_forkserver_preload(["mtcore.rank_server"])
     forkserver.ensure_running()
+    return stop
 
 
 def run_agent(args, rank_argv: list[str]) -> None:
