@@ -97,6 +97,7 @@ def _rank_main(ctx, root, tokens):
     return out
 
 
+@pytest.mark.extended
 def test_megatron_core_checkpoints_import_and_export_with_the_same_logits(tmp_path):
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     results = run_ranks(_rank_main, 4, tmp_path, tokens, timeout_s=600)

@@ -52,6 +52,10 @@ from tests.distributed.test_bert_equivalence import _batches as bert_batches
 from tests.distributed.test_t5_equivalence import MODELS as T5_MODELS
 from tests.distributed.test_t5_equivalence import _batches as t5_batches
 
+# ZeRO-2 builds on ZeRO-1, which the default suite checks: CI runs this file after make
+# test (make test-extended).
+pytestmark = pytest.mark.extended
+
 STEPS, BATCH, MB = 3, 8, 2
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16)
 MODELS = {

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.overrides import validate
 from mtcore.training.trainer import train
 from tests.distributed import test_checkpoint_layouts as layouts
 from tests.distributed.test_checkpoint_layouts import _check_reshard, _resume, _run_jobs
+
+# ZeRO-1 checkpoints are in the default suite: CI runs this file after make test (make
+# test-extended).
+pytestmark = pytest.mark.extended
 
 job = layouts.job  # the fixture: a corpus and the job configs
 

@@ -46,6 +46,9 @@ from tests.distributed import test_vlm_equivalence as vlm
 from tests.distributed import test_zero2 as zero2
 from tests.distributed.test_zero2 import EVAL_NAMES, MODELS, OPT, SHARDS
 
+# ZeRO-3 builds on ZeRO-1 and -2: CI runs this file after make test (make test-extended).
+pytestmark = pytest.mark.extended
+
 # ZeRO-3 against ZeRO-2 in bf16, fp16 and with FP8 linears: the losses are equal, the
 # final weights differ in the last bits (the gradient norm sums its shards in another
 # order: ZeRO-3's buckets follow the blocks). Measured with FP8 linears (fp32 weights):

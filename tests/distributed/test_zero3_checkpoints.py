@@ -11,8 +11,14 @@ across stages and layouts within ``RESHARD_RTOL``).
 
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed import test_checkpoint_layouts as layouts
 from tests.distributed.test_zero2_checkpoints import check_stage_round_trip
+
+# ZeRO-1 checkpoints are in the default suite: CI runs this file after make test (make
+# test-extended).
+pytestmark = pytest.mark.extended
 
 job = layouts.job  # the fixture: a corpus and the job configs
 

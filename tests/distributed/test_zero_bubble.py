@@ -25,6 +25,10 @@ from mtcore.models.gpt import GPTConfig
 from mtcore.testing.equivalence import Case, Setup, assert_matches, spawn, token_batches
 from mtcore.training.config import OptimizerConfig
 
+# Zero bubble is beyond 1F1B and interleaving, which the default suite checks: CI runs
+# this file after make test (make test-extended).
+pytestmark = pytest.mark.extended
+
 STEPS, BATCH, MB = 2, 8, 2
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16)
 MOE = dict(num_experts=4, top_k=2, ffn_size=32, z_loss_coeff=1e-2)

@@ -53,6 +53,7 @@ def _hf_llama(directory: Path):
     return model
 
 
+@pytest.mark.extended
 def test_convert_from_hf_and_back(tmp_path, run_mtcore):
     hf_dir, root, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out"
     model = _hf_llama(hf_dir)

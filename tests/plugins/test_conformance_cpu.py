@@ -122,6 +122,7 @@ def _summary(stdout: str) -> str:
     return stdout[start:]
 
 
+@pytest.mark.extended
 def test_kit_passes_on_cpu(tmp_path):
     proc, outcomes = _run_kit(tmp_path, "cpu")
     out = proc.stdout + proc.stderr

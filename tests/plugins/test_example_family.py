@@ -16,6 +16,11 @@ from pathlib import Path
 
 import pytest
 
+# Family plugins are checked in the default suite (tests/unit/models/test_family_contract.py);
+# this example's own install, training and doctor run in CI after make test (make
+# test-extended).
+pytestmark = pytest.mark.extended
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "mtcore-example-family"
 CONFIG = EXAMPLE / "gmlp.yaml"
 STEPS = 8

@@ -187,6 +187,7 @@ def test_the_conformance_kit_passes_as_generated(site):
         assert counts and int(counts[1]) > 0 and int(counts[2]) == 0, (area, report)
 
 
+@pytest.mark.extended
 def test_the_generated_tests_pass(site, generated):
     result = site.run(
         "-m",

@@ -24,7 +24,8 @@ Every shell block is also run, or says why not: a block with a ``SHELL_RUN`` ent
 run by bash (``set -eo pipefail``) in a throwaway copy of the repository's layout, as
 shown or with the entry's replacements (``--backend cuda`` -> ``--backend cpu``) and
 training shortened (``SHORT_TRAIN``); the cheap ones side by side in the default suite,
-the long ones under ``-m slow``. A block that cannot run here (GPU, MUSA, Slurm, a
+the long ones under ``-m slow``; cheap blocks whose commands the default suite runs
+elsewhere too under ``-m extended`` (CI runs them after make test). A block that cannot run here (GPU, MUSA, Slurm, a
 download, an install into the shared environment, the whole suite) carries the same
 ``docs-test: not run (reason)`` marker above its fence. A block with neither fails
 ``test_every_shell_block_runs_or_says_why``, which lists it as file:line.
@@ -653,9 +654,12 @@ class ShellRun:
     each training command. ``after`` names blocks (doc, first line) run first in the same
     shell, the steps the doc says come before. ``covered_by`` names the test of this file
     that already runs the block's commands; ``needs``, a program outside the venv that the
-    block uses (the test skips without it)."""
+    block uses (the test skips without it). ``extended``: a cheap block whose commands
+    the default suite runs elsewhere too (``mtcore doctor``'s, test_cli.py): CI runs it
+    after make test (``-m extended``)."""
 
     slow: bool = False
+    extended: bool = False
     shorten: bool = False
     replace: tuple[tuple[str, str], ...] = ()
     after: tuple[tuple[str, str], ...] = ()
@@ -664,6 +668,7 @@ class ShellRun:
 
 
 CHEAP = ShellRun()
+EXTENDED = ShellRun(extended=True)
 SLOW_SHORT = ShellRun(slow=True, shorten=True)
 SHORT_TRAIN = "--training.steps 2 --training.eval_interval 0 --training.sample_tokens 0"
 NO_CUDA = (("--backend cuda", "--backend cpu"),)  # the same check, on the backend here
@@ -695,19 +700,19 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
     "docs/backends.md": {
         "$ mtcore plugins": CHEAP,
         "mtcore doctor                  # plugins, model families, every backend; details for "
-        "each available one": ShellRun(replace=NO_CUDA),
+        "each available one": ShellRun(replace=NO_CUDA, extended=True),
     },
     "docs/ci.md": {
-        '.venv/bin/python -c "import torch; print(torch.__version__)"   # 2.13.0+cpu': CHEAP,
+        '.venv/bin/python -c "import torch; print(torch.__version__)"   # 2.13.0+cpu': EXTENDED,
         ".venv/bin/python -m pytest --pyargs mtcore.testing.conformance --mtcore-backend cpu -q": (
             ShellRun(slow=True)
         ),
         ".venv/bin/mtcore doctor --json > doctor.json          # keep it as a build artifact": (
-            ShellRun(replace=NO_CUDA)
+            ShellRun(replace=NO_CUDA, extended=True)
         ),
         ".venv/bin/mtcore doctor --json | .venv/bin/python -c '": CHEAP,
         "mtcore doctor --json | jq -e '[.plugins[] | select(.status == \"broken\")] | length == 0'": (
-            ShellRun(needs="jq")
+            ShellRun(needs="jq", extended=True)
         ),
     },
     "docs/examples/mtcore-example-family/README.md": {
@@ -747,7 +752,7 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "--checkpoint.dir runs/llava-stage1": SLOW_SHORT,
     },
     "docs/plan.md": {
-        "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host": CHEAP,
+        "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host": EXTENDED,
         "mtcore plan configs/llava.yaml --gpus 4 --hardware cpu-host": CHEAP,
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --backend cpu": CHEAP,
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --compare tp=1,pp=4 "
@@ -874,7 +879,8 @@ def run_shell_block(block: ShellBlock, run: ShellRun, where: Path) -> tuple[int,
 
 SHELL_BLOCKS = all_shell_blocks()
 RUN_HERE = [b for b in SHELL_BLOCKS if shell_run(b) is not None and not shell_run(b).covered_by]
-CHEAP_BLOCKS = [b for b in RUN_HERE if not shell_run(b).slow]
+CHEAP_BLOCKS = [b for b in RUN_HERE if not shell_run(b).slow and not shell_run(b).extended]
+EXTENDED_BLOCKS = [b for b in RUN_HERE if shell_run(b).extended]
 
 
 def unaccounted(blocks) -> tuple[list[str], list[str]]:
@@ -922,18 +928,27 @@ def skip_without_needs(run: ShellRun) -> None:
         pytest.skip(f"{run.needs} is not installed")
 
 
-@pytest.fixture(scope="module")
-def cheap_results(tmp_path_factory):
-    """The cheap blocks, run side by side (each is mostly one interpreter's start-up)."""
+def run_side_by_side(blocks, root: Path) -> dict[tuple[str, int], tuple[int, str]]:
+    """``run_shell_block`` of each of ``blocks`` (cheap ones: each is mostly one
+    interpreter's start-up), four at a time, keyed by (doc, line)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    root = tmp_path_factory.mktemp("shell-blocks")
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {
             (b.doc, b.line): pool.submit(run_shell_block, b, shell_run(b), root / str(k))
-            for k, b in enumerate(CHEAP_BLOCKS)
+            for k, b in enumerate(blocks)
         }
         return {key: f.result() for key, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def cheap_results(tmp_path_factory):
+    return run_side_by_side(CHEAP_BLOCKS, tmp_path_factory.mktemp("shell-blocks"))
+
+
+@pytest.fixture(scope="module")
+def extended_results(tmp_path_factory):
+    return run_side_by_side(EXTENDED_BLOCKS, tmp_path_factory.mktemp("extended-blocks"))
 
 
 @pytest.mark.parametrize(
@@ -942,6 +957,16 @@ def cheap_results(tmp_path_factory):
 def test_documented_shell_block_runs(block: ShellBlock, cheap_results):
     skip_without_needs(shell_run(block))
     status, tail = cheap_results[(block.doc, block.line)]
+    assert status == 0, f"{block.doc}:{block.line}: exit {status}\n{tail}"
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(
+    "block", EXTENDED_BLOCKS, ids=[f"{b.doc}:{b.line}" for b in EXTENDED_BLOCKS]
+)  # fmt: skip
+def test_documented_extended_shell_block_runs(block: ShellBlock, extended_results):
+    skip_without_needs(shell_run(block))
+    status, tail = extended_results[(block.doc, block.line)]
     assert status == 0, f"{block.doc}:{block.line}: exit {status}\n{tail}"
 
 

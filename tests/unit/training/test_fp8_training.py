@@ -58,7 +58,7 @@ def bf16_loss(job):
 @pytest.mark.parametrize(
     "fmt,recipe",
     [
-        ("hybrid", "delayed"),
+        pytest.param("hybrid", "delayed", marks=pytest.mark.extended),
         pytest.param("hybrid", "current", marks=pytest.mark.slow),
         pytest.param("hybrid", "blockwise", marks=pytest.mark.slow),
     ],
