@@ -196,6 +196,7 @@ def test_a_node_cut_off_for_good_shrinks_the_job_and_commits_nothing_after(
     assert left_behind.returncode != 0, log
     assert ranks_left == {}, f"ranks still running on the cut-off node: {ranks_left}\n{log}"
     assert "lost the rendezvous at node0:29400" in log, log
+    assert "leaked" not in log, log  # the cut-off launcher's exit tidies up as a normal one
     assert "resharded" in log, log
 
     checkpoints = two_nodes / "checkpoints"

@@ -225,6 +225,7 @@ class RendezvousWatch:
         return True
 
     def _watch(self) -> None:
+        import multiprocessing.util
         import time
 
         from mtcore.training.preemption import PREEMPTED_EXIT
@@ -242,6 +243,9 @@ class RendezvousWatch:
                     file=sys.stderr,
                     flush=True,
                 )
+                # As a normal exit would: unlink the agent's queue semaphores, which the
+                # resource tracker would otherwise report as leaked, one misleading line.
+                multiprocessing.util._run_finalizers(0)
                 os._exit(PREEMPTED_EXIT)
 
 
