@@ -370,6 +370,47 @@ def _latency_bound(ctx, shared):
     return "path=shared-memory" if channel is not None else "path=c10d"
 
 
+@check("new_group-p2p")
+def _pipeline_group(ctx, shared):
+    """A pipeline group (``p2p=True``) may carry its neighbours' sends and receives on a
+    faster path (the cpu backend's shared-memory mailbox): as 1F1B does, every rank
+    sends to both neighbours and receives from both in one batch, small messages of two
+    dtypes and then one of 6 MiB each way (larger than a small transport buffer, so a
+    sender must keep it moving while it waits); every byte must arrive from the right
+    peer, in posting order."""
+    coll, ws, r = ctx.backend.collective, ctx.world_size, ctx.rank
+    device = _device(ctx)
+    group = coll.new_group(list(range(ws)), p2p=True)
+    nxt, prv = (r + 1) % ws, (r - 1) % ws
+    dtypes = [d for d in (torch.float32, torch.bfloat16)
+              if coll.support("send_recv", d) is not Support.NONE]  # fmt: skip
+    if not dtypes:
+        raise SkipCheck(f"{CAPABILITY} send_recv carries neither float32 nor bfloat16")
+    big = (6 << 20) // 4  # float32 elements
+    rounds = [[(d, (4, 7)) for d in dtypes], [(torch.float32, (big,))]]
+    for k, messages in enumerate(rounds):
+        ops, expected = [], []
+        for j, (dtype, shape) in enumerate(messages):
+            to_next = _data(1000 * k + 10 * j + r, shape, dtype, device)
+            to_prev = _data(1000 * k + 10 * j + 500 + r, shape, dtype, device)
+            from_prev = torch.empty(shape, dtype=dtype, device=device)
+            from_next = torch.empty(shape, dtype=dtype, device=device)
+            ops += [P2P("send", to_next, nxt, group), P2P("recv", from_prev, prv, group),
+                    P2P("send", to_prev, prv, group), P2P("recv", from_next, nxt, group)]  # fmt: skip
+            expected += [
+                (from_prev, _data(1000 * k + 10 * j + prv, shape, dtype, device), prv),
+                (from_next, _data(1000 * k + 10 * j + 500 + nxt, shape, dtype, device), nxt),
+            ]
+        handles = coll.batch_send_recv(ops)
+        assert all(isinstance(h, Handle) for h in handles), "batch_send_recv must return Handles"
+        for handle in handles:
+            handle.wait()
+        for got, want, peer in expected:
+            _same(got, want, f"pipeline group: rank {r} receiving {tuple(got.shape)} from {peer}")
+    mailbox = getattr(coll, "shared_memory_mailbox", lambda g: None)(group)
+    return "path=shared-memory" if mailbox is not None else "path=c10d"
+
+
 CHECK_NAMES: tuple[str, ...] = tuple(CHECKS)
 
 
