@@ -19,10 +19,10 @@ from mtcore.ops.rope import rope
 
 def sdpa_attention(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None,
+    dropout_seeds=None, query_documents=None, key_documents=None,
 ):  # fmt: skip
     """``mtcore.ops.attention`` through ``F.scaled_dot_product_attention``; a sliding
-    ``window`` becomes a banded bool mask (SDPA takes no window of its own). SDPA's
+    ``window`` and document ids become a bool mask (SDPA takes neither). SDPA's
     dropout draws from the device's generator, not the op's coordinate-hashed mask, so
     each registration guards it with ``without_dropout`` (the reference serves
     ``dropout_p > 0``)."""
@@ -32,12 +32,15 @@ def sdpa_attention(
     sq, sk = q.shape[2], k.shape[2]
     if causal and sq == 1 and (window is None or window >= sk):
         causal, window = False, None  # one query in the last position sees every key (decode)
-    if key_padding_mask is None and window is None and (not causal or sq == sk):
+    plain = key_padding_mask is None and window is None and query_documents is None
+    if plain and (not causal or sq == sk):
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=hq != hkv
         )
-    _check(q, k, v, key_padding_mask, causal, window)
-    mask = allowed_keys(sq, sk, causal, window, key_padding_mask, q.device)
+    _check(q, k, v, key_padding_mask, causal, window, query_documents, key_documents)
+    mask = allowed_keys(
+        sq, sk, causal, window, key_padding_mask, q.device, query_documents, key_documents
+    )
     mask = mask.expand(q.shape[0], 1, sq, sk)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     # The contract gives 0 (not NaN) for queries that may attend no key.
@@ -46,7 +49,7 @@ def sdpa_attention(
 
 def without_dropout(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None,
+    dropout_seeds=None, query_documents=None, key_documents=None,
 ) -> bool:  # fmt: skip
     """``fallback_ok`` of attention kernels without the op's dropout: the reference
     serves calls with ``dropout_p > 0``."""
