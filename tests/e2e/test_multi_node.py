@@ -1,7 +1,7 @@
 """`mtcore train` across machine boundaries: two "nodes" that are network namespaces.
 
 Each node (``mtcore.testing.nodes``) has its own address in 198.18.0.0/15, hostname
-and /dev/shm; one `mtcore train --nnodes 2 --rdzv-endpoint node0:29500` per node runs
+and /dev/shm; one `mtcore train --nnodes 2 --rdzv-endpoint node0` (port 29400, the default) per node runs
 torch's elastic agent there, and the agents meet in the c10d rendezvous on node0, as
 torchrun's do on a cluster. Compared with the same layout on one host:
 
