@@ -63,6 +63,8 @@ def prepare_chat(files: Sequence[Path], renderer: ChatRenderer, output: str | Pa
     """Render ``files`` into ``<output>.bin/.idx/.mask/.json`` (nothing to do when they
     already hold these inputs under this renderer)."""
     prefix = Path(output).expanduser()
+    if prefix.suffix in (".bin", ".idx", ".mask"):
+        prefix = prefix.with_suffix("")
     key = chat_key(files, renderer)
     progress = Progress(f"prepare {prefix.name}", sum(f.stat().st_size for f in files))
     with build_lock(_with(prefix, ".idx")):

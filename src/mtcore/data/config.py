@@ -139,6 +139,19 @@ class DataConfig(BaseModel, extra="forbid"):
             return self.packing or self.document_masks
         return self.document_masks
 
+    def check_plain_text(self, family: str) -> None:
+        """For a family whose batches carry no documents nor chat samples (BERT, T5,
+        LLaVA): refuse the options it would silently ignore, in one line."""
+        from mtcore.data.cache import DataError
+
+        for name, on in (("format chat", self.format == "chat"),
+                         ("document_masks", self.document_masks)):  # fmt: skip
+            if on:
+                raise DataError(
+                    f"data.{name}: the {family} family reads plain text; chat data and "
+                    "document masks are for the gpt family"
+                )
+
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
