@@ -5,16 +5,16 @@ Conversations are generated from a fixed seed, so every machine writes the same 
 short tasks whose answers follow from the prompt by a rule a small model can pick up in
 a few hundred steps (adding two numbers, reversing or counting words, repeating a
 phrase, capitalising a word), single- and multi-turn, some with a system message.
-``heldout.jsonl`` holds prompts whose operands never occur in ``train.jsonl``, with
-their answers, for a check after training (does the model answer in the template's
-format, and correctly?).
+``heldout.jsonl`` holds prompts that ``train.jsonl`` never asks (drawn from operand
+pairs kept out of training), with their answers, for a check after training (does the
+model answer in the template's format, and correctly?).
 
 Without ``data.tokenizer`` a byte-level BPE is trained on the conversations with the
 ChatML tokens ``<|im_start|>`` and ``<|im_end|>``, and saved as a HF tokenizer
 directory (``tokenizer.json`` + ``tokenizer_config.json`` whose ``chat_template`` is
 ``templates/chatml.jinja``), so transformers renders it like any released chat model.
 
-    python -m mtcore.data.chat_corpus DIR      # writes DIR/train.jsonl and DIR/heldout.jsonl
+    python -m mtcore.data.chat_corpus DIR   # DIR/train.jsonl, DIR/heldout.jsonl, DIR/tokenizer/
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from mtcore.data.cache import atomic_write, build_lock, fingerprint
 
-VERSION = 1
+VERSION = 2  # 2: no held-out prompt occurs in training
 TRAIN_CONVERSATIONS = 3000
 HELDOUT_PROMPTS = 64
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
@@ -63,10 +63,14 @@ def _task(rng: random.Random, heldout: bool) -> tuple[str, str]:
     return f"Write {words[0]} in capitals.", words[0].upper()
 
 
-def conversations(count: int, seed: int = 0, heldout: bool = False) -> list[dict]:
+def conversations(
+    count: int, seed: int = 0, heldout: bool = False, exclude=frozenset()
+) -> list[dict]:
+    """``count`` conversations (``heldout``: single prompts with their answers, in the
+    prompt/completion form, none of them a prompt in ``exclude``)."""
     rng = random.Random(seed)
     records = []
-    for _ in range(count):
+    while len(records) < count:
         messages = []
         if rng.random() < 0.3:
             messages.append({"role": "system", "content": rng.choice(_SYSTEM)})
@@ -76,25 +80,26 @@ def conversations(count: int, seed: int = 0, heldout: bool = False) -> list[dict
                 {"role": "user", "content": prompt},
                 {"role": "assistant", "content": answer},
             ]
-        if heldout:  # a prompt and its answer, in the prompt/completion form
-            records.append({"prompt": messages[-2]["content"], "completion": answer})
-        else:
+        if not heldout:
             records.append({"messages": messages})
+        elif prompt not in exclude:
+            records.append({"prompt": prompt, "completion": answer})
     return records
 
 
 def write_chat_set(directory: str | Path) -> list[Path]:
-    """``train.jsonl`` and ``heldout.jsonl`` under ``directory`` (once: kept if written)."""
+    """``train.jsonl`` and ``heldout.jsonl`` under ``directory`` (once: kept if written).
+    No held-out prompt is a prompt of the training set."""
     directory = Path(directory).expanduser()
     paths = [directory / "train.jsonl", directory / "heldout.jsonl"]
-    sets = [(TRAIN_CONVERSATIONS, 0, False), (HELDOUT_PROMPTS, 1, True)]
+    train = conversations(TRAIN_CONVERSATIONS, seed=0)
+    seen = {m["content"] for r in train for m in r["messages"] if m["role"] == "user"}
+    sets = [train, conversations(HELDOUT_PROMPTS, seed=1, heldout=True, exclude=seen)]
     with build_lock(directory / "chat-set"):
-        for path, (count, seed, heldout) in zip(paths, sets, strict=True):
-            if path.is_file():
-                continue
-            with atomic_write(path, "w") as f:
-                for record in conversations(count, seed, heldout):
-                    f.write(json.dumps(record) + "\n")
+        for path, records in zip(paths, sets, strict=True):
+            if not path.is_file():
+                with atomic_write(path, "w") as f:
+                    f.writelines(json.dumps(record) + "\n" for record in records)
     return paths
 
 
@@ -106,8 +111,6 @@ def default_chat_files(cache_dir: Path) -> list[Path]:
 def train_chat_tokenizer(files: Sequence[Path], cache_dir: Path, vocab_size: int, text_of) -> Path:
     """A cached HF tokenizer directory (BPE with the ChatML tokens, the ChatML template)
     trained on the conversations of ``files``; ``text_of(files)`` yields their texts."""
-    from mtcore.data.tokenizer import EOD_TOKEN, train_tokenizer
-
     template = CHATML_TEMPLATE.read_text(encoding="utf-8")
     key = fingerprint(
         files, vocab_size=vocab_size, template=template, kind="chat-bpe-v1",
@@ -116,23 +119,47 @@ def train_chat_tokenizer(files: Sequence[Path], cache_dir: Path, vocab_size: int
     directory = Path(cache_dir).expanduser() / f"chat-tokenizer-{key}"
     with build_lock(directory):
         if not (directory / "tokenizer_config.json").is_file():
-            hf = train_tokenizer(text_of(files), vocab_size, CHATML_TOKENS)
-            with atomic_write(directory / "tokenizer.json", "w") as f:
-                f.write(hf.to_str())
-            config = {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": template,
-                "eos_token": CHATML_TOKENS[1],  # a chat turn ends, and generation stops, here
-                "pad_token": EOD_TOKEN,
-                "bos_token": None,
-                "unk_token": None,
-                "model_max_length": 1 << 20,
-            }
-            with atomic_write(directory / "tokenizer_config.json", "w") as f:
-                json.dump(config, f, indent=1)
+            write_chat_tokenizer(text_of(files), directory, vocab_size)
     return directory
 
 
-if __name__ == "__main__":
-    for written in write_chat_set(sys.argv[1] if len(sys.argv) > 1 else "."):
+def write_chat_tokenizer(texts: Iterable[str], directory: Path, vocab_size: int) -> Path:
+    """``directory/tokenizer.json`` (a byte-level BPE trained on ``texts``, with
+    ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``) and ``tokenizer_config.json``
+    (the ChatML template; ``<|im_end|>`` ends a turn and generation)."""
+    from mtcore.data.tokenizer import EOD_TOKEN, train_tokenizer
+
+    hf = train_tokenizer(texts, vocab_size, CHATML_TOKENS)
+    with atomic_write(directory / "tokenizer.json", "w") as f:
+        f.write(hf.to_str())
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHATML_TEMPLATE.read_text(encoding="utf-8"),
+        "eos_token": CHATML_TOKENS[1],
+        "pad_token": EOD_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
+        "model_max_length": 1 << 20,
+    }
+    with atomic_write(directory / "tokenizer_config.json", "w") as f:  # last: marks it done
+        json.dump(config, f, indent=1)
+    return directory
+
+
+def main(argv: Sequence[str]) -> None:
+    """``python -m mtcore.data.chat_corpus DIR [VOCAB_SIZE]``: the set and its tokenizer
+    (``DIR/tokenizer/``, what training on the set without data.tokenizer trains)."""
+    from mtcore.data.sft import conversation_texts
+
+    directory = Path(argv[0] if argv else ".")
+    train, heldout = write_chat_set(directory)
+    vocab_size = int(argv[1]) if len(argv) > 1 else 1024
+    tokenizer = directory / "tokenizer"
+    if not (tokenizer / "tokenizer_config.json").is_file():
+        write_chat_tokenizer(conversation_texts([train]), tokenizer, vocab_size)
+    for written in (train, heldout, tokenizer):
         print(written)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -156,3 +156,16 @@ def test_mtcore_train_on_bad_chat_data_exits_2_in_one_line(tmp_path, chat_set):
         "train on)"
     ]
     assert not (tmp_path / "ck").exists()  # nothing trained, nothing saved
+
+
+def test_the_embedded_set_is_the_same_everywhere_and_holds_out_its_prompts(tmp_path):
+    from mtcore.data.chat_corpus import HELDOUT_PROMPTS, TRAIN_CONVERSATIONS, write_chat_set
+
+    first, again = write_chat_set(tmp_path / "a"), write_chat_set(tmp_path / "b")
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in again]
+    train = [m for _, m in iter_conversations([first[0]])]
+    heldout = [m for _, m in iter_conversations([first[1]])]
+    assert (len(train), len(heldout)) == (TRAIN_CONVERSATIONS, HELDOUT_PROMPTS)
+    asked = {m["content"] for messages in train for m in messages if m["role"] == "user"}
+    assert not asked & {messages[0]["content"] for messages in heldout}
+    assert sum(len(messages) > 3 for messages in train) > TRAIN_CONVERSATIONS // 4  # multi-turn
