@@ -169,3 +169,12 @@ def test_the_embedded_set_is_the_same_everywhere_and_holds_out_its_prompts(tmp_p
     asked = {m["content"] for messages in train for m in messages if m["role"] == "user"}
     assert not asked & {messages[0]["content"] for messages in heldout}
     assert sum(len(messages) > 3 for messages in train) > TRAIN_CONVERSATIONS // 4  # multi-turn
+
+
+def test_without_transformers_chat_data_is_refused_naming_the_extra(monkeypatch, chat_set):
+    from mtcore.data import DataError
+    from mtcore.data.chat_render import ChatRenderer
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what an absent package gives
+    with pytest.raises(DataError, match=r"pip install 'mtcore\[sft\]'"):
+        ChatRenderer(chat_set[1])
