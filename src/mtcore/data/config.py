@@ -119,9 +119,13 @@ class DataConfig(BaseModel, extra="forbid"):
 
     @model_validator(mode="after")
     def _check_format_options(self) -> DataConfig:
-        chat_only = {"chat_loss", "packing", "overlong", "chat_template"}
-        if self.format == "text" and (given := sorted(chat_only & self.model_fields_set)):
-            raise ValueError(f"data.{given[0]} applies to data.format chat only")
+        # A value other than the default, not a key that is set: a dumped config (a
+        # checkpoint's config.yaml, the planner's re-check) holds every key.
+        fields = type(self).model_fields
+        changed = [k for k in ("chat_loss", "packing", "overlong", "chat_template")
+                   if getattr(self, k) != fields[k].default]  # fmt: skip
+        if self.format == "text" and changed:
+            raise ValueError(f"data.{changed[0]} applies to data.format chat only")
         if self.format == "chat" and self.weights is not None:
             raise ValueError(
                 "data.weights blends text datasets; chat data reads every path once (drop it)"

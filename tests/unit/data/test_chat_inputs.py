@@ -178,3 +178,9 @@ def test_without_transformers_chat_data_is_refused_naming_the_extra(monkeypatch,
     monkeypatch.setitem(sys.modules, "transformers", None)  # what an absent package gives
     with pytest.raises(DataError, match=r"pip install 'mtcore\[sft\]'"):
         ChatRenderer(chat_set[1])
+
+
+def test_a_dumped_data_config_validates_again():
+    """A checkpoint's config.yaml and the planner's re-check hold every key."""
+    for config in (DataConfig(), DataConfig(format="chat", chat_loss="last_assistant")):
+        assert DataConfig.model_validate(config.model_dump()) == config
