@@ -23,6 +23,7 @@ Mask values: 0 not trained, 1 an assistant turn, 2 the last assistant turn, so
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,18 @@ def tokenizer_files(path: str | Path) -> tuple[Path, Path | None]:
         or (path.parent / "chat_template.jinja").is_file()
     )
     return path, (path.parent if configured else None)
+
+
+def _config_file(directory: Path | None) -> dict:
+    """``directory/tokenizer_config.json``'s settings ({} without one)."""
+    path = directory / "tokenizer_config.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable tokenizer_config.json ({e})") from None
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def read_template(value: str) -> str:
@@ -100,6 +113,7 @@ class ChatRenderer:
             )
         self.own_template, self.template = own, configured or own
         self.hf.chat_template = self.template
+        self.tokenizer.chat_config = {**_config_file(config_dir), "chat_template": self.template}
         self.fingerprint = text_hash(f"{self.tokenizer.fingerprint}\n{self.template}")
 
     def text(self, messages: Messages, generation_prompt: bool = False, template=None) -> str:

@@ -5,6 +5,7 @@ tokens whatever the micro-batch split (micro-batches hold different numbers of t
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -45,6 +46,10 @@ def test_sft_yaml_trains_and_logs_its_trained_tokens(chat_set, tmp_path):
     )
     expected = [int((next(loader)["labels"] != -100).sum()) for _ in range(2)]
     assert trained == expected and 0 < expected[0] < 8 * 96
+    # The chat template travels with the checkpoint, beside tokenizer.json.
+    saved = json.loads((whole.checkpoint / "tokenizer_config.json").read_text())
+    own = json.loads((chat_set[1] / "tokenizer_config.json").read_text())
+    assert saved == own and "<|im_start|>" in saved["chat_template"]
     small = data.loader(
         data.train, micro_batch_size=2, global_batch_size=8, seed=config.training.seed
     )
