@@ -22,7 +22,7 @@ from mtcore.data.chat_prepare import chat_key, open_chat_index, prepare_chat
 from mtcore.data.chat_render import ChatRenderer
 from mtcore.data.chat_samples import ChatSamples
 from mtcore.data.config import DataConfig
-from mtcore.data.corpus import find_files
+from mtcore.data.corpus import find_files, pretokenized_prefix
 from mtcore.data.loader import SampleLoader
 from mtcore.data.samples import split_documents
 
@@ -71,6 +71,11 @@ def build_chat_datasets(config: DataConfig):
     else:
         for path in config.paths:
             prefix = _prepared_prefix(path)
+            if prefix is None and pretokenized_prefix(path) is not None:
+                raise DataError(
+                    f"data path {path} holds text tokens (.bin/.idx, no .mask): prepare chat "
+                    "data with mtcore data prepare --format chat, or set data.format text"
+                )
             files = [] if prefix is not None else find_files(path)
             sources.append((Path(path).expanduser().stem or "chat", prefix, files))
     renderer = chat_renderer(config, [f for _, _, files in sources for f in files])

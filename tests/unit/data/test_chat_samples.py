@@ -143,6 +143,11 @@ def test_prepared_once_then_read_without_rendering(chat_set, tmp_path, capsys):
     for i in range(len(from_files)):
         for name, array in from_files[i].items():
             np.testing.assert_array_equal(from_prefix.train[i][name], array)
+    text = tmp_path / "text"
+    for suffix in (".bin", ".idx"):  # a text prefix (no .mask) is not chat data
+        text.with_name("text" + suffix).write_bytes(prefix.with_name("chats" + suffix).read_bytes())
+    with pytest.raises(DataError, match=r"holds text tokens \(\.bin/\.idx, no \.mask\)"):
+        build_chat_datasets(chat_config(chat_set, tmp_path / "d", paths=[str(text)]))
     with pytest.raises(DataError, match="prepared with another tokenizer or chat template"):
         build_chat_datasets(
             chat_config(chat_set, tmp_path / "c", paths=[str(prefix)], chat_template="{{ 1 }}")
