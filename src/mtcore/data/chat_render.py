@@ -104,7 +104,10 @@ class ChatRenderer:
                 self.hf = fast(tokenizer_file=str(json_path))
         except Exception as e:  # transformers' own message says what it could not read
             raise DataError(f"cannot load tokenizer {tokenizer_path} in transformers: {e}") from e
-        own = self.hf.chat_template if isinstance(self.hf.chat_template, str) else None
+        own = self.hf.chat_template
+        if isinstance(own, dict):  # named templates (tool use, RAG): conversations use "default"
+            own = own.get("default")
+        own = own if isinstance(own, str) else None
         configured = read_template(chat_template) if chat_template is not None else None
         if own is None and configured is None:
             raise DataError(

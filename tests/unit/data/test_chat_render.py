@@ -3,6 +3,8 @@ the ChatML tokenizer trained on the test set and a second (Zephyr-style) templat
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -103,3 +105,18 @@ def test_a_configured_template_must_render_as_the_tokenizer_s_own(chat_set):
         renderer.check_configured(MULTI_TURN, "chats.jsonl:1")
     same = ChatRenderer(chat_set[1], renderer.own_template)
     same.check_configured(MULTI_TURN, "chats.jsonl:1")  # the same template: accepted
+
+
+def test_named_templates_render_with_the_default_one(chat_set, tmp_path):
+    config = json.loads((chat_set[1] / "tokenizer_config.json").read_text())
+    chatml = config["chat_template"]
+    config["chat_template"] = [{"name": "default", "template": chatml},
+                               {"name": "tool_use", "template": ZEPHYR}]  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text((chat_set[1] / "tokenizer.json").read_text())
+    named = ChatRenderer(tmp_path)
+    assert named.template == chatml
+    assert (
+        named.render(MULTI_TURN)[0].tolist()
+        == ChatRenderer(chat_set[1]).render(MULTI_TURN)[0].tolist()
+    )
