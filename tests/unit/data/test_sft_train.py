@@ -58,3 +58,31 @@ def test_sft_yaml_trains_and_logs_its_trained_tokens(chat_set, tmp_path):
     split = train(sft_config(chat_set, tmp_path, micro_batch_size=2), stream=io.StringIO())
     # Four micro-batches of unequal trained counts give the same token mean as one.
     assert split.losses[0] == pytest.approx(whole.losses[0], rel=1e-5)
+    assert_generate_renders_the_chat_template(whole.checkpoint)
+
+
+def assert_generate_renders_the_chat_template(checkpoint):
+    """`mtcore generate --chat` prompts the model with the template's rendering of a user
+    turn (special tokens read as tokens) and prints the answer alone: the same text the
+    model continues when given those ids directly."""
+    import contextlib
+
+    import torch
+    import transformers
+
+    from mtcore.backend import select_backend
+    from mtcore.cli.main import main
+    from mtcore.training.checkpoint import load_model
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["generate", str(checkpoint), "--chat", "--prompt", "What is 2 + 3?",
+                     "--max-new-tokens", "6"]) == 0  # fmt: skip
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(checkpoint))
+    ids = hf.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=True,
+                                 add_generation_prompt=True, return_dict=False)  # fmt: skip
+    assert hf.convert_tokens_to_ids("<|im_start|>") in ids  # one token, not its characters
+    model, _, _ = load_model(checkpoint, select_backend("cpu"))
+    tokens = torch.tensor([list(ids)])
+    answer = hf.decode(model.generate(tokens, 6)[0, tokens.shape[1] :].tolist())
+    assert out.getvalue() == answer.split("<|im_end|>")[0] + "\n"
