@@ -53,17 +53,11 @@ def longest_conversation() -> int:
     """The set's longest conversation in tokens, rounded up to a multiple of 8."""
     from mtcore.data.sft import build_chat_datasets
 
-    train = build_chat_datasets(DataConfig(**DATA, seq_len=4096, packing=False)).train
-    tokens = max(int(sample_length(train[i])) for i in range(len(train)))
+    # One conversation per sample, with its documents: document 0 is the conversation.
+    padded = DataConfig(**DATA, seq_len=4096, packing=False, document_masks=True)
+    train = build_chat_datasets(padded).train
+    tokens = max(int((train[i]["documents"] == 0).sum()) for i in range(len(train)))
     return -(-tokens // 8) * 8
-
-
-def sample_length(sample) -> int:
-    """Tokens of a padded sample before its padding (the first padding document)."""
-    documents = sample.get("documents")
-    if documents is None:
-        return int((sample["labels"] != -100).nonzero().max()) + 2
-    return int((documents == 0).sum())
 
 
 def make_step(data_config: DataConfig, seq_len: int, backend):
