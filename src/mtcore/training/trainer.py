@@ -285,6 +285,7 @@ class _Loop:
             schedule=config.parallel.schedule,
             zero=config.parallel.zero_stage,
             bucket_size=config.parallel.bucket_size,
+            lora=config.finetune.lora,
         )
         self.guard = BadStepGuard(self.t.max_bad_steps, self.engine.optimizer.loss_scaler)
         self.progress = Progress(self.t.steps, config.logging.progress, stream)
