@@ -109,6 +109,7 @@ class Engine:
         self.family = family_of(config)
         built = self.family.build(config, layout, backend, seed, fp8=precision.fp8)
         self.chunks, self.rng_tracker = built.chunks, built.rng_tracker
+        self.seed = seed
         self.lora = lora  # LoRA: the base frozen (no gradient buffer, no optimizer state)
         if lora is not None:
             add_lora(self.chunks, lora)
