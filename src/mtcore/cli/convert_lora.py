@@ -33,15 +33,22 @@ def merged_weights(path: str):
 
 def export_adapter(path: str, staging: str, dtype) -> None:
     """Write the PEFT adapter of the LoRA checkpoint ``path`` into ``staging``."""
-    from mtcore.models.common.decoder.hf_lora import check_peft_exportable, export_peft
     from mtcore.training.checkpoint.lora_weights import adapted_model, read_lora_weights
 
     config, lora, adapters, _ = read_lora_weights(path)
-    if config.family != "gpt":
-        raise ValueError(f"PEFT export is built for the gpt family, not {config.family}")
-    check_peft_exportable(config)
     adapted_model(config, lora, adapters)  # every adapter present, of its shape
-    export_peft(staging, lora, adapters, dtype)
+    _peft(config, "export_adapter")(config, lora, adapters, staging, dtype)
+
+
+def _peft(config, what: str):
+    """The family's PEFT export or import, or a ValueError naming the family."""
+    from mtcore.models import family_of
+
+    family = family_of(config)
+    found = getattr(family.hf, what, None) if family.hf is not None else None
+    if found is None:
+        raise ValueError(f"the {family.name} family maps no PEFT adapters")
+    return found
 
 
 def import_with_adapter(args, config, weights, tokenizer, adapter_dir: str) -> Path:
@@ -49,15 +56,11 @@ def import_with_adapter(args, config, weights, tokenizer, adapter_dir: str) -> P
     checkpoint's directory. Checked before anything is written."""
     import yaml
 
-    from mtcore.models.common.decoder.hf_lora import check_peft_exportable, import_peft
     from mtcore.training.checkpoint import has_checkpoint, write_model_weights
     from mtcore.training.checkpoint.lora_base import checkpoint_reference
     from mtcore.training.checkpoint.lora_weights import adapted_model, write_lora_weights
 
-    if config.family != "gpt":
-        raise ValueError(f"--adapter: PEFT import is built for the gpt family, not {config.family}")
-    check_peft_exportable(config)
-    lora, adapters = import_peft(adapter_dir)
+    lora, adapters = _peft(config, "import_adapter")(adapter_dir, config)
     adapted_model(config, lora, adapters)  # the adapters fit this model
     root = Path(args.out_root)
     for sub in ("base", "lora"):

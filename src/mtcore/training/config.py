@@ -24,8 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from mtcore.data import DataConfig
 from mtcore.distributed.layout import LayoutSpec, reject_bool_numbers
-from mtcore.models import FamilyConfig, FamilyError, parse_model_config
-from mtcore.models.common.lora import LoRAConfig, check_targets
+from mtcore.models import FamilyConfig, FamilyError, LoRAConfig, check_targets, parse_model_config
 from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
 from mtcore.parallel.pipeline import validate_pipeline
 from mtcore.training.schedules import Schedule, lr_at

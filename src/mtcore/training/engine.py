@@ -51,8 +51,7 @@ from torch import Tensor, nn
 
 from mtcore.backend.collective import P2P
 from mtcore.distributed import Axis
-from mtcore.models import Batch, FamilyConfig, family_of
-from mtcore.models.common.lora import LoRAConfig, add_lora
+from mtcore.models import Batch, FamilyConfig, LoRAConfig, add_lora, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
 from mtcore.parallel.data import DataParallel, DataParallelConfig
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW, OneBitAdam

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mtcore.models import FamilyConfig, family_of
-from mtcore.models.common.lora import LoRAConfig, add_lora, is_adapter
+from mtcore.models import FamilyConfig, LoRAConfig, add_lora, family_of, is_adapter
 from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.checkpoint.compat import saved_model_config
 from mtcore.training.checkpoint.lora_base import base_directory

@@ -149,11 +149,13 @@ def lora_from_peft_config(data: dict, where: str) -> LoRAConfig:
     )  # fmt: skip
 
 
-def export_peft(out_dir: str | Path, lora: LoRAConfig, adapters: dict[str, Tensor],
+def export_peft(config, lora: LoRAConfig, adapters: dict[str, Tensor], out_dir: str | Path,
                 dtype: torch.dtype = torch.float32, base_model: str | None = None) -> Path:  # fmt: skip
-    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir``."""
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` of the adapters of
+    a ``config`` model into ``out_dir`` (the family's ``HFAdapter.export_adapter``)."""
     from safetensors.torch import save_file
 
+    check_peft_exportable(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in to_peft_tensors(adapters).items()}
@@ -163,10 +165,12 @@ def export_peft(out_dir: str | Path, lora: LoRAConfig, adapters: dict[str, Tenso
     return out
 
 
-def import_peft(adapter_dir: str | Path) -> tuple[LoRAConfig, dict[str, Tensor]]:
-    """The ``LoRAConfig`` and fp32 adapter tensors (mtcore names) of a PEFT directory."""
+def import_peft(adapter_dir: str | Path, config) -> tuple[LoRAConfig, dict[str, Tensor]]:
+    """The ``LoRAConfig`` and fp32 adapter tensors (mtcore names) of a PEFT directory of
+    a ``config`` model (the family's ``HFAdapter.import_adapter``)."""
     from safetensors.torch import load_file
 
+    check_peft_exportable(config)
     directory = Path(adapter_dir)
     config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
     for path in (config_path, weights_path):
