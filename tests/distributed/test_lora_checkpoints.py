@@ -5,7 +5,9 @@ A full-model job (tp2) writes the base; a LoRA job (tp2 x pp2) starts from it
 (``checkpoint.load``), saves at step 3 and 6; its step-3 checkpoint resumes bitwise
 under tp2 x pp2 and continues under dp4 within ``RESHARD_RTOL``. The LoRA checkpoint
 holds no frozen weight (its model tensors are a seventh of the base's here), and its manifest names
-the base's directory, step and manifest checksum.
+the base's directory, step and manifest checksum. In one process it loads onto the base
+as saved, a full model refuses it, and ``read_model_weights`` gives the base with the
+adapters merged into the adapted linears only.
 """
 
 from __future__ import annotations
@@ -13,9 +15,18 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+import torch
+
+from mtcore.backend import select_backend
+from mtcore.distributed import ParallelLayout
+from mtcore.models import LoRAConfig, is_adapter
 from mtcore.testing.distributed import run_ranks
+from mtcore.training.checkpoint import Checkpointer, CheckpointError, read_model_weights
+from mtcore.training.checkpoint.lora_weights import read_lora_weights
 from mtcore.training.checkpoint.manifest import MANIFEST, sha256_file
 from mtcore.training.checkpoint.safe_reader import tensor_shapes
+from mtcore.training.engine import Engine
 from tests.distributed import test_checkpoint_layouts as layouts
 
 job = layouts.job  # the fixture: a corpus and the job configs
@@ -74,3 +85,29 @@ def test_lora_checkpoint_holds_adapters_resumes_bitwise_and_reshards(job):
         "step": 6,
         "manifest_sha256": sha256_file(base / MANIFEST),
     }
+
+    # In one process: the adapters load as saved, onto the base as saved; a full model
+    # refuses them; reading the checkpoint whole gives the base with the adapters merged.
+    config, lora, adapters, base_weights = read_lora_weights(saved)
+    assert lora == LoRAConfig(**LORA) and set(adapters) == {
+        m.removeprefix("model.") for m in models
+    }
+    assert base_weights.keys() == read_model_weights(base)[1].keys()
+
+    def engine(lora_config):
+        return Engine(config, ParallelLayout.single(), select_backend("cpu"), micro_batch_size=2,
+                      num_microbatches=1, lora=lora_config)  # fmt: skip
+
+    one = engine(lora)
+    loaded = Checkpointer(one).load(saved)
+    assert loaded.step == 3 and loaded.resharded is not None
+    weights = one.full_state_dict()
+    assert all(torch.equal(weights[n], t) for n, t in adapters.items())
+    assert all(torch.equal(weights[n], t) for n, t in base_weights.items())
+    with pytest.raises(CheckpointError, match="holds LoRA adapters only"):
+        Checkpointer(engine(None)).load(saved)
+    merged = read_model_weights(saved)[1]
+    assert merged.keys() == base_weights.keys() and not any(is_adapter(n) for n in merged)
+    changed = [n for n in merged if not torch.equal(merged[n], base_weights[n])]
+    assert "layers.0.attn.qkv.weight" in changed and "layers.3.mlp.fc2.weight" in changed
+    assert not any("norm" in n or "embed" in n for n in changed)

@@ -149,10 +149,7 @@ def _to_hf(args: argparse.Namespace):
             )
         export = functools.partial(convert_lora.export_adapter, args.checkpoint, dtype=dtype)
         return _replace_model_files(out, export)
-    if lora:  # the merged model
-        config, weights = convert_lora.merged_weights(args.checkpoint)
-    else:
-        config, weights, _step = read_model_weights(args.checkpoint)
+    config, weights, _step = read_model_weights(args.checkpoint)  # LoRA: merged
     tokenizer = resolve_checkpoint(args.checkpoint) / TOKENIZER
     adapter = _adapter(family_of(config))
     shard_option = _shard_option(adapter, family_of(config).name, max_shard, args.max_shard_size)
@@ -290,8 +287,6 @@ def _from_hf(args: argparse.Namespace):
     family = _hf_family(args.hf_dir)
     config, weights = _adapter(family).import_dir(args.hf_dir, seq_len=args.seq_len)
     check_finite(weights, args.hf_dir)
-    if has_checkpoint(Path(args.out_root) / "base") or has_checkpoint(Path(args.out_root) / "lora"):
-        raise ValueError(f"{args.out_root} already holds checkpoints; convert into a new directory")
     tokenizer = None
     path = Path(args.hf_dir) / TOKENIZER
     if path.is_file():

@@ -23,14 +23,6 @@ def is_lora_checkpoint(path: str) -> bool:
     return lora_manifest(path)[1] is not None
 
 
-def merged_weights(path: str):
-    """``(model config, merged full weights)`` of a LoRA checkpoint."""
-    from mtcore.training.checkpoint.lora_weights import merge_lora, read_lora_weights
-
-    config, lora, adapters, base = read_lora_weights(path)
-    return config, merge_lora(config, lora, adapters, base)
-
-
 def export_adapter(path: str, staging: str, dtype) -> None:
     """Write the PEFT adapter of the LoRA checkpoint ``path`` into ``staging``."""
     from mtcore.training.checkpoint.lora_weights import adapted_model, read_lora_weights
