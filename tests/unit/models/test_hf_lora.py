@@ -63,7 +63,7 @@ def _peft_logits(root, adapter_dir, tokens) -> torch.Tensor:
 def test_a_peft_adapter_imports_with_peft_logits(setup):
     root, tokens = setup
     config, lora, adapters, weights = read_lora_weights(root / "mt" / "lora")
-    assert (lora.rank, lora.alpha, lora.targets) == (4, 12.0, ["q", "k", "v", "o", "fc1", "fc2"])
+    assert (lora.rank, lora.alpha, lora.targets) == (4, 12.0, ("q", "k", "v", "o", "fc1", "fc2"))
     assert resolve_checkpoint(root / "mt" / "base").parent.name == "base"
     model = adapted_model(config, lora, adapters).eval()
     missing, _ = model.load_state_dict({**weights, **adapters}, strict=False)

@@ -41,7 +41,7 @@ def flash_head_dims_ok(q, k, v, *args, **kwargs) -> bool:
 # default is sent (as None); any other scale (T5's 1.0, for one) goes to the reference.
 def flash_attention_ok(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None,
+    dropout_seeds=None, query_documents=None, key_documents=None,
 ) -> bool:  # fmt: skip
     """Head dims muDNN takes, the default scale, and no dropout (muDNN's draws from the
     device generator, not the op's coordinate-hashed mask)."""
@@ -50,11 +50,15 @@ def flash_attention_ok(
 
 def musa_sdpa_attention(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None,
+    dropout_seeds=None, query_documents=None, key_documents=None,
 ):  # fmt: skip
     """``mtcore.ops.attention`` through SDPA on musa, with the default scale (see above);
-    a sliding window reaches muDNN as a banded bool mask (it takes no window of its own)."""
-    return torch_native.sdpa_attention(q, k, v, causal, key_padding_mask, None, window)
+    a sliding window and document ids reach muDNN as a bool mask (it takes neither of its
+    own; SDPUtils.h's check_musa_attn_mask refuses only masks that need a gradient)."""
+    return torch_native.sdpa_attention(
+        q, k, v, causal, key_padding_mask, None, window,
+        query_documents=query_documents, key_documents=key_documents,
+    )  # fmt: skip
 
 
 # attention_lse (context parallelism's per-block attention) through muDNN flash, whose
@@ -87,17 +91,26 @@ def _flash_backward(grad_out, q, k, v, out, lse, dropout_mask, is_causal, mask, 
 MUSA_FLASH = FlashKernels(_flash_forward, _flash_backward, "bool", _LSE_PAD, takes_scale=False)
 
 
-def flash_lse_ok(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None) -> bool:
+def flash_lse_ok(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, query_documents=None,
+    key_documents=None,
+) -> bool:  # fmt: skip
     """Same head dims for q, k and v (the padding widens them together), at most 128
     once padded, and the default scale."""
     d = q.shape[-1]
     return v.shape[-1] == d and d + _LSE_PAD <= 128 and default_scale(q, scale)
 
 
-def musa_flash_attention_lse(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None):
-    """``mtcore.ops.attention_lse`` through muDNN flash attention (a window as part of
-    its bool mask)."""
-    return flash_attention_lse(MUSA_FLASH, q, k, v, causal, key_padding_mask, scale, window)
+def musa_flash_attention_lse(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, query_documents=None,
+    key_documents=None,
+):  # fmt: skip
+    """``mtcore.ops.attention_lse`` through muDNN flash attention (a window and document
+    ids as part of its bool mask)."""
+    return flash_attention_lse(
+        MUSA_FLASH, q, k, v, causal, key_padding_mask, scale, window, query_documents,
+        key_documents,
+    )  # fmt: skip
 
 
 # Not used, on purpose (docs/musa.md, section 7):

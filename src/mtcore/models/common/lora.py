@@ -26,9 +26,9 @@ that holds only some layers starts from one process's numbers.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from mtcore.distributed.layout import reject_bool_numbers
+from mtcore.distributed.settings import Settings
 
 ATTENTION_TARGETS = ("q", "k", "v", "o")
 LATENT_TARGETS = ("q", "q_up", "kv_up", "o")
@@ -36,26 +36,23 @@ MLP_TARGETS = ("fc1", "fc2")
 ALL_TARGETS = ("q", "k", "v", "o", "fc1", "fc2", "q_up", "kv_up")
 
 
-class LoRAConfig(BaseModel):
+class LoRAConfig(Settings):
     """``finetune.lora``: the adapters' rank, ``alpha`` (scale ``alpha / rank``), the
     dropout on their input and the target linears (PEFT's defaults: r=8, alpha=8,
     targets q and v)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
-
     rank: int = Field(8, ge=1, description="r: the adapters' inner dimension")
     alpha: float = Field(8.0, gt=0, description="the update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
-    targets: list[str] = Field(
-        default_factory=lambda: ["q", "v"],
+    targets: tuple[str, ...] = Field(
+        ("q", "v"),
         min_length=1,
         description=f"linears to adapt, of {', '.join(ALL_TARGETS)}",
     )
 
     @field_validator("targets")
     @classmethod
-    def _known_targets(cls, targets: list[str]) -> list[str]:
+    def _known_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
         unknown = [t for t in targets if t not in ALL_TARGETS]
         if unknown:
             raise ValueError(f"unknown LoRA target {unknown[0]!r}; known: {', '.join(ALL_TARGETS)}")

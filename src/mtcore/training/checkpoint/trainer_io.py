@@ -99,7 +99,7 @@ class TrainerCheckpoints:
             what = "no commit of this run yet: starting at step 0"
         if run.restart > 0:
             most = run.max_restarts if run.max_restarts is not None else "?"
-            self.say(f"mtcore train: restart {run.restart} of at most {most} (a rank died): {what}")
+            self.say(f"mtcore train: restart {run.restart} of at most {most} (a rank stopped or a node was lost): {what}")
         elif ours and not self.ck.resume:
             self.say(
                 f"checkpoint: the latest commit (step {latest['step']}) is this run's "
