@@ -62,6 +62,7 @@ def test_lora_checkpoint_holds_adapters_resumes_bitwise_and_reshards(job):
     (base_losses, _, _), (whole, start, log), resumed, dp4 = results
 
     assert start == 0 and f"model weights from {base}" in log, log
+    assert "lora: rank 4, alpha 8, dropout 0 on q, k, v, o, fc1, fc2 | rank 0 trains 0.003M" in log, log
     assert whole[0] < base_losses[0], (whole, base_losses)  # it starts from the trained base
     assert resumed[1] == 3 and "RNG streams restored" in resumed[2], resumed[2]
     assert resumed[0] == whole[3:]  # bitwise: adapters, their optimizer state, data position
