@@ -104,3 +104,17 @@ def test_a_lora_checkpoints_base_is_refused_when_gone_or_changed(tmp_path):
         base_directory({**reference, "path": str(tmp_path / "nowhere")}, tmp_path / "a")
     with pytest.raises(CheckpointError, match="malformed"):
         base_directory({"step": 1}, tmp_path / "a")
+
+
+def test_bert_takes_adapters_and_t5_whose_attention_is_its_own_is_refused():
+    from mtcore.models import get_family, parse_model_config
+
+    lora = LoRAConfig(targets=["q", "v", "fc1", "fc2"])
+    sizes = dict(hidden_size=32, num_heads=4, seq_len=16, vocab_size=64)
+    bert = parse_model_config({"family": "bert", "num_layers": 2, **sizes})
+    model = get_family("bert").one_process(bert, select_backend("cpu"))
+    assert add_lora([model], lora) == 6  # qkv, fc1 and fc2 of 2 layers
+    t5 = parse_model_config({"family": "t5", "encoder_layers": 1, "decoder_layers": 1, **sizes})
+    model = get_family("t5").one_process(t5, select_backend("cpu"))
+    with pytest.raises(ValueError, match="no linear of this t5 model answers to q, v, fc1, fc2"):
+        add_lora([model], lora)

@@ -119,8 +119,8 @@ def section_target(section: str) -> str:
 
 def add_lora(chunks, lora: LoRAConfig) -> int:
     """Freeze every parameter of ``chunks`` and add the adapters ``lora`` names; the
-    number of adapted linears on this rank. ValueError when a target adapts nothing
-    anywhere in these chunks' blocks (a config ``check_targets`` would also refuse)."""
+    number of adapted linears on this rank. ValueError when the chunks hold blocks but
+    no target linear (a family with blocks of its own, such as T5)."""
     from mtcore.parallel.tensor.lora import LoRA, SectionAdapters
 
     for chunk in chunks:
@@ -144,6 +144,13 @@ def add_lora(chunks, lora: LoRAConfig) -> int:
             if chosen:
                 linear.lora = SectionAdapters(sections, chosen, c.tp, parallel)
                 adapted += 1
+    blocks = sum(len(getattr(chunk, "layers", ())) for chunk in chunks)
+    if blocks and not adapted:  # a family whose blocks are its own (T5's attention)
+        raise ValueError(
+            f"finetune.lora: no linear of this {chunks[0].config.family} model answers to "
+            f"{', '.join(lora.targets)}: LoRA adapts the blocks mtcore's families share "
+            "(GPT, BERT, LLaVA), not this family's own"
+        )
     return adapted
 
 
