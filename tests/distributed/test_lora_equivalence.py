@@ -11,7 +11,7 @@ elements alone, no gradient buffer for a frozen weight.
 Default suite: one spawn of 8 ranks, tp2 x pp2 x dp2 with and without sequence
 parallel. Extended (``make test-extended``): ZeRO-1/2/3, zero bubble, context
 parallel, expert parallel (the shared expert adapted, the routed experts frozen),
-latent attention, full recompute and a tied embedding over pipeline stages.
+latent attention, full recompute, interleaving and a tied embedding over pipeline stages.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ EXTENDED_CASES = {
     "tp2_dp2_zero2": Case(4, "llama", dict(tp=2, dp=2), zero=2),
     "tp2_dp2_zero3": Case(4, "llama", dict(tp=2, dp=2), zero=3),
     "tp2_pp2_zb": Case(4, "llama", dict(tp=2, pp=2), schedule="zb_h1"),
+    "tp2_pp2_vpp2_sp_tied": Case(4, "gpt2", dict(tp=2, pp=2, vpp=2, sequence_parallel=True)),
     "tp2_dp2_full": Case(4, "llama_full", dict(tp=2, dp=2)),
     "cp2_tp2_sp": Case(4, "gpt2", dict(cp=2, tp=2, sequence_parallel=True)),
     "ep2_tp2_sp_moe": Case(4, "moe", dict(ep=2, tp=2, sequence_parallel=True)),
