@@ -80,6 +80,7 @@ class StepOutcome:
     moe: dict[str, float] | None = None  # load statistics (``MoEStep.finish``); MoE models only
     terms: dict[str, float] | None = None  # each loss term's global mean (sum of them: loss)
     stop: bool = False  # some rank asked to stop after this step (``train_step(stop=True)``)
+    counts: dict[str, float] | None = None  # each term's global count (trained tokens for "lm")
 
 
 class Engine:
@@ -224,7 +225,8 @@ class Engine:
         self.ddp.finish_grad_sync()
         terms, stop = self._agree_terms(stop)
         loss = sum(terms.values()) if terms else math.nan
-        outcome = functools.partial(StepOutcome, terms=terms, stop=stop)
+        counts = {name: float(count) for name, count in self._counts.items()}
+        outcome = functools.partial(StepOutcome, terms=terms, stop=stop, counts=counts)
         if not math.isfinite(loss):
             return outcome(loss, "loss", None, scale if scaler else None)
         if scaler is not None:

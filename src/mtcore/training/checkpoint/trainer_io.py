@@ -15,6 +15,7 @@ rank, a replacement node or a requeued job continues from it whatever
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -116,6 +117,8 @@ class TrainerCheckpoints:
                 self.config.model_dump(mode="json"), sort_keys=False
             ).encode(),
         }
+        if getattr(self.tokenizer, "chat_config", None):  # a chat template: it travels along
+            files["tokenizer_config.json"] = json.dumps(self.tokenizer.chat_config).encode()
         state = {"data": loader.state_dict()}
         done = self.checkpointer.save(self.ck.dir, step, state, files, self.model_config)
         if final:
