@@ -253,12 +253,17 @@ class HFAdapter:
     transformers ``config.json`` it imports. ``import_dir(path, seq_len) -> (config,
     full weights)``; ``export_dir(config, weights, out_dir, dtype, tokenizer_json)``
     returns the directory it wrote. ``tokenizer_tokens``: special tokens an imported
-    ``tokenizer.json`` must hold for the family's data pipeline (BERT's ``[CLS]``...)."""
+    ``tokenizer.json`` must hold for the family's data pipeline (BERT's ``[CLS]``...).
+    ``export_adapter(config, lora, adapters, out_dir, dtype)`` and
+    ``import_adapter(adapter_dir, config) -> (lora, adapters)``: LoRA adapters in PEFT's
+    format (None: the family maps none)."""
 
     model_types: tuple[str, ...]
     import_dir: Callable[..., tuple[FamilyConfig, dict[str, Tensor]]]
     export_dir: Callable[..., Any]
     tokenizer_tokens: tuple[str, ...] = ()
+    export_adapter: Callable[..., Any] | None = None
+    import_adapter: Callable[..., tuple[Any, dict[str, Tensor]]] | None = None
 
 
 @dataclass(frozen=True)

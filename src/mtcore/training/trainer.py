@@ -285,6 +285,7 @@ class _Loop:
             schedule=config.parallel.schedule,
             zero=config.parallel.zero_stage,
             bucket_size=config.parallel.bucket_size,
+            lora=config.finetune.lora,
         )
         self.guard = BadStepGuard(self.t.max_bad_steps, self.engine.optimizer.loss_scaler)
         self.progress = Progress(self.t.steps, config.logging.progress, stream)
@@ -384,6 +385,14 @@ class _Loop:
                 f"{self.model_config.num_params(active=True) / 1e6:.2f}M params active per token, "
                 f"{m.dispatcher} dispatch, "
                 + ("dropless" if m.capacity_factor is None else f"capacity {m.capacity_factor}")
+            )
+        if (lora := self.config.finetune.lora) is not None:
+            params = [p for chunk in self.engine.chunks for p in chunk.parameters()]
+            trained = sum(p.numel() for p in params if p.requires_grad)
+            self.say(
+                f"lora: rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on "
+                f"{', '.join(lora.targets)} | rank 0 trains {trained / 1e6:.3f}M of its "
+                f"{sum(p.numel() for p in params) / 1e6:.2f}M params; the rest is frozen"
             )
         if (fp8 := self.config.precision.fp8_config()) is not None:
             paths = "/".join(sorted(set(fp8.paths(self.backend.fp8).values())))
