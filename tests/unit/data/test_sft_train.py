@@ -58,13 +58,14 @@ def test_sft_yaml_trains_and_logs_its_trained_tokens(chat_set, tmp_path):
     split = train(sft_config(chat_set, tmp_path, micro_batch_size=2), stream=io.StringIO())
     # Four micro-batches of unequal trained counts give the same token mean as one.
     assert split.losses[0] == pytest.approx(whole.losses[0], rel=1e-5)
-    assert_generate_renders_the_chat_template(whole.checkpoint)
+    assert_generate_renders_the_chat_template(whole.checkpoint, tmp_path)
 
 
-def assert_generate_renders_the_chat_template(checkpoint):
+def assert_generate_renders_the_chat_template(checkpoint, tmp_path):
     """`mtcore generate --chat` prompts the model with the template's rendering of a user
     turn (special tokens read as tokens) and prints the answer alone: the same text the
-    model continues when given those ids directly."""
+    model continues when given those ids directly, and the same as transformers answers
+    with the model `mtcore convert to-hf` exported (its tokenizer keeps the template)."""
     import contextlib
 
     import torch
@@ -86,3 +87,17 @@ def assert_generate_renders_the_chat_template(checkpoint):
     tokens = torch.tensor([list(ids)])
     answer = hf.decode(model.generate(tokens, 6)[0, tokens.shape[1] :].tolist())
     assert out.getvalue() == answer.split("<|im_end|>")[0] + "\n"
+
+    exported = tmp_path / "hf"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["convert", "to-hf", str(checkpoint), str(exported)]) == 0
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported))
+    assert hf_tokenizer.chat_template == hf.chat_template
+    assert hf_tokenizer("<|im_start|>", add_special_tokens=False)["input_ids"] == [
+        hf.convert_tokens_to_ids("<|im_start|>")]  # a token in a prompt, not its bytes
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(exported))
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                              add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True)  # fmt: skip
+    generated = hf_model.generate(**prompt, max_new_tokens=6, do_sample=False)
+    assert hf_tokenizer.decode(generated[0, prompt["input_ids"].shape[1] :]) == answer
