@@ -787,6 +787,10 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "tokenizer/": SLOW_SHORT,
         "mtcore train configs/default.yaml --nproc 4 --data.document_masks true "
         "--data.reset_position_ids true": SLOW_SHORT,
+        # The workflow: import, LoRA and full fine-tuning, generate, export, peft. CI runs
+        # it (extended): it is the one path through every part of fine-tuning.
+        "python -m mtcore.data.chat_corpus chat-set                              # the chat "
+        "set and its ChatML tokenizer": ShellRun(extended=True, shorten=True),
     },
     "docs/training.md": {
         "make train                                       # = mtcore train configs/default.yaml "

@@ -54,7 +54,9 @@ def read_lora_weights(
         weights = initial_weights(config, record["base"]["init_seed"])
     else:
         base_config, weights, _ = read_model_weights(base)
-        if base_config.model_dump() != config.model_dump():
+        # The architecture must be the base's; numerics (init_std, dropout, eps...) are the
+        # LoRA run's own, as training read the base under them (compat.check_model_matches).
+        if base_config.structure() != config.structure():
             raise mf.CheckpointError(f"{directory}: its base {base} is of another model config")
     return config, lora, adapters, weights
 
