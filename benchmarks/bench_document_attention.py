@@ -12,8 +12,8 @@ alternating round by round:
 - ``causal``: plain causal SDPA on the same tokens, no document mask (the floor: what
   packing without document masks costs);
 - ``cpu-backend``: what the ``cpu`` backend's attention kernel does
-  (``host_sdpa_attention``: per-document from a mean document length of
-  ``PER_DOCUMENT_MIN_MEAN_LENGTH`` tokens, else masked).
+  (``host_sdpa_attention``: per-document when the query-key pairs it skips exceed
+  ``PER_DOCUMENT_CALL_PAIRS`` per call, else masked).
 
 Printed: each way's median time per call and its per-round ratio to ``masked``
 (paired medians), with ``uptime`` before and after.

@@ -49,20 +49,20 @@ def sdpa_attention(
     return out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
 
 
-# Mean document length (tokens) from which one causal SDPA call per document beats one
-# masked call over the whole sample on the CPU, forward and backward: per-document
-# calls skip the masked-out blocks but cost a fixed overhead each
-# (benchmarks/bench_document_attention.py, docs/results/document_masks.md).
-PER_DOCUMENT_MIN_MEAN_LENGTH = 128
+# What one more SDPA call costs on the CPU, forward and backward, in the work of query-key
+# pairs: about a 128-token document's square (benchmarks/bench_document_attention.py,
+# docs/results/document_masks.md: fitted over 6 packings, 6k-18k).
+PER_DOCUMENT_CALL_PAIRS = 128 * 128
 
 
 def host_sdpa_attention(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
     dropout_seeds=None, query_documents=None, key_documents=None,
 ):  # fmt: skip
-    """``sdpa_attention`` for the host CPU: a causal self-attention of packed samples
-    whose documents are long on average runs one causal SDPA call per (row, document)
-    instead of one call with a dense mask; everything else is ``sdpa_attention``."""
+    """``sdpa_attention`` for the host CPU: a causal self-attention of packed samples runs
+    one causal SDPA call per (row, document) instead of one call with a dense mask when
+    the query-key pairs it skips outweigh the calls' fixed cost (few, long documents);
+    everything else is ``sdpa_attention``."""
     if per_document_pays(q, k, v, causal, key_padding_mask, window, query_documents,
                          key_documents):  # fmt: skip
         return _per_document(q, k, v, scale, query_documents)
@@ -81,8 +81,12 @@ def per_document_pays(
     if q.shape[2] != k.shape[2] or not torch.equal(query_documents, key_documents):
         return False  # a block of a longer sequence (context parallel), or a cache
     _check(q, k, v, None, causal, None, query_documents, key_documents)
-    starts = int((query_documents[:, 1:] != query_documents[:, :-1]).sum()) + q.shape[0]
-    return q.shape[0] * q.shape[2] >= PER_DOCUMENT_MIN_MEAN_LENGTH * starts
+    starts = torch.ones_like(query_documents, dtype=torch.bool)
+    starts[:, 1:] = query_documents[:, 1:] != query_documents[:, :-1]
+    lengths = torch.bincount(starts.flatten().cumsum(0) - 1)  # each (row, document)'s
+    masked_pairs = q.shape[0] * q.shape[2] ** 2
+    skipped = masked_pairs - int((lengths * lengths).sum())
+    return skipped >= PER_DOCUMENT_CALL_PAIRS * lengths.numel()
 
 
 def _per_document(q, k, v, scale, documents):

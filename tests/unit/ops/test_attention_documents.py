@@ -136,15 +136,15 @@ def test_bad_document_ids_are_refused(kwargs, message):
 
 
 def test_long_documents_run_one_call_each_on_the_host():
-    """The cpu backend's attention runs long documents one SDPA call each (cheaper there,
-    docs/results/document_masks.md) and short ones through one masked call: both equal
-    the reference, forward and backward."""
+    """The cpu backend's attention runs few long documents one SDPA call each (cheaper
+    there, docs/results/document_masks.md) and many short ones through one masked call:
+    both equal the reference, forward and backward."""
     from mtcore.ops.torch_native import host_sdpa_attention, per_document_pays
 
-    long_docs = torch.repeat_interleave(torch.arange(2), torch.tensor([150, 106]))[None]
-    short_docs = torch.repeat_interleave(torch.arange(8), torch.tensor([32] * 8))[None]
+    long_docs = torch.repeat_interleave(torch.arange(2), torch.tensor([300, 212]))[None]
+    short_docs = torch.repeat_interleave(torch.arange(16), torch.tensor([32] * 16))[None]
     for docs, one_call_each in ((long_docs, True), (short_docs, False)):
-        q, k, v = (t.detach().float().requires_grad_() for t in _qkv(6, seq=256))
+        q, k, v = (t.detach().float().requires_grad_() for t in _qkv(6, seq=512))
         kwargs = dict(query_documents=docs, key_documents=docs)
         assert per_document_pays(q, k, v, True, None, None, docs, docs) is one_call_each
         got = host_sdpa_attention(q, k, v, True, **kwargs)
@@ -153,7 +153,7 @@ def test_long_documents_run_one_call_each_on_the_host():
         for g, w in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v)), strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     # Not for blocks of a longer sequence (keys beyond the queries) nor windows.
-    q, k, v = (t.detach().float() for t in _qkv(7, seq=256))
+    q, k, v = (t.detach().float() for t in _qkv(7, seq=512))
     assert not per_document_pays(q[:, :, 100:], k, v, True, None, None, long_docs[:, 100:],
                                  long_docs)  # fmt: skip
     assert not per_document_pays(q, k, v, True, None, 8, long_docs, long_docs)
