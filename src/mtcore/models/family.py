@@ -133,10 +133,16 @@ class FamilyConfig(BaseModel):
         return {}
 
     @property
-    def layer_period(self) -> int:
-        """Layers ``0..k-1`` stand for every layer's parameter names and shapes (the MoE
-        period for a GPT with ``moe_layer_freq``; 1 for a uniform stack)."""
+    def template_layers(self) -> int:
+        """How many first layers a template model (this config with fewer layers) keeps
+        so that every layer's parameter names and shapes appear among them: 1 for a
+        uniform stack. Checkpoint tools build that template instead of the whole model."""
         return 1
+
+    def template_layer(self, index: int) -> int:
+        """The template's layer (below ``template_layers``) whose parameter names and
+        shapes layer ``index`` has."""
+        return 0
 
     @property
     def experts(self) -> MoESpec | None:
