@@ -109,7 +109,8 @@ def to_megatron(args: argparse.Namespace) -> Path:
 
 # Megatron-LM's switches whose flag says the opposite of the attribute (store_false).
 _NEGATED = {"add_bias_linear": "--disable-bias-linear"}
-_NOT_FLAGS = {"padded_vocab_size"}  # derived by Megatron-LM, never passed
+# Derived by Megatron-LM, or its saved name of a flag printed under another name.
+_NOT_FLAGS = {"padded_vocab_size", "layernorm_epsilon"}
 
 
 def flags(megatron_args: dict) -> list[str]:

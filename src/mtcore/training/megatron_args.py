@@ -178,6 +178,8 @@ def train_config_sections(args: dict[str, Any]) -> tuple[dict[str, dict], list[s
     model.pop("init_std", None)
     if "hidden_dropout" in args:
         model["dropout"] = args["hidden_dropout"]
+    if "attention_dropout" in args:  # dropout of the attention probabilities, as Megatron's
+        model["attention_dropout"] = args["attention_dropout"]
     sections: dict[str, dict] = {"model": model}
     used = set(_model_arguments(args))
     used.discard("seq_length")  # data.seq_len too (below)
