@@ -280,7 +280,9 @@ class MegatronAdapter:
     stacked)``, a torch_dist checkpoint's tensors, and ``from_ranks(config, args,
     ranks)``, legacy per-rank state dicts (``{(tp, pp, ep): [chunk state dicts]}``), as
     full weights; ``to_ranks(config, weights, tp, pp)`` the reverse of ``from_ranks``.
-    ``model_arguments``: the argument names ``config_from_args`` reads."""
+    ``model_arguments``: the argument names ``config_from_args`` reads. ``to_dist(config,
+    weights)``: ``(tensors, extra_state_keys)`` of a torch_dist checkpoint (None: the
+    family exports only the legacy format)."""
 
     config_from_args: Callable[..., FamilyConfig]
     args_for: Callable[..., dict]
@@ -288,6 +290,7 @@ class MegatronAdapter:
     from_ranks: Callable[..., dict[str, Tensor]]
     to_ranks: Callable[..., dict]
     model_arguments: tuple[str, ...] = ()
+    to_dist: Callable[..., tuple] | None = None
 
 
 @dataclass(frozen=True)

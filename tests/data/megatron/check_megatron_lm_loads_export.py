@@ -3,11 +3,14 @@
 
     mtcore convert from-megatron tests/data/megatron/llama_tp1/checkpoint /tmp/ck
     mtcore convert to-megatron /tmp/ck /tmp/export        # legacy files, tp1
+    mtcore convert to-megatron /tmp/ck /tmp/export_dist --format torch_dist
     PYTHONPATH=/tmp/mlm:/tmp/mlm-deps:tests/distributed \\
         .venv/bin/python tests/data/megatron/check_megatron_lm_loads_export.py /tmp/export
+    PYTHONPATH=... .venv/bin/python tests/data/megatron/check_megatron_lm_loads_export.py \\
+        /tmp/export_dist torch_dist
 
 Megatron-LM core_v0.16.1 parses only the launch settings and ``--load EXPORT
---use-checkpoint-args --ckpt-format torch``: the model's arguments come from the
+--use-checkpoint-args --ckpt-format torch|torch_dist``: the model's arguments come from the
 export's saved Namespace (``load_args_from_checkpoint``); ``--norm-epsilon``, which that
 function does not carry, is passed as ``to-megatron`` prints it. The model built from
 them loads the export (``load_checkpoint``, strict) and must give the logits in
@@ -31,11 +34,11 @@ LAUNCH = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters"
           "--transformer-impl", "local", "--use-cpu-initialization",
           "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
           "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--norm-epsilon", "1e-6",
-          "--ckpt-format", "torch", "--use-checkpoint-args", "--no-load-optim", "--no-load-rng",
+          "--use-checkpoint-args", "--no-load-optim", "--no-load-rng",
           "--attention-dropout", "0", "--hidden-dropout", "0"]  # fmt: skip
 
 
-def main(export: str) -> None:
+def main(export: str, ckpt_format: str) -> None:
     from megatron_side import forward_logits, megatron_on_cpu
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -61,7 +64,7 @@ def main(export: str) -> None:
     checkpointing.read_metadata = lambda path: (int(Path(path).read_text().strip()), False)
     from megatron.training.global_vars import set_global_variables
 
-    sys.argv = ["pretrain_gpt.py", *LAUNCH, "--load", export]
+    sys.argv = ["pretrain_gpt.py", *LAUNCH, "--ckpt-format", ckpt_format, "--load", export]
     args = parse_args()
     load_args_from_checkpoint(args)
     validate_args(args, {})
@@ -84,4 +87,4 @@ def main(export: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "torch")
