@@ -87,11 +87,23 @@ def _flash_backward(grad_out, q, k, v, out, lse, dropout_mask, is_causal, mask, 
 MUSA_FLASH = FlashKernels(_flash_forward, _flash_backward, "bool", _LSE_PAD, takes_scale=False)
 
 
+# The lower bound: MT-TransformerEngine sends this op only head dims of at least 64
+# (MooreThreads/MT-TransformerEngine, transformer_engine/musa/pytorch/attention.py,
+# ``_MIN_MUSA_DIM = 64`` in ``flash_attn_varlen_func_variance``; smaller ones raise), and
+# torch_musa's own tests of it use 64 and 128 only. The forward sees d, the backward d + 8.
+_LSE_MIN_HEAD_DIM = 64
+
+
 def flash_lse_ok(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None) -> bool:
-    """Same head dims for q, k and v (the padding widens them together), at most 128
-    once padded, and the default scale."""
+    """Same head dims for q, k and v (the padding widens them together), at least 64,
+    at most 128 once padded, and the default scale."""
     d = q.shape[-1]
-    return v.shape[-1] == d and d + _LSE_PAD <= 128 and default_scale(q, scale)
+    return (
+        v.shape[-1] == d
+        and d >= _LSE_MIN_HEAD_DIM
+        and d + _LSE_PAD <= 128
+        and default_scale(q, scale)
+    )
 
 
 def musa_flash_attention_lse(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None):

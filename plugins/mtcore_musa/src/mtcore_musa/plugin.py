@@ -108,8 +108,8 @@ def mtcore_backends():
     musa = BackendSpec(
         name=BACKEND,
         device=_DEVICE,
-        # libmccl (not torch_musa's Python) reads MCCL_SOCKET_IFNAME, as NCCL reads its own;
-        # the name comes from Moore Threads' launch scripts, not checked on MUSA hardware.
+        # libmccl (not torch_musa's Python) reads MCCL_SOCKET_IFNAME, assumed from NCCL's
+        # NCCL_SOCKET_IFNAME (MT-MegatronLM's scripts set neither); not checked on hardware.
         collective=Collective(
             "mccl", capabilities, interface_variables=("MCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
         ),
