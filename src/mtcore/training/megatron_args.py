@@ -24,7 +24,7 @@ _VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?:\[@\]|\[\*\])?(?::?-([^}]*))?\}|\$
 # store_false switches of Megatron-LM: flag -> (attribute, value)
 _SWITCHES = {
     "disable_bias_linear": ("add_bias_linear", False),
-    "no_position_embedding": ("position_embedding_type", "none"),
+    "no_position_embedding": ("add_position_embedding", False),  # beside rope: no effect
     "use_rotary_position_embeddings": ("position_embedding_type", "rope"),
     "use_distributed_optimizer": ("use_distributed_optimizer", True),
 }

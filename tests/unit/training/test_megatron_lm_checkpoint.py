@@ -35,6 +35,7 @@ from mtcore.models.gpt.megatron import args as megatron_args_module
 from mtcore.models.gpt.megatron.args import MegatronError, model_config_from_megatron
 from mtcore.training.checkpoint import load_model, read_model_weights, write_model_weights
 from mtcore.training.checkpoint.safe_pickle import InertObject, torch_file
+from mtcore.training.megatron_args import parse_flags, train_config_sections
 
 FIXTURE = Path(__file__).resolve().parents[2] / "data" / "megatron" / "llama_tp1"
 CHECKPOINT = FIXTURE / "checkpoint"
@@ -190,7 +191,6 @@ REFUSED = [
     *[(name, True) for name in megatron_args_module._UNSUPPORTED],
     ("layernorm_zero_centered_gamma", True),  # --apply-layernorm-1p, as 0.16 saves it
     ("softmax_type", "off-by-one"),
-    ("add_position_embedding", False),
     ("rope_type", "yarn"),
 ]
 
@@ -205,3 +205,18 @@ def test_arguments_that_change_the_arithmetic_are_refused_in_one_line(name, valu
     flag = "--apply-layernorm-1p" if name == "layernorm_zero_centered_gamma" else None
     assert (flag or megatron_args_module._UNSUPPORTED.get(name, "--").split()[0]) in message
     assert model_config_from_megatron(_saved_args()).norm_eps == 1e-6  # the others pass
+
+
+def test_no_position_embedding_is_a_no_op_beside_rope_and_refused_without_it():
+    """Megatron-LM 0.16 (validate_args): --no-position-embedding is allowed only with
+    rope, where Megatron-Core builds no position table anyway (MT-MegatronLM's
+    DeepSeek scripts pass both)."""
+    rope = {**_saved_args(), "add_position_embedding": False}
+    assert model_config_from_megatron(rope).position == "rope"
+    learned = {**rope, "position_embedding_type": "learned_absolute"}
+    with pytest.raises(MegatronError, match="--no-position-embedding is not supported without"):
+        model_config_from_megatron(learned)
+    launch = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+              "--position-embedding-type rope --no-position-embedding")  # fmt: skip
+    sections, _ = train_config_sections(parse_flags(launch.split(" ")))
+    assert "position" not in sections["model"]  # rope, the llama style's default

@@ -130,7 +130,6 @@ _UNSUPPORTED = {
 # Arguments refused unless they hold Megatron-LM's default: name -> (default, flag).
 _ONLY_DEFAULT = {
     "softmax_type": ("vanilla", "--softmax-type"),
-    "add_position_embedding": (True, "--no-position-embedding"),
 }
 
 
@@ -165,6 +164,13 @@ def model_config_from_megatron(args: Mapping[str, Any], vocab_size: int | None =
     if position not in ("learned_absolute", "rope"):
         raise MegatronError(
             f"--position-embedding-type {position} is not supported (learned_absolute, rope)"
+        )
+    # Megatron-LM 0.16 builds position embeddings from --position-embedding-type alone;
+    # --no-position-embedding is a no-op beside rope and an error (deprecated) otherwise.
+    if args.get("add_position_embedding") is False and position != "rope":
+        raise MegatronError(
+            "--no-position-embedding is not supported without --position-embedding-type "
+            "rope (Megatron-LM refuses it too)"
         )
     if position == "rope" and float(get("rotary_percent")) != 1.0:
         raise MegatronError(f"--rotary-percent {get('rotary_percent')} is not supported (only 1.0)")
