@@ -302,3 +302,21 @@ def test_notes_say_hybrid_fp8_and_the_sdpa_scale_are_handled(facts):
     notes = "\n".join(facts["s22"]["notes"])
     assert "Hybrid FP8 (e5m2 x e4m3" in notes and "unverified" in notes
     assert "SDPA's scale" in notes and "attention_lse" in notes
+
+
+def test_doctor_shows_the_variables_mt_megatronlm_s_scripts_export(monkeypatch):
+    """Issue 47: MUSA_KERNEL_TIMEOUT, MCCL_PROTOS, MCCL_CHECK_POINTERS and
+    CUDA_DEVICE_MAX_CONNECTIONS, each with this machine's value beside the scripts'."""
+    from mtcore_musa import plugin
+    from mtcore_musa.environment import MT_MEGATRON_VARIABLES
+
+    for name in MT_MEGATRON_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MCCL_PROTOS", "0")
+    facts = plugin._diagnostics()
+    assert set(MT_MEGATRON_VARIABLES) == {"MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS",
+                                          "MCCL_CHECK_POINTERS", "CUDA_DEVICE_MAX_CONNECTIONS"}  # fmt: skip
+    assert facts["env MCCL_PROTOS"].startswith("'0' here; MT-MegatronLM's scripts: 2 (")
+    assert facts["env MUSA_KERNEL_TIMEOUT"].startswith("unset here; MT-MegatronLM's scripts: 3200000")
+    assert "MUSA_DEVICE_MAX_CONNECTIONS" in facts["env CUDA_DEVICE_MAX_CONNECTIONS"]
+    assert "triton backend for musa" in facts

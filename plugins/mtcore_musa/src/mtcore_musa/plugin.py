@@ -23,6 +23,7 @@ from mtcore_musa.devices import (
     float8_on_device,
     mixed_formats_on_device,
 )
+from mtcore_musa.environment import launch_environment
 from mtcore_musa.kernels import musa_kernels
 
 BACKEND = "musa"
@@ -91,6 +92,10 @@ def _mixed_formats(device: MusaDevice, gate):
 
 
 def _diagnostics() -> dict[str, str]:
+    return {**_triton_target(), **launch_environment()}
+
+
+def _triton_target() -> dict[str, str]:
     # The Triton pack's own finder (mtcore-musa[triton]), imported only when doctor asks.
     try:
         from mtcore_triton.targets import describe_target
