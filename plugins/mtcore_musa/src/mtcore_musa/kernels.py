@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from mtcore.backend import KernelImpl, KernelQuery, TorchModuleDevice
 from mtcore.ops import torch_native
 from mtcore.ops.flash_lse import FlashKernels, default_scale, flash_attention_lse
+from mtcore_musa.attention_scale import attention_ok, sdpa_honours_scale
 from mtcore_musa.devices import MUDNN_MIN_CAPABILITY, TORCH_MUSA
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -37,24 +38,18 @@ def flash_head_dims_ok(q, k, v, *args, **kwargs) -> bool:
 # ``MaybeSetScale``, flash and math paths alike): a build with MUSA >= 4.2 passes it to
 # muDNN; an older build raises "Not support explicit `scale` parameter" unless it equals
 # 1/sqrt(head dim) (then it warns and ignores it); a build whose REAL_MUSA_VERSION is
-# undefined ignores it silently, so attention runs with the default scale. Only the
-# default is sent (as None); any other scale (T5's 1.0, for one) goes to the reference.
-def flash_attention_ok(
-    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None,
-) -> bool:  # fmt: skip
-    """Head dims muDNN takes, the default scale, and no dropout (muDNN's draws from the
-    device generator, not the op's coordinate-hashed mask)."""
-    return flash_head_dims_ok(q, k, v) and default_scale(q, scale) and dropout_p == 0
-
-
+# undefined ignores it silently, so attention runs with the default scale. The default
+# is sent as None; another (T5's 1.0, MLA's mscale) only where a probe found the build
+# honours it (attention_scale.py), else it goes to the reference.
 def musa_sdpa_attention(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
     dropout_seeds=None,
 ):  # fmt: skip
-    """``mtcore.ops.attention`` through SDPA on musa, with the default scale (see above);
-    a sliding window reaches muDNN as a banded bool mask (it takes no window of its own)."""
-    return torch_native.sdpa_attention(q, k, v, causal, key_padding_mask, None, window)
+    """``mtcore.ops.attention`` through SDPA on musa: the default scale as None (see
+    above), another only where the build honours it (``attention_scale``); a sliding
+    window reaches muDNN as a banded bool mask (it takes no window of its own)."""
+    scale = None if default_scale(q, scale) else scale
+    return torch_native.sdpa_attention(q, k, v, causal, key_padding_mask, scale, window)
 
 
 # attention_lse (context parallelism's per-block attention) through muDNN flash, whose
@@ -328,7 +323,7 @@ def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
             "sdpa",
             priority=50,
             predicate=on_musa(_HALF, arch=True),
-            fallback_ok=flash_attention_ok,
+            fallback_ok=attention_ok(lambda: sdpa_honours_scale(device), flash_head_dims_ok),
         ),
     ]
     if has_musa_kernel(FLASH_MUSA_OP):

@@ -53,8 +53,9 @@ NOTES = (
     "torch._scaled_mm only after a 32x32 product of small integers came out exact, once; "
     "otherwise they dequantize.",
     "SDPA's scale: torch_musa < MUSA 4.2 refuses a scale that is not 1/sqrt(head dim) and "
-    "builds without a MUSA version ignore it (SDP.cpp), so attention and attention_lse "
-    "serve only the default scale; any other (T5's 1.0) takes the reference.",
+    "builds without a MUSA version ignore it (SDP.cpp); attention runs another scale "
+    "(T5's 1.0, MLA's mscale) only where a one-time probe found it honoured, else the "
+    "reference; attention_lse serves the default scale only.",
     "attention_lse (context parallelism) runs muDNN flash attention, whose forward returns "
     "the log-sum-exp; its gradient rides 8 extra head-dim columns in backward (head dim "
     "<= 120); not run on a MUSA device.",
