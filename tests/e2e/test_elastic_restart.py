@@ -91,7 +91,7 @@ def test_a_killed_rank_restarts_the_job_which_resumes_exactly(
     assert job.returncode == 0, f"{what}:\n{log[-4000:]}"
 
     # The agent restarted the ranks once; they resumed from a committed step, not step 0.
-    restart = "mtcore train: restart 1 of at most 1 (a rank died): resuming from"
+    restart = "mtcore train: restart 1 of at most 1 (a rank stopped or a node was lost): resuming from"
     assert log.count(restart) == 1, f"{what}:\n{log[-4000:]}"
     if victim == 0:  # the restarted rank 0 takes over the dead one's checkpoint.dir lock
         assert "checkpoint: taking over the stale lock" in log, log[-4000:]

@@ -49,6 +49,7 @@ def probe_attention(out: dict, standin) -> None:
         "causal-square": (6, 6, True, False),
         "causal-block-below": (4, 9, True, False),
         "full-padded": (5, 7, False, True),
+        "causal-documents": (8, 8, True, False),
     }.items():
         q = torch.randn(2, 4, sq, 16, generator=gen)
         k, v = torch.randn(2, 2, sk, 16, generator=gen), torch.randn(2, 2, sk, 16, generator=gen)
@@ -59,9 +60,13 @@ def probe_attention(out: dict, standin) -> None:
             mask[1] = False  # a batch row with no key at all
         d_out, d_lse = torch.randn(2, 4, sq, 16, generator=gen), torch.randn(2, 4, sq, generator=gen)
         results = []
+        documents = {}
+        if name.endswith("documents"):  # packed samples: two rows, other boundaries
+            ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
+            documents = dict(query_documents=ids, key_documents=ids)
         for fn in (kernels.musa_flash_attention_lse, attention_lse):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            o, lse = fn(*leaves, causal=causal, key_padding_mask=mask)
+            o, lse = fn(*leaves, causal=causal, key_padding_mask=mask, **documents)
             finite = torch.isfinite(lse)
             grads = torch.autograd.grad((o, lse), leaves, (d_out, d_lse.masked_fill(~finite, 0)))
             results.append((o, torch.where(finite, lse, torch.zeros_like(lse)), *grads))

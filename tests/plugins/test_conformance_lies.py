@@ -5,7 +5,8 @@ pip-installed as a user would (``install_throwaway_plugin``, conftest.py), with
 three plugins:
 
 * ``liar``: backend ``liar`` (the host CPU) whose bf16-only ``rms_norm`` kernel is
-  1% high, within the element-wise bf16 tolerance (rtol 1.6e-2), and whose FP8
+  1% high, within the element-wise bf16 tolerance (rtol 1.6e-2), whose float32-only
+  ``attention`` ignores document boundaries (packed samples), and whose FP8
   claims the blockwise pair 1x128 x 128x128 native although ``torch._scaled_mm``
   on the host cannot run it (FP8 blockwise training would crash at step 1);
 * ``liar_unloadable``: a plugin that fails to import (its vendor runtime is
@@ -33,6 +34,7 @@ import pytest
 
 TIMEOUT_S = 300
 BIASED_KERNEL = "rms_norm-one-percent-high-bfloat16"
+DOCUMENT_BLIND_KERNEL = "attention-ignores-documents-float32"
 
 LIAR = '''
 """Backend 'liar': honest CPU device and collectives, two subtle lies."""
@@ -43,6 +45,7 @@ from mtcore.backend import (
     FP8, BackendSpec, Collective, CpuDevice, KernelImpl, cpu_scaled_mm_pairs,
     gloo_capabilities, hookimpl,
 )
+from mtcore.ops import attention as reference_attention
 
 
 def rms_norm_one_percent_high(x, weight, eps=1e-6):
@@ -50,6 +53,15 @@ def rms_norm_one_percent_high(x, weight, eps=1e-6):
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (y * 1.01).to(x.dtype)
+
+
+def attention_ignoring_documents(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
+    dropout_seeds=None, query_documents=None, key_documents=None,
+):
+    # Right for every unpacked call; a packed sample attends across its documents.
+    return reference_attention(q, k, v, causal, key_padding_mask, scale, window, dropout_p,
+                               dropout_seeds)
 
 
 @hookimpl
@@ -74,7 +86,11 @@ def mtcore_kernels(backend, device_type):
         KernelImpl(
             "rms_norm", rms_norm_one_percent_high, "one-percent-high", priority=60,
             predicate=lambda q: q.dtype == torch.bfloat16,
-        )
+        ),
+        KernelImpl(
+            "attention", attention_ignoring_documents, "ignores-documents", priority=60,
+            predicate=lambda q: q.dtype == torch.float32,
+        ),
     ]
 '''
 
@@ -167,6 +183,7 @@ def test_kit_fails_the_liars_and_runs_only_the_areas_asked_for(tmp_path, liars):
     failed = {n for n, (kind, _) in outcomes.items() if kind in ("failure", "error")}
     expected = {
         f"test_kernels::test_kernel[{BIASED_KERNEL}]",
+        f"test_kernels::test_kernel[{DOCUMENT_BLIND_KERNEL}]",
         "test_fp8::test_scaled_matmul[1x128-128x128-e4m3xe4m3]",
         "test_fp8::test_scaled_matmul[1x128-128x128-e5m2xe4m3]",
         "test_fp8::test_scaled_matmul_into_low_precision[1x128-128x128-torch.bfloat16]",
@@ -193,6 +210,8 @@ def test_kit_fails_the_liars_and_runs_only_the_areas_asked_for(tmp_path, liars):
     mean = re.search(r"mean signed relative error ([-+][0-9.e-]+)", bias)
     assert "systematic bias" in bias and mean and abs(float(mean[1]) - 0.01) < 1e-3, bias
     assert "out of tolerance" not in bias, "the 1% must be within the element-wise tolerance"
+    blind = _failure_text(outcomes[f"test_kernels::test_kernel[{DOCUMENT_BLIND_KERNEL}]"][1])
+    assert "case 'causal-documents-gqa-2x4/2x13x16' (float32) forward" in blind, blind
     pair = _failure_text(outcomes["test_fp8::test_scaled_matmul[1x128-128x128-e4m3xe4m3]"][1])
     assert "liar declares 1x128 x 128x128 (e4m3 x e4m3) native" in pair, pair
     broken = _failure_text(outcomes["test_plugins::test_plugin_is_healthy[liar_unloadable]"][1])

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("mtcore_musa")
 
-from mtcore_musa.attention_scale import attention_ok, sdpa_honours_scale
-from mtcore_musa.kernels import flash_head_dims_ok
+from mtcore_musa.attention_scale import attention_ok, flash_head_dims_ok, sdpa_honours_scale
 
 
 class _HostDevice:

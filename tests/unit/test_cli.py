@@ -185,7 +185,10 @@ def status(argv):
             return e.code
 
 calls = [["--help"], ["--version"], [], ["no-such-command"], ["plan", "configs/default.yaml"],
-         ["train", "configs/default.yaml", "--model.no_such_key", "1"]]
+         ["train", "configs/default.yaml", "--model.no_such_key", "1"],
+         ["train", "configs/default.yaml", "--nproc", "3"],
+         ["train", "configs/default.yaml", "--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint",
+          "localhost:29400", "--rdzv-id", "layout"]]
 calls += [[name, "--help"] for name in COMMANDS] + [[name, "--no-such-flag"] for name in COMMANDS]
 calls += [["plan", f"configs/{name}.yaml", "--gpus", "8", "--hardware", "H100-SXM"]
           for name in ("default", "moe", "bert", "t5", "llava")]
@@ -211,6 +214,11 @@ def test_help_usage_errors_and_plan_do_not_import_torch():
     assert statuses["--help"] == statuses["--version"] == statuses["plan --help"] == 0
     assert statuses[""] == statuses["no-such-command"] == statuses["plan configs/default.yaml"] == 2
     assert statuses["train configs/default.yaml --model.no_such_key 1"] == 2
+    # A layout the ranks cannot hold (tp2 x pp2 on 3 ranks, or on 2 when one of two
+    # nodes is lost) is refused before torch, the backend or the data.
+    assert statuses["train configs/default.yaml --nproc 3"] == 2
+    elastic = "--nproc 2 --nnodes 1:2 --rdzv-endpoint localhost:29400 --rdzv-id layout"
+    assert statuses[f"train configs/default.yaml {elastic}"] == 2
     planned = [k for k in statuses if k.startswith("plan configs/") and "--gpus" in k]
     assert len(planned) == 6 and all(statuses[k] == 0 for k in planned), statuses
 

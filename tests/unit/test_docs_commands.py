@@ -780,6 +780,14 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "mtcore new-plugin myaccel                                  # device type myaccel, c10d "
         "gloo": CHEAP,
     },
+    "docs/finetuning.md": {
+        "mtcore train configs/sft.yaml --nproc 2       # tp=2; the set and its tokenizer go into "
+        "the data cache": SLOW_SHORT,
+        "python -m mtcore.data.chat_corpus chat-set   # chat-set/train.jsonl, heldout.jsonl, "
+        "tokenizer/": SLOW_SHORT,
+        "mtcore train configs/default.yaml --nproc 4 --data.document_masks true "
+        "--data.reset_position_ids true": SLOW_SHORT,
+    },
     "docs/training.md": {
         "make train                                       # = mtcore train configs/default.yaml "
         "--nproc 4": ShellRun(

@@ -28,6 +28,7 @@ class Availability:
 
     ok: bool
     reason: str = ""
+    raised: bool = False  # the check itself raised (a plugin bug, said whatever the device)
 
     def __bool__(self) -> bool:
         return self.ok

@@ -113,7 +113,7 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
         # bias check, -2.3e-4 on dK); the reference serves it.
         KernelImpl(
             "attention",
-            torch_native.sdpa_attention,
+            torch_native.host_sdpa_attention,
             "sdpa",
             priority=50,
             predicate=lambda q: q.dtype != torch.float16,

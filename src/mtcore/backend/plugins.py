@@ -43,7 +43,14 @@ class PluginWarning(UserWarning):
 
 
 class BackendError(RuntimeError):
-    """A backend cannot be selected; the message says why and what to do."""
+    """A backend cannot be selected; the message says why and what to do, in a few lines
+    a command can print as they are. ``tracebacks``: the broken plugins' tracebacks, when
+    that is why (the first is also the exception's ``__cause__``); ``mtcore doctor
+    --verbose`` and the conformance kit show them."""
+
+    def __init__(self, message: str, tracebacks: str = ""):
+        super().__init__(message)
+        self.tracebacks = tracebacks
 
 
 class PluginConfigError(BackendError):

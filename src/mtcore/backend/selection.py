@@ -29,7 +29,7 @@ from mtcore.backend.plugins import (
     PluginRegistry,
     PluginWarning,
 )
-from mtcore.backend.spec import Backend, BackendSpec
+from mtcore.backend.spec import Backend
 
 BACKEND_ENV = "MTCORE_BACKEND"
 REQUIRE_ACCELERATOR_ENV = "MTCORE_REQUIRE_ACCELERATOR"
@@ -78,11 +78,12 @@ def select_backend(name: str | None = None, registry: PluginRegistry | None = No
         key=lambda entry: (-entry[0].priority, entry[0].name),  # ties break by name, not install order
     )
     for spec, info in accelerators:
-        reason = _unavailable_reason(spec)
-        if reason is None:
+        available = spec.availability()
+        if available:
             return _build(registry, spec.name, how="auto")
-        note = f"backend {spec.name!r} from plugin {info.label} cannot run here: {reason}"
-        (passed_over if spec.device_seen() else absent).append(note)
+        note = f"backend {spec.name!r} from plugin {info.label} cannot run here: {available.reason}"
+        # A check that raised is the plugin's bug: worth a word even with no device here.
+        (passed_over if available.raised or spec.device_seen() else absent).append(note)
     passed_over += [f"plugin {p.label} is broken ({p.what}): {p.error!r}" for p in found.broken]
     if accelerator_required():
         why = "\n  ".join(passed_over + absent) or (
@@ -122,7 +123,8 @@ def _build(registry: PluginRegistry, name: str, how: str) -> Backend:
         error = BackendError(
             f"unknown backend {name!r} ({how}); known backends: {known}"
             + _skipped_suffix(registry)
-            + _broken_suffix(registry.discovery.broken, "failed to load and may be the ones that provide it")
+            + _broken_suffix(registry.discovery.broken, "failed to load and may be the ones that provide it"),
+            _tracebacks(registry.discovery.broken),
         )
         broken = found.broken
         if broken:
@@ -144,18 +146,13 @@ def _build(registry: PluginRegistry, name: str, how: str) -> Backend:
             f"backend {name!r} from plugin {info.label} failed to build: a plugin offered it "
             f"kernels that break their op's contract. Fix the plugin, or leave it out with "
             f"{PLUGINS_ENV} (for example {PLUGINS_ENV}={keep})"
-            + _broken_suffix(failed, "offered unusable kernels")
+            + _broken_suffix(failed, "offered unusable kernels"),
+            _tracebacks(failed),
         ) from failed[0].error
     try:
         return Backend(spec, info.name, kernels)
     except Exception as exc:
         raise BackendError(f"backend {name!r} from plugin {info.label} failed to build: {exc}") from exc
-
-
-def _unavailable_reason(spec: BackendSpec) -> str | None:
-    """Why an accelerator cannot run here (a probe that raises says so), or None."""
-    available = spec.availability()
-    return None if available else available.reason
 
 
 def _conflict_message(registry: PluginRegistry, name: str, owners: list[PluginInfo]) -> str:
@@ -182,10 +179,17 @@ def _skipped_suffix(registry: PluginRegistry) -> str:
 
 
 def _broken_suffix(broken: list[PluginInfo], what: str) -> str:
+    """One line per broken plugin (its error); the tracebacks stay out of the message
+    (``_tracebacks``): a command's error is a few lines, not pages of frames."""
     if not broken:
         return ""
-    lines = [f"\n  plugin {p.label} is broken: {p.error!r}\n{_indent(p.traceback)}" for p in broken]
-    return f"\nThese plugins {what}:" + "".join(lines)
+    lines = [f"\n  plugin {p.label} is broken: {p.error!r}" for p in broken]
+    hint = "\n(`mtcore doctor --verbose` shows their tracebacks)"
+    return f"\nThese plugins {what}:" + "".join(lines) + hint
+
+
+def _tracebacks(broken: list[PluginInfo]) -> str:
+    return "".join(f"plugin {p.label}:\n{_indent(p.traceback)}" for p in broken)
 
 
 def _indent(text: str) -> str:

@@ -44,7 +44,7 @@ class BackendSpec:
         try:
             return self.device.availability()
         except Exception as exc:
-            return Availability(False, f"availability check raised {exc!r}")
+            return Availability(False, f"availability check raised {exc!r}", raised=True)
 
     def device_seen(self) -> bool:
         """Whether the device is plausibly here (a check that raises says it may be)."""

@@ -21,6 +21,9 @@ Qwen2, Mixtral, BERT, T5, LLaVA: every family's ``hf`` adapter).
       mixtral: gpt; bert: bert).
       A NaN or inf weight is refused, naming the tensor.
 
+  A LoRA checkpoint (finetune.lora) exports as the merged model, or with --adapter as
+  a PEFT adapter; from-hf --adapter PEFT_DIR imports one (``mtcore.cli.convert_lora``).
+
   mtcore convert from-megatron / to-megatron: Megatron-LM checkpoints
       (``mtcore.cli.convert_megatron``).
 
@@ -36,7 +39,7 @@ import errno
 import sys
 from pathlib import Path
 
-from mtcore.cli import convert_megatron
+from mtcore.cli import convert_lora, convert_megatron
 
 DEFAULT_SHARD_SIZE = "5GB"  # the hub's Llama, Mistral and Qwen releases use 5 GB shards
 HELP = (
@@ -63,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB); more weights "
         "are written as shards with an index",
     )
+    to_hf.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA checkpoint: write its adapter in PEFT's format (adapter_config.json, "
+        "adapter_model.safetensors) instead of the merged model",
+    )
     from_hf = directions.add_parser(
         "from-hf", help="HuggingFace directory (Llama, BERT) -> mtcore checkpoint"
     )
@@ -74,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="model.seq_len of the checkpoint (default: max_position_embeddings)",
+    )
+    from_hf.add_argument(
+        "--adapter",
+        metavar="PEFT_DIR",
+        default=None,
+        help="also import this PEFT LoRA adapter of HF_DIR: the base goes to OUT_ROOT/base, "
+        "the adapter to OUT_ROOT/lora (a LoRA checkpoint naming that base)",
     )
     convert_megatron.add_arguments(directions)
 
@@ -103,7 +119,8 @@ TOKENIZER = "tokenizer.json"
 # What an export writes, and what --force replaces: a stale shard or index left beside
 # the new model.safetensors, or an old tokenizer beside a model without one, would be
 # read with it.
-MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*.json")
+MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*.json",
+               "adapter_config.json")  # fmt: skip
 
 
 def _adapter(family):
@@ -113,7 +130,7 @@ def _adapter(family):
 
 
 def _to_hf(args: argparse.Namespace):
-    import tempfile
+    import functools
 
     import torch
 
@@ -123,24 +140,40 @@ def _to_hf(args: argparse.Namespace):
     max_shard = parse_size(args.max_shard_size)
     out = Path(args.out_dir)
     _check_out_dir(out, args.force)
-    config, weights, _step = read_model_weights(args.checkpoint)
+    lora = convert_lora.is_lora_checkpoint(args.checkpoint)
+    dtype = getattr(torch, DTYPES[args.dtype])
+    if getattr(args, "adapter", False):
+        if not lora:
+            raise ValueError(
+                f"--adapter: {args.checkpoint} is not a LoRA checkpoint (finetune.lora)"
+            )
+        export = functools.partial(convert_lora.export_adapter, args.checkpoint, dtype=dtype)
+        return _replace_model_files(out, export)
+    config, weights, _step = read_model_weights(args.checkpoint)  # LoRA: merged
     tokenizer = resolve_checkpoint(args.checkpoint) / TOKENIZER
     adapter = _adapter(family_of(config))
     shard_option = _shard_option(adapter, family_of(config).name, max_shard, args.max_shard_size)
-    # Written beside OUT_DIR first: a refused or failed export leaves OUT_DIR as it was.
+    tokenizer_json = tokenizer if tokenizer.is_file() else None
+
+    def export(staging: str) -> None:
+        adapter.export_dir(
+            config, weights, staging, dtype, tokenizer_json=tokenizer_json, **shard_option
+        )
+
+    return _replace_model_files(out, export)
+
+
+def _replace_model_files(out: Path, write) -> Path:
+    """``write(staging)`` into a directory beside ``out``, then its files replace ``out``'s
+    model files: a refused or failed export leaves OUT_DIR as it was."""
+    import tempfile
+
     out.parent.mkdir(parents=True, exist_ok=True)
     with (
         _disk_full_as_os_error(),
         tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging,
     ):
-        adapter.export_dir(
-            config,
-            weights,
-            staging,
-            getattr(torch, DTYPES[args.dtype]),
-            tokenizer_json=tokenizer if tokenizer.is_file() else None,
-            **shard_option,
-        )
+        write(staging)
         out.mkdir(exist_ok=True)
         for old in _model_files(out):
             old.unlink()
@@ -263,6 +296,8 @@ def _from_hf(args: argparse.Namespace):
             tokenizer = load_tokenizer(path, _adapter(family).tokenizer_tokens)
         except DataError as e:  # the weights are still worth converting
             print(f"mtcore convert from-hf: warning: tokenizer not carried: {e}", file=sys.stderr)
+    if getattr(args, "adapter", None) is not None:
+        return convert_lora.import_with_adapter(args, config, weights, tokenizer, args.adapter)
     directory = write_model_weights(args.out_root, weights, config, step=0, tokenizer=tokenizer)
     print(training_hint(config, directory, tokenizer is not None), file=sys.stderr)
     return directory

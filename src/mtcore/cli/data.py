@@ -11,6 +11,13 @@ nothing. Train on the result with
 `mtcore train CONFIG --data.paths PREFIX --data.tokenizer FILE` (docs/training.md).
 Parquet and `datasets` directories need the optional extra `mtcore[datasets]`.
 
+`--format chat` renders conversations instead (.jsonl, .parquet, `datasets`
+directories; `messages`, or `prompt`/`completion`) with the tokenizer's own chat
+template (a tokenizer.json beside its tokenizer_config.json, or a HF tokenizer
+directory; `--chat-template` for one without) and writes the tokens and the loss mask
+once, `PREFIX.bin/.idx/.mask/.json`; train on it with `--data.format chat --data.paths
+PREFIX --data.tokenizer TOKENIZER` (docs/finetuning.md). It needs `mtcore[sft]`.
+
 Exit status: 0 done; 2 bad input, nothing written (a missing, unreadable or non-UTF-8
 input, named with its line; an output whose directory does not exist or cannot be
 written; a bad tokenizer); 1 writing failed (a full disk), the finished input files
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 HELP = "tokenize a corpus into .bin/.idx for training (mtcore data prepare)"
@@ -35,7 +43,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.add_argument("inputs", nargs="+", metavar="INPUT", help="files or directories")
-    prep.add_argument("--tokenizer", required=True, metavar="FILE", help="a tokenizer.json")
+    prep.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="FILE",
+        help="a tokenizer.json (chat: or a HF tokenizer directory)",
+    )
+    prep.add_argument(
+        "--format",
+        choices=("text", "chat"),
+        default="text",
+        help="text: documents (default); chat: conversations, tokens and loss mask",
+    )
+    prep.add_argument(
+        "--chat-template",
+        metavar="TEMPLATE|FILE",
+        help="chat: a Jinja chat template, or a file holding one, for a tokenizer without one",
+    )
     prep.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx")
     prep.add_argument(
         "--text-key", default="text", metavar="KEY", help="jsonl/parquet/datasets field (text)"
@@ -71,8 +95,13 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"mtcore data prepare: error: --output {args.output}: {problem}", file=sys.stderr)
         return 2
+    if args.chat_template is not None and args.format != "chat":
+        print("mtcore data prepare: error: --chat-template needs --format chat", file=sys.stderr)
+        return 2
     report_to(sys.stderr)
     try:
+        if args.format == "chat":
+            return _prepare_chat(args)
         done = prepare_data(
             args.inputs,
             args.tokenizer,
@@ -101,6 +130,30 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"train on it: mtcore train CONFIG --data.paths {done.prefix} --data.tokenizer {args.tokenizer}"
+    )
+    return 0
+
+
+def _prepare_chat(args: argparse.Namespace) -> int:
+    """``--format chat``: render, write, summarise (DataError and OSError: the caller's)."""
+    from mtcore.data.chat_prepare import prepare_chat
+    from mtcore.data.chat_render import ChatRenderer
+    from mtcore.data.corpus import find_files
+
+    files = list(dict.fromkeys(f for path in args.inputs for f in find_files(path)))
+    renderer = ChatRenderer(args.tokenizer, args.chat_template)
+    done = prepare_chat(files, renderer, args.output)
+    state = "up to date" if done.up_to_date else f"written in {done.seconds:.1f} s"
+    print(
+        f"{done.prefix}.bin/.idx/.mask: {done.conversations:,} conversations, {done.tokens:,} "
+        f"tokens ({done.trained_tokens:,} in answers) from {len(files)} file(s), {state}"
+    )
+    template = (
+        f" --data.chat_template {shlex.quote(args.chat_template)}" if args.chat_template else ""
+    )
+    print(
+        f"train on it: mtcore train CONFIG --data.format chat --data.paths {done.prefix} "
+        f"--data.tokenizer {args.tokenizer}{template}"
     )
     return 0
 

@@ -48,11 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    endpoint = args.rdzv_endpoint or os.environ.get("PET_RDZV_ENDPOINT")
+    if endpoint:
+        from mtcore.cli.launch import LaunchError, parse_endpoint
+
+        where = "--rdzv-endpoint" if args.rdzv_endpoint else "PET_RDZV_ENDPOINT"
+        try:
+            endpoint = parse_endpoint(endpoint, where)
+        except LaunchError as e:  # a typo, not an unhealthy node: said before anything
+            print(f"mtcore doctor: error: {e}", file=sys.stderr)
+            return 2
     data = collect(args.backend, verbose=args.verbose)
     # A name no plugin provides is a typo (usage, exit 2), not an unhealthy installation.
     names = {b["name"] for b in data["backends"]} | {c["backend"] for c in data["conflicts"]}
     unknown = args.backend is not None and args.backend not in names
-    endpoint = args.rdzv_endpoint or os.environ.get("PET_RDZV_ENDPOINT")
     if endpoint:
         data["rendezvous"] = rendezvous_facts(
             endpoint, args.rdzv_endpoint is None, _interface_variables(args.backend)
@@ -143,11 +152,8 @@ def rendezvous_facts(endpoint: str, from_environment: bool, variables: tuple[str
     import socket
 
     from mtcore.backend import network
-    from mtcore.cli.launch import DEFAULT_PORT
 
-    host, colon, port = endpoint.rpartition(":")
-    if not colon or not port.isdecimal():
-        host, port = endpoint, str(DEFAULT_PORT)
+    host, _, port = endpoint.rpartition(":")  # parse_endpoint's HOST:PORT
     route = network.route_to(host, int(port))
     problems = [route.problem] if route.problem else []
     if route.source is not None:

@@ -8,7 +8,11 @@ and its continuation. Families that do not generate (an encoder such as BERT) ar
 refused with one line. ``--image PATH`` gives a vision-language model (the llava
 family) an image to answer from; the prompt may be given after the checkpoint too:
 ``mtcore generate CHECKPOINT --image a.png "What is in the image?"``, and the
-answer alone is printed.
+answer alone is printed. ``--chat`` renders the prompt as a user turn (after
+``--system`` TEXT) with the chat template the checkpoint holds (its
+``tokenizer_config.json``, saved by a ``data.format: chat`` run), through transformers'
+``apply_chat_template`` as training did, and prints the answer alone, up to the
+template's end-of-turn token.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="with --top-k (default 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="with --top-k (default 0)")
     parser.add_argument("--backend", default=None, help="backend name (default: selected)")
+    parser.add_argument(
+        "--chat", action="store_true",
+        help="the prompt is a user turn of the checkpoint's chat template; print the answer",
+    )  # fmt: skip
+    parser.add_argument("--system", default=None, help="with --chat: a system message first")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,15 +80,41 @@ def run(args: argparse.Namespace) -> int:
         prompt = rest[0] if rest else prompt
     generator = torch.Generator(device=backend.torch_device()).manual_seed(args.seed)
     try:
+        rendered, end_of_turn = prompt, None
+        if args.chat:
+            rendered, end_of_turn = chat_prompt(directory, prompt, args.system)
+            tokenizer = tokenizer.reading_special_tokens()
         text = family.generate(
-            model, tokenizer, prompt, args.max_new_tokens, args.top_k, args.temperature, generator,
-            **extra,
+            model, tokenizer, rendered, args.max_new_tokens, args.top_k, args.temperature,
+            generator, **extra,
         )  # fmt: skip
-    except DataError as e:  # an unreadable image, a prompt that does not fit
+    except DataError as e:  # an unreadable image, a prompt that does not fit, no template
         print(f"mtcore generate: error: {e}", file=sys.stderr)
         return 2
+    if args.chat:
+        answer = text.removeprefix(rendered)
+        print(answer.split(end_of_turn)[0] if end_of_turn else answer)
+        return 0
     print(text if prompt else text.removeprefix(tokenizer.decode([tokenizer.eod_id])))
     return 0
+
+
+def chat_prompt(directory, prompt: str, system: str | None) -> tuple[str, str | None]:
+    """(the prompt rendered as a user turn by the checkpoint's chat template with the
+    generation prompt, the template's end-of-turn token or None); a DataError when the
+    checkpoint holds no template (it was not trained with ``data.format: chat``)."""
+    from mtcore.data import DataError
+    from mtcore.data.chat_render import ChatRenderer
+
+    if not (directory / "tokenizer_config.json").is_file():
+        raise DataError(
+            f"--chat: checkpoint {directory} holds no chat template (tokenizer_config.json; "
+            "a data.format chat run saves one)"
+        )
+    renderer = ChatRenderer(directory)
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    text = renderer.text([*messages, {"role": "user", "content": prompt}], generation_prompt=True)
+    return text, renderer.hf.eos_token
 
 
 def _bad_arguments(args: argparse.Namespace) -> str | None:
@@ -90,6 +125,10 @@ def _bad_arguments(args: argparse.Namespace) -> str | None:
         return "--image takes a path and at most one prompt"
     if sum(p is not None for p in given) > 1:
         return "give the prompt once: --prompt TEXT, after the checkpoint, or after --image PATH"
+    if args.system is not None and not args.chat:
+        return "--system needs --chat"
+    if args.chat and args.image is not None:
+        return "--chat renders text turns; it does not take --image"
     if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
         return "--max-new-tokens must be >= 0 and --top-k >= 1"
     if not math.isfinite(args.temperature) or args.temperature <= 0:

@@ -36,6 +36,16 @@ ENVIRONMENT = {
 _COUNT = re.compile(r"[0-9]+")
 _NNODES = re.compile(r"([0-9]+)(?::([0-9]+))?")
 _CONF = re.compile(r"[A-Za-z_]+=[^,=]+(,[A-Za-z_]+=[^,=]+)*")
+# What torch's rendezvous handlers read as numbers and booleans (dynamic_rendezvous.py's
+# create_handler, c10d_rendezvous_backend.py, etcd_rendezvous.py): a bad value there
+# fails inside the agent with a traceback. Other keys (etcd's protocol, ssl_cert, ...)
+# are the backend's own and pass as they are.
+_CONF_SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                 "timeout", "read_timeout", "keep_alive_interval")  # fmt: skip
+_CONF_COUNTS = ("keep_alive_max_attempt",)
+_CONF_BOOLEANS = ("is_host",)
+_TRUTH = ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")  # torch's get_as_bool
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 RENDEZVOUS_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
 
 
@@ -128,14 +138,14 @@ def read_launch(flags: dict[str, str], environ: dict[str, str] | None = None) ->
             if given is not None:
                 raise LaunchError(f"{where_given} needs --rdzv-endpoint")
         return Launch(nproc=nproc, max_restarts=restarts)
-    endpoint = _endpoint(endpoint, where)
+    endpoint = parse_endpoint(endpoint, where)
     if not run_id:
         raise LaunchError(
             f"--rdzv-endpoint {endpoint} needs --rdzv-id ID, the same on every node (a job "
             "name, or $SLURM_JOB_ID); it also tells a restarted node which checkpoints are its job's"
         )
-    if conf is not None and not _CONF.fullmatch(conf):
-        raise LaunchError(f"{conf_where} needs KEY=VALUE[,KEY=VALUE...], got {conf!r}")
+    if conf is not None:
+        _check_conf(conf, conf_where)
     if backend is not None and backend not in RENDEZVOUS_BACKENDS:
         known = ", ".join(RENDEZVOUS_BACKENDS)
         raise LaunchError(f"{backend_where} needs one of {known}, got {backend!r}")
@@ -179,13 +189,46 @@ def _nnodes(text: str, where: str) -> tuple[int, int]:
     return low, high
 
 
-def _endpoint(text: str, where: str) -> str:
-    host, colon, port = text.rpartition(":")
-    if not colon:
+def parse_endpoint(text: str, where: str) -> str:
+    """``HOST:PORT`` of a rendezvous endpoint given as ``HOST`` or ``HOST:PORT`` (an IPv6
+    address in brackets), or a LaunchError naming ``where``: no URL scheme (torch would
+    read ``tcp`` as the host), a host name or address of the usual characters, a port in
+    1-65535."""
+    scheme, separator, _ = text.partition("://")
+    if separator:
+        raise LaunchError(
+            f"{where} takes HOST or HOST:PORT without a scheme: drop '{scheme}://' from {text!r}"
+        )
+    if text.endswith("]") or ":" not in text:
         host, port = text, str(DEFAULT_PORT)
-    if not host or not _COUNT.fullmatch(port) or not 0 < int(port) < 65536:
-        raise LaunchError(f"{where} needs HOST or HOST:PORT, got {text!r}")
+    else:
+        host, _, port = text.rpartition(":")
+    if not _HOST.fullmatch(host) or not _COUNT.fullmatch(port) or not 0 < int(port) < 65536:
+        raise LaunchError(
+            f"{where} needs HOST or HOST:PORT (a port in 1-65535; an IPv6 address in "
+            f"brackets), got {text!r}"
+        )
     return f"{host}:{port}"
+
+
+def _check_conf(conf: str, where: str) -> None:
+    """A LaunchError for a ``--rdzv-conf`` torch's agent would fail on: not KEY=VALUE
+    pairs, a key twice, a timeout that is not a whole number of seconds (>= 1), a count
+    that is not a whole number, a boolean that is not one."""
+    if not _CONF.fullmatch(conf):
+        raise LaunchError(f"{where} needs KEY=VALUE[,KEY=VALUE...], got {conf!r}")
+    seen = set()
+    for pair in conf.split(","):
+        key, _, value = pair.partition("=")
+        if key in seen:
+            raise LaunchError(f"{where}: {key} is given twice in {conf!r}")
+        seen.add(key)
+        if key in _CONF_SECONDS and not (_COUNT.fullmatch(value) and int(value) >= 1):
+            raise LaunchError(f"{where}: {key} needs whole seconds (>= 1), got {value!r}")
+        if key in _CONF_COUNTS and not _COUNT.fullmatch(value):
+            raise LaunchError(f"{where}: {key} needs a whole number, got {value!r}")
+        if key in _CONF_BOOLEANS and value.lower() not in _TRUTH:
+            raise LaunchError(f"{where}: {key} needs true or false, got {value!r}")
 
 
 class RendezvousWatch:

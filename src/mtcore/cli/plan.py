@@ -169,7 +169,12 @@ def options_from(args: argparse.Namespace):
     ``LayoutStringError`` naming a bad value)."""
     from mtcore.plan import Options
     from mtcore.plan.layouts import option_value
+    from mtcore.plan.options import DP_OVERLAP, GRAD_DTYPES, OptionsError
 
+    for flag, value, choices in (("--dp-overlap", args.dp_overlap, DP_OVERLAP),
+                                 ("--grad-reduce-dtype", args.grad_reduce_dtype, GRAD_DTYPES)):
+        if value not in choices:  # named by the flag, not by the planner's field
+            raise OptionsError(f"{flag} needs one of {', '.join(choices)}, got {value!r}")
     fields = {"dp_overlap": args.dp_overlap, "cross_node": args.cross_node}
     fields["grad_reduce_dtype"] = args.grad_reduce_dtype
     fields["overlapped"] = option_value("overlap", args.comm_overlap)

@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         plan = args.launch
         if plan.max_restarts and config.checkpoint.dir is None:
             raise ConfigError("--max-restarts needs a checkpoint.dir to resume from")
+        check_layouts(config, plan)  # before torch, the backend and the data: a second
     except ConfigError as e:
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 2
@@ -174,6 +175,28 @@ def run(args: argparse.Namespace) -> int:
     # A node cut off from the rest stops once its ranks would have (their collectives
     # time out): its agent alone would wait on a dead connection for TCP's own limit.
     return launch(plan, args.config, args.overrides, config.training.collective_timeout_s)
+
+
+def check_layouts(config, plan) -> None:
+    """ConfigError unless the config's layout divides every world size ``plan`` allows,
+    checked on the config alone (no torch): a wrong ``--nproc`` is said in a second, not
+    after the data is prepared. ``check_node_counts`` checks again with the data's model."""
+    from mtcore.distributed import LayoutError
+    from mtcore.parallel.pipeline import SplitError
+    from mtcore.training.config import ConfigError
+
+    largest = max(plan.world_sizes())
+    for world in plan.world_sizes():
+        try:
+            config.check(world)
+        except (ConfigError, LayoutError, SplitError, ValueError) as e:
+            if world == largest:
+                raise ConfigError(str(e)) from None
+            nodes = world // plan.nproc
+            fixed = " (leave parallel.dp unset so dp can shrink)" if config.parallel.dp else ""
+            raise ConfigError(
+                f"{plan.describe()}: the job cannot run on {nodes} node(s), {world} ranks{fixed}: {e}"
+            ) from None
 
 
 def check_node_counts(config, model, plan) -> None:

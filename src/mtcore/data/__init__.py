@@ -95,6 +95,8 @@ def build_datasets(config: DataConfig | None = None, **overrides) -> Datasets:
     """
     if config is None or overrides:
         config = DataConfig.model_validate({**(config.model_dump() if config else {}), **overrides})
+    if config.format == "chat":
+        raise DataError("build_datasets reads text; data.format chat: mtcore.data.sft")
     from mtcore.data.blend import BlendedDataset
     from mtcore.data.samples import SequenceDataset
     from mtcore.data.splits import config_sources, train_and_valid

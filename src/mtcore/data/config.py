@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -51,6 +52,35 @@ class DataConfig(BaseModel, extra="forbid"):
     seed: int = Field(1234, ge=0, description="sample order; the split does not depend on it")
     default_corpus_bytes: int | None = Field(DEFAULT_CORPUS_BYTES, ge=1)
     default_corpus_files: int | None = Field(None, ge=1)
+    format: Literal["text", "chat"] = Field(
+        "text",
+        description="text: documents packed into sequences; chat: conversations (messages, "
+        "or prompt/completion) rendered by the tokenizer's chat template, loss on the answers",
+    )
+    document_masks: bool = Field(
+        False,
+        description="text: each token attends only its own document (split at <|endoftext|>); "
+        "the batch carries 'documents'",
+    )
+    reset_position_ids: bool = Field(
+        False, description="position ids restart at every document (the batch carries 'positions')"
+    )
+    chat_loss: Literal["all_assistant", "last_assistant"] = Field(
+        "all_assistant", description="chat: train on every assistant turn, or on the last only"
+    )
+    packing: bool = Field(
+        True,
+        description="chat: pack conversations into seq_len samples with document masks; "
+        "false: one conversation per sample, padded",
+    )
+    overlong: Literal["truncate", "refuse"] = Field(
+        "truncate", description="chat: a conversation longer than seq_len is cut, or refused"
+    )
+    chat_template: str | None = Field(
+        None,
+        description="chat: a Jinja chat template (or a file holding one) for a tokenizer "
+        "without its own",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -86,6 +116,45 @@ class DataConfig(BaseModel, extra="forbid"):
             if any(not w > 0 for w in self.weights):
                 raise ValueError(f"weights must be positive, got {self.weights}")
         return self
+
+    @model_validator(mode="after")
+    def _check_format_options(self) -> DataConfig:
+        # A value other than the default, not a key that is set: a dumped config (a
+        # checkpoint's config.yaml, the planner's re-check) holds every key.
+        fields = type(self).model_fields
+        changed = [k for k in ("chat_loss", "packing", "overlong", "chat_template")
+                   if getattr(self, k) != fields[k].default]  # fmt: skip
+        if self.format == "text" and changed:
+            raise ValueError(f"data.{changed[0]} applies to data.format chat only")
+        if self.format == "chat" and self.weights is not None:
+            raise ValueError(
+                "data.weights blends text datasets; chat data reads every path once (drop it)"
+            )
+        if self.reset_position_ids and not self.documents_in_batch:
+            needs = "data.document_masks true" if self.format == "text" else "data.packing true"
+            raise ValueError(f"data.reset_position_ids needs documents in the batch: set {needs}")
+        return self
+
+    @property
+    def documents_in_batch(self) -> bool:
+        """Whether batches carry ``documents``: text with ``document_masks``; chat packed
+        (several conversations in a sample must not see each other) or asked for."""
+        if self.format == "chat":
+            return self.packing or self.document_masks
+        return self.document_masks
+
+    def check_plain_text(self, family: str) -> None:
+        """For a family whose batches carry no documents nor chat samples (BERT, T5,
+        LLaVA): refuse the options it would silently ignore, in one line."""
+        from mtcore.data.cache import DataError
+
+        for name, on in (("format chat", self.format == "chat"),
+                         ("document_masks", self.document_masks)):  # fmt: skip
+            if on:
+                raise DataError(
+                    f"data.{name}: the {family} family reads plain text; chat data and "
+                    "document masks are for the gpt family"
+                )
 
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()

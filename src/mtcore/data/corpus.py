@@ -190,6 +190,12 @@ def read_bytes(path: Path) -> bytes:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
 
 
+def read_utf8(path: Path) -> str:
+    """``path``'s text, or a DataError naming the file (and, for bytes that are not UTF-8,
+    the line, column and byte)."""
+    return _utf8(read_bytes(path), path)
+
+
 def _utf8(data: bytes, path: Path, first_line: int = 1) -> str:
     """``data`` decoded, or a DataError naming the file, the line and the byte: a corpus is
     UTF-8, and text replaced by U+FFFD would train silently on garbage."""

@@ -27,6 +27,12 @@ import numpy as np
 import torch
 
 from mtcore.data.cache import DataError
+from mtcore.data.documents import (
+    DOCUMENTS,
+    POSITIONS,
+    documents_from_separators,
+    positions_in_documents,
+)
 
 
 @dataclass(frozen=True)
@@ -182,23 +188,57 @@ class TokenLoader:
 
 class LMLoader:
     """Packed next-token micro-batches ``{"tokens", "labels"}`` from a ``TokenLoader``: what
-    any next-token language model family reads (GPT's, the example family's)."""
+    any next-token language model family reads (GPT's, the example family's).
 
-    def __init__(self, dataset, **kwargs):
+    ``separator_id`` (``data.document_masks``): the batch also carries ``documents``, a
+    new one after each ``separator_id`` (the end-of-document id); ``reset_position_ids``:
+    and ``positions`` counted from each document's start (``mtcore.data.documents``)."""
+
+    def __init__(
+        self, dataset, separator_id: int | None = None, reset_position_ids: bool = False, **kwargs
+    ):
+        if reset_position_ids and separator_id is None:
+            raise DataError("reset_position_ids needs documents: give separator_id")
         self.tokens = TokenLoader(dataset, **kwargs)
+        self.separator_id, self.reset_position_ids = separator_id, reset_position_ids
 
     def __iter__(self) -> LMLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         tokens, labels = next(self.tokens)
-        return {"tokens": tokens, "labels": labels}
+        batch = {"tokens": tokens, "labels": labels}
+        if self.separator_id is not None:
+            batch[DOCUMENTS] = documents_from_separators(tokens, self.separator_id)
+            if self.reset_position_ids:
+                batch[POSITIONS] = positions_in_documents(batch[DOCUMENTS])
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return self.tokens.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tokens.load_state_dict(state)
+
+
+class SampleLoader(TokenLoader):
+    """Micro-batches of a dataset whose samples are dicts of equal-length int64 arrays
+    (``ChatSamples``: ``tokens``, ``labels``, ``documents``), stacked into ``[b, s]``
+    tensors; the sampler, its data-parallel striding and its state are ``TokenLoader``'s.
+    ``reset_position_ids``: ``positions`` from the ``documents``."""
+
+    def __init__(self, dataset, reset_position_ids: bool = False, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.reset_position_ids = reset_position_ids
+
+    def __next__(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        samples = [self.dataset[int(i)] for i in self.next_indices()]
+        batch = {
+            name: torch.from_numpy(np.stack([s[name] for s in samples])) for name in samples[0]
+        }
+        if self.reset_position_ids:
+            batch[POSITIONS] = positions_in_documents(batch[DOCUMENTS])
+        return batch
 
 
 def lm_batches(tokens, labels) -> list[dict[str, torch.Tensor]]:

@@ -59,6 +59,29 @@ def table_documents(path: Path, text_key: str = "text") -> Iterator[str]:
                 yield text
 
 
+def table_rows(path: Path, keys: tuple[str, ...]) -> Iterator[dict]:
+    """Each row of a parquet file or a ``save_to_disk`` directory as a dict of those of
+    ``keys`` it has (a chat record: ``messages``, or ``prompt``/``completion``)."""
+    pa = _pyarrow()
+    if path.is_dir():
+        batches = _arrow_dir_batches(pa, path)
+    else:
+        try:
+            table = pa.parquet.ParquetFile(path)
+        except pa.ArrowException as e:
+            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        columns = [k for k in keys if k in table.schema_arrow.names]
+        batches = table.iter_batches(batch_size=1024, columns=columns or None)
+    for batch in batches:
+        present = [k for k in keys if k in batch.schema.names]
+        if not present:
+            raise DataError(
+                f"{path}: none of the columns {', '.join(keys)} (columns: "
+                f"{', '.join(batch.schema.names)})"
+            )
+        yield from batch.select(present).to_pylist()
+
+
 def _arrow_dir_batches(pa, path: Path) -> Iterator:
     state_path = path / "state.json"
     try:

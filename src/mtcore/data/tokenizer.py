@@ -80,6 +80,18 @@ class Tokenizer:
         self.vocab_size: int = max(hf.get_vocab(with_added_tokens=True).values()) + 1
         """Ids are in ``[0, vocab_size)``: the model's embedding needs at least this many rows."""
         self.fingerprint = text_hash(hf.to_str())
+        self.chat_config: dict | None = None
+        """A chat tokenizer's ``tokenizer_config.json`` (its chat template included), set by
+        ``data.format chat``: checkpoints save it beside ``tokenizer.json``."""
+
+    def reading_special_tokens(self) -> Tokenizer:
+        """This tokenizer reading special tokens written in the text as those tokens: for
+        a prompt the chat template rendered (``<|im_start|>user...``), not for a corpus."""
+        hf = tokenizers.Tokenizer.from_str(self.hf.to_str())
+        view = Tokenizer(hf, self.path)
+        hf.encode_special_tokens = False
+        view.eod_id, view.chat_config = self.eod_id, self.chat_config
+        return view
 
     def token_id(self, token: str) -> int:
         """The id of ``token`` (e.g. ``"[MASK]"``), or a DataError naming it."""

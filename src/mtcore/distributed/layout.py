@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, model_validator
+
+from mtcore.distributed.settings import Settings
 
 
 class Axis(str, enum.Enum):
@@ -61,33 +60,8 @@ class LayoutError(ValueError):
     """A layout that cannot work; raised before any process group is created."""
 
 
-def reject_bool_numbers(cls: type[BaseModel], value, info: ValidationInfo):
-    """A ``field_validator("*", mode="before")`` for config models: a boolean given for
-    a number field is an error.
-
-    pydantic takes ``True`` as ``1`` for an int (and ``1.0`` for a float), so
-    ``--parallel.tp true`` would quietly run tp=1. Fields that also accept a bool
-    (``bool | int``) keep it.
-    """
-    if isinstance(value, bool) and info.field_name in cls.model_fields:
-        annotation = cls.model_fields[info.field_name].annotation
-        options = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
-        if bool not in options and any(t in (int, float) for t in options):
-            kind = "an integer" if int in options else "a number"
-            raise PydanticCustomError("bool_not_number", f"must be {kind}, not a boolean")
-    return value
-
-
-def _is_union(annotation) -> bool:
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
-
-
-class LayoutSpec(BaseModel):
+class LayoutSpec(Settings):
     """Sizes of each parallel dimension. ``dp=None`` takes what the world leaves."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    _no_bool_sizes = field_validator("*", mode="before")(reject_bool_numbers)
 
     tp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)

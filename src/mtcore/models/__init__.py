@@ -5,11 +5,13 @@ The trainer, checkpoints, planner and CLI use only what this package exports: a
 family is found by name (``get_family``) or from a config (``family_of``), and a
 model section is parsed into its family's config class by ``parse_model_config``.
 Concrete models are imported from their family's folder (``mtcore.models.gpt``).
+LoRA (``LoRAConfig``, ``add_lora``) works on the blocks every family shares.
 
 Importing the seam does not import torch (``mtcore plan`` and the CLI's parser read
 families, configs and shapes without it); a family's models load when it builds them.
 """
 
+from mtcore.models.common.lora import LoRAConfig, add_lora, check_targets, is_adapter
 from mtcore.models.family import (
     Batch,
     BuiltModel,
@@ -50,6 +52,7 @@ __all__ = [
     "FamilyData",
     "FamilyError",
     "HFAdapter",
+    "LoRAConfig",
     "Loader",
     "MegatronAdapter",
     "MessageSpecs",
@@ -58,12 +61,15 @@ __all__ = [
     "NotModelled",
     "PipelineStage",
     "TensorSpec",
+    "add_lora",
     "check_family",
+    "check_targets",
     "families_by_plugin",
     "family_names",
     "family_of",
     "get_family",
     "imported_on_call",
+    "is_adapter",
     "parse_model_config",
     "reset_plugin_families",
 ]

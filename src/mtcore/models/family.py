@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
-from mtcore.distributed.layout import reject_bool_numbers
+from mtcore.distributed.settings import Settings
 from mtcore.models.shape import ModelShape, NotModelled
 
 # The seam describes models without building one: `mtcore plan` and the CLI's parser read
@@ -63,7 +63,7 @@ class FamilyError(ValueError):
     names the family and the member or key."""
 
 
-class FamilyConfig(BaseModel):
+class FamilyConfig(Settings):
     """The ``model`` section of one family: its sizes and switches, validated up front.
 
     Every family config has ``family`` (the discriminator), ``vocab_size`` (None:
@@ -72,11 +72,6 @@ class FamilyConfig(BaseModel):
     (pydantic's model class is an ``ABCMeta``: a config class without them cannot be
     instantiated).
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    # Every family's sizes and counts: ``num_layers: true`` is an error, not 1 layer.
-    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
 
     family: str
     vocab_size: int | None = Field(None, ge=2, description="None: the tokenizer's, padded")
@@ -264,12 +259,17 @@ class HFAdapter:
     transformers ``config.json`` it imports. ``import_dir(path, seq_len) -> (config,
     full weights)``; ``export_dir(config, weights, out_dir, dtype, tokenizer_json)``
     returns the directory it wrote. ``tokenizer_tokens``: special tokens an imported
-    ``tokenizer.json`` must hold for the family's data pipeline (BERT's ``[CLS]``...)."""
+    ``tokenizer.json`` must hold for the family's data pipeline (BERT's ``[CLS]``...).
+    ``export_adapter(config, lora, adapters, out_dir, dtype)`` and
+    ``import_adapter(adapter_dir, config) -> (lora, adapters)``: LoRA adapters in PEFT's
+    format (None: the family maps none)."""
 
     model_types: tuple[str, ...]
     import_dir: Callable[..., tuple[FamilyConfig, dict[str, Tensor]]]
     export_dir: Callable[..., Any]
     tokenizer_tokens: tuple[str, ...] = ()
+    export_adapter: Callable[..., Any] | None = None
+    import_adapter: Callable[..., tuple[Any, dict[str, Tensor]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ def _check(
     key_padding_mask: Tensor | None,
     causal: bool = True,
     window: int | None = None,
+    query_documents: Tensor | None = None,
+    key_documents: Tensor | None = None,
 ) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -45,6 +47,32 @@ def _check(
             f"window must be a positive int with causal=True, got window={window!r}, "
             f"causal={causal}"
         )
+    _check_documents(query_documents, key_documents, b, q.shape[2], sk)
+
+
+def _check_documents(
+    query_documents: Tensor | None, key_documents: Tensor | None, b: int, sq: int, sk: int
+) -> None:
+    if query_documents is None and key_documents is None:
+        return
+    for name, ids, length in (("query", query_documents, sq), ("key", key_documents, sk)):
+        if ids is None:
+            raise ValueError(
+                "query_documents and key_documents go together: pass both or neither"
+            )
+        if ids.dtype in (torch.bool, *_FLOATS) or tuple(ids.shape) != (b, length):
+            raise ValueError(
+                f"{name}_documents must be an integer [{b}, {length}] (batch, {name} seq), "
+                f"got {ids.dtype} {list(ids.shape)}"
+            )
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def has_documents(query_documents: Tensor | None, key_documents: Tensor | None) -> bool:
+    """Whether a call carries document boundaries (kernels without them decline it)."""
+    return query_documents is not None or key_documents is not None
 
 
 def allowed_keys(
@@ -54,12 +82,16 @@ def allowed_keys(
     window: int | None,
     key_padding_mask: Tensor | None,
     device: torch.device,
+    query_documents: Tensor | None = None,
+    key_documents: Tensor | None = None,
 ) -> Tensor:
     """Bool ``[1 or batch, 1, sq, sk]``: True where query ``i`` may attend key ``j``.
 
     Causal masks are aligned to the bottom-right corner (query ``i`` sits at key
     position ``i + sk - sq``); ``window`` keeps the ``window`` keys up to and
-    including that position (``0 <= i + sk - sq - j < window``).
+    including that position (``0 <= i + sk - sq - j < window``); with document ids,
+    only the keys of the query's own document (``query_documents[b, i] ==
+    key_documents[b, j]``).
     """
     allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
@@ -71,6 +103,9 @@ def allowed_keys(
     allowed = allowed[None, None]
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask.to(device)[:, None, None, :]
+    if query_documents is not None:
+        queries = query_documents.to(device)[:, None, :, None]
+        allowed = allowed & (queries == key_documents.to(device)[:, None, None, :])
     return allowed
 
 
@@ -84,6 +119,8 @@ def attention(
     window: int | None = None,
     dropout_p: float = 0.0,
     dropout_seeds: Tensor | None = None,
+    query_documents: Tensor | None = None,
+    key_documents: Tensor | None = None,
 ) -> Tensor:
     """``softmax(q @ k^T * scale + mask) @ v`` over grouped-query heads.
 
@@ -110,6 +147,12 @@ def attention(
             query position counted from the bottom-right corner, key position) only
             (``mtcore.ops.attention_dropout``), so any split of heads over ranks that
             passes each head its seed draws one process's masks.
+        query_documents, key_documents: optional integer ``[batch, sq]`` and
+            ``[batch, sk]``, both or neither: the document of each query and key
+            (packed samples, ``mtcore.data.documents``). Query ``i`` may then attend
+            key ``j`` only if they are of the same document, on top of the other
+            masks: each document of a packed sequence is attended as if alone
+            (flash-attn's varlen ``cu_seqlens``, FlexAttention's document mask).
 
     Returns:
         ``[batch, hq, sq, d]`` in ``q.dtype``. Logits, softmax and the product
@@ -117,7 +160,7 @@ def attention(
         keys are all masked outputs exactly 0 and passes zero gradient (not NaN,
         as a naive ``-inf`` softmax would): padded rows must not poison the loss.
     """
-    _check(q, k, v, key_padding_mask, causal, window)
+    _check(q, k, v, key_padding_mask, causal, window, query_documents, key_documents)
     b, hq, sq, d = q.shape
     check_dropout(dropout_p, dropout_seeds, hq)
     hkv, sk = k.shape[1], k.shape[2]
@@ -131,7 +174,9 @@ def attention(
     vf = v.to(acc).repeat_interleave(group, dim=1)
     logits = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale  # [b, hq, sq, sk]
 
-    allowed = allowed_keys(sq, sk, causal, window, key_padding_mask, q.device)
+    allowed = allowed_keys(
+        sq, sk, causal, window, key_padding_mask, q.device, query_documents, key_documents
+    )
 
     # Rows with no allowed key get finite logits, so no NaN appears even in
     # intermediates (softmax of all -inf is NaN, and anomaly detection or NaN

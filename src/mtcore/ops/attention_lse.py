@@ -33,13 +33,17 @@ def attention_lse(
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
     window: int | None = None,
+    query_documents: Tensor | None = None,
+    key_documents: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``mtcore.ops.attention`` that also returns the log-sum-exp of each query's logits.
 
     Args: as ``mtcore.ops.attention`` (grouped-query heads; ``causal`` aligned to the
         bottom-right corner, so a block of queries that ends where its keys end sees
         them causally; ``key_padding_mask`` bool ``[batch, sk]``, True = may attend;
-        ``window`` the sliding window, counted from the same corner).
+        ``window`` the sliding window, counted from the same corner; ``query_documents``
+        and ``key_documents`` the document of each query and key: a query attends
+        only keys of its own document).
 
     Returns:
         ``(out, lse)``: ``out`` ``[batch, hq, sq, d]`` in ``q.dtype``, exactly what
@@ -48,7 +52,7 @@ def attention_lse(
         may attend, ``-inf`` where it may attend none. Both outputs are
         differentiable (a merge of blocks backpropagates through the LSE).
     """
-    _check(q, k, v, key_padding_mask, causal, window)
+    _check(q, k, v, key_padding_mask, causal, window, query_documents, key_documents)
     _, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if scale is None:
@@ -59,7 +63,9 @@ def attention_lse(
     vf = v.to(acc).repeat_interleave(group, dim=1)
     logits = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale  # [b, hq, sq, sk]
 
-    allowed = allowed_keys(sq, sk, causal, window, key_padding_mask, q.device)
+    allowed = allowed_keys(
+        sq, sk, causal, window, key_padding_mask, q.device, query_documents, key_documents
+    )
     has_key = allowed.any(dim=-1, keepdim=True)
     # Finite logits in rows without a key (as in ``attention``): no NaN even in
     # intermediates; the row's output and LSE are then set by ``has_key``.

@@ -107,14 +107,15 @@ class _FlashLSE(torch.autograd.Function):
 
 
 def flash_attention_lse(
-    kernels: FlashKernels, q, k, v, causal=True, key_padding_mask=None, scale=None, window=None
-):
+    kernels: FlashKernels, q, k, v, causal=True, key_padding_mask=None, scale=None, window=None,
+    query_documents=None, key_documents=None,
+):  # fmt: skip
     """``mtcore.ops.attention_lse`` through ``kernels``, both outputs differentiable.
 
     Grouped-query heads are expanded (their gradients sum back through autograd); a
     causal block with fewer queries than keys, or a padding mask, becomes an explicit
     mask aligned to the bottom-right corner, as the op's contract says (a sliding
-    ``window`` too: the kernels take none of their own). A row with no
+    ``window`` and document ids too: the kernels take none of their own). A row with no
     key to attend gets (0, -inf) and no gradient, as the reference's.
     """
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
@@ -126,12 +127,15 @@ def flash_attention_lse(
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
-    if key_padding_mask is None and window is None and (not causal or sq == sk):
+    plain = key_padding_mask is None and window is None and query_documents is None
+    if plain and (not causal or sq == sk):
         return _FlashLSE.apply(kernels, q, k, v, causal, None, scale)
     if kernels.mask is None:
         raise ValueError("these flash kernels take no mask: see flash_lse_inputs_ok")
-    _check(q, k, v, key_padding_mask, causal, window)
-    allowed = allowed_keys(sq, sk, causal, window, key_padding_mask, q.device)
+    _check(q, k, v, key_padding_mask, causal, window, query_documents, key_documents)
+    allowed = allowed_keys(
+        sq, sk, causal, window, key_padding_mask, q.device, query_documents, key_documents
+    )
     allowed = allowed.expand(q.shape[0], 1, sq, sk)
     has_key = allowed.any(dim=-1)  # [b, 1, sq]
     # A row without a key attends everything in the kernel (finite numbers), then is
@@ -172,11 +176,17 @@ def _cpu_backward(grad_out, q, k, v, out, lse, state, is_causal, mask, scale):
 CPU_FLASH = FlashKernels(_cpu_forward, _cpu_backward, float32_backward=True)
 
 
-def cpu_flash_attention_lse(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None):
+def cpu_flash_attention_lse(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, query_documents=None,
+    key_documents=None,
+):  # fmt: skip
     """``mtcore.ops.attention_lse`` through torch's CPU flash-attention kernel
     (``aten._scaled_dot_product_flash_attention_for_cpu``), both outputs differentiable;
-    a sliding window reaches it as part of the additive mask."""
-    return flash_attention_lse(CPU_FLASH, q, k, v, causal, key_padding_mask, scale, window)
+    a sliding window and document ids reach it as part of the additive mask."""
+    return flash_attention_lse(
+        CPU_FLASH, q, k, v, causal, key_padding_mask, scale, window, query_documents,
+        key_documents,
+    )  # fmt: skip
 
 
 def cpu_flash_attention_lse_available() -> bool:

@@ -9,6 +9,8 @@ exactly the parameter names of the reference op it implements.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -19,10 +21,10 @@ from mtcore.ops.rope import rope
 
 def sdpa_attention(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None,
+    dropout_seeds=None, query_documents=None, key_documents=None,
 ):  # fmt: skip
     """``mtcore.ops.attention`` through ``F.scaled_dot_product_attention``; a sliding
-    ``window`` becomes a banded bool mask (SDPA takes no window of its own). SDPA's
+    ``window`` and document ids become a bool mask (SDPA takes neither). SDPA's
     dropout draws from the device's generator, not the op's coordinate-hashed mask, so
     each registration guards it with ``without_dropout`` (the reference serves
     ``dropout_p > 0``)."""
@@ -32,21 +34,79 @@ def sdpa_attention(
     sq, sk = q.shape[2], k.shape[2]
     if causal and sq == 1 and (window is None or window >= sk):
         causal, window = False, None  # one query in the last position sees every key (decode)
-    if key_padding_mask is None and window is None and (not causal or sq == sk):
+    plain = key_padding_mask is None and window is None and query_documents is None
+    if plain and (not causal or sq == sk):
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=hq != hkv
         )
-    _check(q, k, v, key_padding_mask, causal, window)
-    mask = allowed_keys(sq, sk, causal, window, key_padding_mask, q.device)
+    _check(q, k, v, key_padding_mask, causal, window, query_documents, key_documents)
+    mask = allowed_keys(
+        sq, sk, causal, window, key_padding_mask, q.device, query_documents, key_documents
+    )
     mask = mask.expand(q.shape[0], 1, sq, sk)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     # The contract gives 0 (not NaN) for queries that may attend no key.
     return out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
 
 
+# Mean document length (tokens) from which one causal SDPA call per document beats one
+# masked call over the whole sample on the CPU, forward and backward: per-document
+# calls skip the masked-out blocks but cost a fixed overhead each
+# (benchmarks/bench_document_attention.py, docs/results/document_masks.md).
+PER_DOCUMENT_MIN_MEAN_LENGTH = 128
+
+
+def host_sdpa_attention(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
+    dropout_seeds=None, query_documents=None, key_documents=None,
+):  # fmt: skip
+    """``sdpa_attention`` for the host CPU: a causal self-attention of packed samples
+    whose documents are long on average runs one causal SDPA call per (row, document)
+    instead of one call with a dense mask; everything else is ``sdpa_attention``."""
+    if per_document_pays(q, k, v, causal, key_padding_mask, window, query_documents,
+                         key_documents):  # fmt: skip
+        return _per_document(q, k, v, scale, query_documents)
+    return sdpa_attention(
+        q, k, v, causal, key_padding_mask, scale, window, dropout_p, dropout_seeds,
+        query_documents, key_documents,
+    )  # fmt: skip
+
+
+def per_document_pays(
+    q, k, v, causal, key_padding_mask, window, query_documents, key_documents
+) -> bool:
+    """Whether ``host_sdpa_attention`` runs this call one document at a time."""
+    if query_documents is None or not causal or key_padding_mask is not None or window:
+        return False
+    if q.shape[2] != k.shape[2] or not torch.equal(query_documents, key_documents):
+        return False  # a block of a longer sequence (context parallel), or a cache
+    _check(q, k, v, None, causal, None, query_documents, key_documents)
+    starts = int((query_documents[:, 1:] != query_documents[:, :-1]).sum()) + q.shape[0]
+    return q.shape[0] * q.shape[2] >= PER_DOCUMENT_MIN_MEAN_LENGTH * starts
+
+
+def _per_document(q, k, v, scale, documents):
+    """Causal SDPA of each document of each row by itself, concatenated back."""
+    gqa = q.shape[1] != k.shape[1]
+    rows = []
+    for row in range(q.shape[0]):
+        ids = documents[row]
+        bounds = (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
+        edges = [0, *bounds, ids.numel()]
+        pieces = [
+            F.scaled_dot_product_attention(
+                q[row : row + 1, :, start:end], k[row : row + 1, :, start:end],
+                v[row : row + 1, :, start:end], is_causal=True, scale=scale, enable_gqa=gqa,
+            )
+            for start, end in itertools.pairwise(edges)
+        ]  # fmt: skip
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows, dim=0)
+
+
 def without_dropout(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None,
+    dropout_seeds=None, query_documents=None, key_documents=None,
 ) -> bool:  # fmt: skip
     """``fallback_ok`` of attention kernels without the op's dropout: the reference
     serves calls with ``dropout_p > 0``."""

@@ -12,6 +12,8 @@ layout is checked by exactly the validators ``mtcore train`` runs. ``mtcore plan
 
 from __future__ import annotations
 
+from mtcore.plan.options import DP_OVERLAP, GRAD_DTYPES
+
 KEYS = {
     "tp": "parallel.tp",
     "cp": "parallel.cp",
@@ -41,6 +43,7 @@ OPTION_KEYS = {
 TRAINED_ZERO = (0, 1, 2)  # the ZeRO stages mtcore train runs (parallel.zero)
 FLAGS = {"sp", "zero1", "cross_node"}  # given bare, they mean true
 _ON = {"on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
+_CHOICES = {"dp_overlap": DP_OVERLAP, "grad_reduce_dtype": tuple(GRAD_DTYPES)}
 
 
 class LayoutStringError(ValueError):
@@ -61,6 +64,9 @@ def option_value(key: str, value: str):
         return _ON[value.lower()]
     if field == "overlapped":
         return () if value == "none" else tuple(filter(None, value.replace("+", ",").split(",")))
+    choices = _CHOICES.get(field)
+    if choices is not None and value not in choices:
+        raise LayoutStringError(f"{key}={value!r}: give one of {', '.join(choices)}")
     return value
 
 

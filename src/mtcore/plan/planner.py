@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from mtcore.plan import data_parallel, network, timing
 from mtcore.plan.hardware import Hardware
+from mtcore.plan.lora import adapter_params
 from mtcore.plan.memory import (
     dtype_bytes,
     heads_in_flight,
@@ -259,6 +260,10 @@ def _plan(config, spec, m, shape: ModelShape, gpus, hardware, options) -> Plan:
         notes.append(f"ZeRO-{zero}: a planner assumption; mtcore trains with ZeRO-0 or 1")
     grad_bytes = options.grad_bytes
     per_byte = state_bytes_per_param(dtype, zero, dp * cp, grad_bytes)
+    lora = config.finetune.lora
+    if lora is not None:
+        notes.append(f"lora: rank {lora.rank} on {', '.join(lora.targets)}; the base is frozen")
+        notes += sorted({adapter_params(bl, lora, tp)[1] for bl in shape.blocks} - {None})
     per_byte_expert = state_bytes_per_param(dtype, zero, max(1, dp * cp // ep), grad_bytes)
 
     ranks: list[RankMemory] = []
@@ -271,6 +276,11 @@ def _plan(config, spec, m, shape: ModelShape, gpus, hardware, options) -> Plan:
         stage = Stage(rank_blocks(shape, counts, pp, vpp, rank), rank == 0, rank == pp - 1)
         holds = stage_params(shape, stage.blocks, tp, ep, pp, stage.first, stage.last)
         dense, experts, frozen = holds.trained, holds.experts, holds.frozen
+        if lora is not None:  # the base frozen: the adapters alone train
+            frozen, experts = frozen + dense + experts, 0.0
+            dense = sum(
+                n * adapter_params(bl, lora, tp)[0] for bl, n in stage.blocks if not bl.frozen
+            )
         held = in_flight(p.schedule, pp, vpp, rank, m)
         acts_per_mb = sum(
             n * layer_activation_bytes(bl, b, tp, cp, spec.sequence_parallel, recompute, fused, e)

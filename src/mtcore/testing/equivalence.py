@@ -70,7 +70,9 @@ class Setup:
     first step's reduced gradients (not under ZeRO-1). ``probe(engine, record)``: a
     module-level function adding records of its own after the steps (it is pickled to
     the ranks); ``extras(ctx)``: one more module-level function each spawn runs on every
-    rank after the cases (its results are ``Runs.extras[world]``)."""
+    rank after the cases (its results are ``Runs.extras[world]``). ``lora``: a
+    ``LoRAConfig`` every engine (the reference's too) fine-tunes its model with, or a
+    mapping from model name to one (a model not in it is trained whole)."""
 
     models: Mapping[str, Any]
     optimizer: Any  # mtcore.training.config.OptimizerConfig
@@ -85,6 +87,7 @@ class Setup:
     probe: Callable[[Any, dict], None] | None = None
     extras: Callable[[RankContext], Any] | None = None
     rtol: float = 1e-5
+    lora: Any = None
 
 
 @dataclass
@@ -144,10 +147,11 @@ def make_engine(setup: Setup, model: str, layout, backend, micro_batch_size: int
     """The trainer's ``Engine`` for ``setup.models[model]`` on ``layout``."""
     from mtcore.training.engine import Engine
 
+    lora = setup.lora.get(model) if isinstance(setup.lora, Mapping) else setup.lora
     return Engine(setup.models[model], layout, backend, micro_batch_size=micro_batch_size,
                   num_microbatches=local_batch // micro_batch_size, optimizer=setup.optimizer,
                   seed=setup.seed, zero=zero, bucket_size=setup.bucket_size,
-                  schedule=schedule)  # fmt: skip
+                  schedule=schedule, lora=lora)  # fmt: skip
 
 
 def record_run(setup: Setup, engine, batches: Sequence[Batch], rows: slice, size: int,

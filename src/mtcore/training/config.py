@@ -1,7 +1,7 @@
 """The training job's configuration: a few small pydantic models, one per concern.
 
-``TrainConfig`` has eight sections (``model``, ``parallel``, ``precision``,
-``data``, ``optimizer``, ``training``, ``checkpoint``, ``logging``); every
+``TrainConfig`` has nine sections (``model``, ``parallel``, ``precision``,
+``data``, ``optimizer``, ``training``, ``checkpoint``, ``logging``, ``finetune``); every
 section rejects unknown keys and a boolean where a number belongs, and every section
 but ``model`` an inf or NaN float. ``TrainConfig.check(world_size)`` rejects a layout
 or batch arithmetic that cannot work before any process group starts. Reading
@@ -23,8 +23,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from mtcore.data import DataConfig
-from mtcore.distributed.layout import LayoutSpec, reject_bool_numbers
-from mtcore.models import FamilyConfig, FamilyError, parse_model_config
+from mtcore.distributed.layout import LayoutSpec
+from mtcore.distributed.settings import reject_bool_numbers
+from mtcore.models import FamilyConfig, FamilyError, LoRAConfig, check_targets, parse_model_config
 from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
 from mtcore.parallel.pipeline import validate_pipeline
 from mtcore.training.schedules import Schedule, lr_at
@@ -295,6 +296,15 @@ class CheckpointConfig(Section):
     )
 
 
+class FinetuneConfig(Section):
+    """Fine-tuning: ``lora`` freezes the model and trains low-rank adapters on the named
+    linears (docs/finetuning.md); None (the default) trains every weight. The model to
+    start from is ``checkpoint.load`` (with ``checkpoint.finetune: true`` for full
+    fine-tuning); a LoRA checkpoint holds the adapters and a reference to that base."""
+
+    lora: LoRAConfig | None = Field(None, description="{rank, alpha, dropout, targets}")
+
+
 class LoggingConfig(Section):
     run_name: str = Field(
         "gpt",
@@ -325,6 +335,7 @@ class TrainConfig(BaseModel, extra="forbid"):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -361,6 +372,12 @@ class TrainConfig(BaseModel, extra="forbid"):
                 f"{self.model.seq_len}; set model.seq_len only"
             )
         self.data = self.data.model_copy(update={"seq_len": self.model.seq_len})
+        return self
+
+    @model_validator(mode="after")
+    def _lora_targets(self) -> TrainConfig:
+        if self.finetune.lora is not None:
+            check_targets(self.finetune.lora, self.model)
         return self
 
     @model_validator(mode="after")

@@ -33,7 +33,9 @@ FP8 delayed scaling is bookkept once per step (``FP8StepBookkeeping``): after th
 pipeline, the step's amaxes of every FP8 linear are reduced in one collective per
 group and the step's cached FP8 weights dropped. ``optimizer.name: onebit_adam``
 puts ``OneBitAdam`` in AdamW's place (it switches the dp reduction off itself in
-its compression stage).
+its compression stage). ``lora`` (``finetune.lora``) freezes the model and adds
+low-rank adapters before anything else sees it: DataParallel, the optimizer and the
+checkpoints then hold the adapters alone.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from torch import Tensor, nn
 
 from mtcore.backend.collective import P2P
 from mtcore.distributed import Axis
-from mtcore.models import Batch, FamilyConfig, family_of
+from mtcore.models import Batch, FamilyConfig, LoRAConfig, add_lora, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
 from mtcore.parallel.data import DataParallel, DataParallelConfig
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW, OneBitAdam
@@ -78,6 +80,7 @@ class StepOutcome:
     moe: dict[str, float] | None = None  # load statistics (``MoEStep.finish``); MoE models only
     terms: dict[str, float] | None = None  # each loss term's global mean (sum of them: loss)
     stop: bool = False  # some rank asked to stop after this step (``train_step(stop=True)``)
+    counts: dict[str, float] | None = None  # each term's global count (trained tokens for "lm")
 
 
 class Engine:
@@ -97,6 +100,7 @@ class Engine:
         schedule: str = "1f1b",
         zero: int = 0,
         bucket_size: int | None = None,
+        lora: LoRAConfig | None = None,
     ):
         optimizer = optimizer or OptimizerConfig()
         precision = precision or MixedPrecision("fp32")
@@ -105,6 +109,10 @@ class Engine:
         self.family = family_of(config)
         built = self.family.build(config, layout, backend, seed, fp8=precision.fp8)
         self.chunks, self.rng_tracker = built.chunks, built.rng_tracker
+        self.seed = seed
+        self.lora = lora  # LoRA: the base frozen (no gradient buffer, no optimizer state)
+        if lora is not None:
+            add_lora(self.chunks, lora)
         for chunk in self.chunks:
             precision.cast_module(chunk)
         self.fp8 = FP8StepBookkeeping(self.chunks)  # amaxes reduced, weights cast once a step
@@ -117,7 +125,7 @@ class Engine:
             **sizes, shard_optimizer=zero >= 1, shard_gradients=zero >= 2, shard_params=zero >= 3
         )
         # Tied halves on other stages are summed over the stages before their dp reduction.
-        self.tied = [p for chunk in self.chunks for p in chunk.tied_copies()]
+        self.tied = [p for chunk in self.chunks for p in chunk.tied_copies() if p.requires_grad]
         # ZeRO-3 gathers the params of one transformer block at a time; the rest stay whole.
         blocks = [block for chunk in self.chunks for block in chunk.layers.values()]
         self.ddp = DataParallel(module, layout, backend, dp_config, chunks=self.chunks,
@@ -217,7 +225,8 @@ class Engine:
         self.ddp.finish_grad_sync()
         terms, stop = self._agree_terms(stop)
         loss = sum(terms.values()) if terms else math.nan
-        outcome = functools.partial(StepOutcome, terms=terms, stop=stop)
+        counts = {name: float(count) for name, count in self._counts.items()}
+        outcome = functools.partial(StepOutcome, terms=terms, stop=stop, counts=counts)
         if not math.isfinite(loss):
             return outcome(loss, "loss", None, scale if scaler else None)
         if scaler is not None:

@@ -285,6 +285,7 @@ class _Loop:
             schedule=config.parallel.schedule,
             zero=config.parallel.zero_stage,
             bucket_size=config.parallel.bucket_size,
+            lora=config.finetune.lora,
         )
         self.guard = BadStepGuard(self.t.max_bad_steps, self.engine.optimizer.loss_scaler)
         self.progress = Progress(self.t.steps, config.logging.progress, stream)
@@ -385,6 +386,14 @@ class _Loop:
                 f"{m.dispatcher} dispatch, "
                 + ("dropless" if m.capacity_factor is None else f"capacity {m.capacity_factor}")
             )
+        if (lora := self.config.finetune.lora) is not None:
+            params = [p for chunk in self.engine.chunks for p in chunk.parameters()]
+            trained = sum(p.numel() for p in params if p.requires_grad)
+            self.say(
+                f"lora: rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on "
+                f"{', '.join(lora.targets)} | rank 0 trains {trained / 1e6:.3f}M of its "
+                f"{sum(p.numel() for p in params) / 1e6:.2f}M params; the rest is frozen"
+            )
         if (fp8 := self.config.precision.fp8_config()) is not None:
             paths = "/".join(sorted(set(fp8.paths(self.backend.fp8).values())))
             self.say(f"fp8 ({fp8.format}): {fp8.describe()} | block linear GEMMs: {paths}")
@@ -401,6 +410,7 @@ class _Loop:
 
     def _loop(self) -> None:
         window_t, window_cpu, window_steps = 0.0, 0.0, 0
+        window_trained = 0.0  # next-token targets trained (labels != -100)
         for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0, cpu0 = time.perf_counter(), time.process_time()
             if self.t.gc_interval and step % self.t.gc_interval == 0:
@@ -410,6 +420,7 @@ class _Loop:
             window_t += time.perf_counter() - t0
             window_cpu += time.process_time() - cpu0  # every thread of this process
             window_steps += 1
+            window_trained += (out.counts or {}).get("lm", 0.0)
             self.result.losses.append(out.loss)
             if out.moe is not None:
                 self.result.moe.append(out.moe)
@@ -419,8 +430,9 @@ class _Loop:
                 self.say(message)
             first = self.result.start_step + 1  # the first step of this run (resumed or not)
             if step % self.config.logging.interval == 0 or step in (first, self.t.steps):
-                self._log(step, out, lr, window_t / window_steps, window_cpu / window_steps)
-                window_t, window_cpu, window_steps = 0.0, 0.0, 0
+                means = (window_t, window_cpu, window_trained)
+                self._log(step, out, lr, *(total / window_steps for total in means))
+                window_t, window_cpu, window_steps, window_trained = 0.0, 0.0, 0, 0.0
             elif self.is_main:
                 self.progress.update(step, f"loss {out.loss:.4f}")
             if self._due(step, self.t.eval_interval):
@@ -455,19 +467,25 @@ class _Loop:
         lengths = family_of(self.model_config).sequence_lengths(self.model_config)
         return [shard_batch(batch, lengths, self.cp, self.cp_rank) for batch in batches]
 
-    def _log(self, step: int, out: StepOutcome, lr: float, step_s: float, cpu_s: float) -> None:
+    def _log(
+        self, step: int, out: StepOutcome, lr: float, step_s: float, cpu_s: float, trained=0.0
+    ) -> None:
         """``step_s``: this rank's mean wall time per step over the interval; ``cpu_s``:
-        its CPU time per step (``time.process_time``, all threads), summed over ranks here."""
+        its CPU time per step (``time.process_time``, all threads), summed over ranks here;
+        ``trained``: next-token targets trained per step (labels not -100, all ranks)."""
         memory, cpu_s = self._over_ranks(cpu_s)
         tokens_s = self.t.global_batch_size * self.model_config.seq_len / step_s
         tflops = self.flops / step_s / self.layout.world_size / 1e12
         norm = f"{out.grad_norm:.3f}" if out.grad_norm is not None else "n/a"
+        trained_part = ""
+        if out.counts and "lm" in out.counts:  # a next-token loss: how many targets it trained
+            trained_part = f" | {trained:,.0f} trained tokens/step"
         terms = out.terms if out.terms and len(out.terms) > 1 else {}  # one term is the loss
         parts = ", ".join(f"{name} {value:.4f}" for name, value in terms.items())
         parts = f" ({parts})" if parts else ""
         self.say(
             f"step {step}/{self.t.steps} | loss {out.loss:.4f}{parts} | lr {lr:.2e} | grad norm {norm} | "
-            f"{tokens_s:,.0f} tokens/s | {tflops:.3f} TFLOP/s/rank | MFU "
+            f"{tokens_s:,.0f} tokens/s{trained_part} | {tflops:.3f} TFLOP/s/rank | MFU "
             f"{format_mfu(tflops, self.peak)} | mem {format_bytes(memory)} | {step_s:.2f} s/step | "
             f"cpu {cpu_s * 1e3:.0f} ms/step"
         )
@@ -477,6 +495,7 @@ class _Loop:
             "train/lr": lr,
             "train/grad_norm": out.grad_norm,
             "train/tokens_per_s": tokens_s,
+            "train/trained_tokens_per_step": trained if trained_part else None,
             "train/tflops_per_rank": tflops,
             "train/mfu": tflops / self.peak if self.peak else None,
             "train/memory_bytes": float(memory),

@@ -61,3 +61,19 @@ def trained(tmp_path_factory):
     root = write_corpus(tmp_path_factory.mktemp("shared") / "corpus", n_docs=12)
     tok = get_tokenizer(find_files(root), root.parent / "cache", vocab_size=400)
     return tok, root
+
+
+@pytest.fixture(scope="session")
+def chat_set(tmp_path_factory) -> tuple[Path, Path]:
+    """(a jsonl of 120 generated conversations, the ChatML tokenizer directory trained on
+    it: tokenizer.json + tokenizer_config.json with the chat template)."""
+    import json
+
+    from mtcore.data.chat_corpus import conversations, train_chat_tokenizer
+    from mtcore.data.sft import conversation_texts
+
+    root = tmp_path_factory.mktemp("chat")
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(120, seed=5)))
+    tokenizer = train_chat_tokenizer([data], root / "cache", 400, conversation_texts)
+    return data, tokenizer

@@ -286,3 +286,11 @@ def test_images_that_change_under_the_job_are_dropped_then_stop_it(tmp_path, cap
         next(lenient)
     with pytest.raises(SamplesLost, match=rf"{f}:1: .*bad_records: error"):
         next(strict)
+
+
+def test_a_record_file_that_is_not_utf8_is_named_with_line_and_byte(tmp_path):
+    _png(tmp_path / "a.png")
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"image": "a.png", "caption": "fine"}\n{"image": "a.png", "caption": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=rf"^{f}:2: not UTF-8 \(byte 0xe9 at column 35\)"):
+        _data([f])

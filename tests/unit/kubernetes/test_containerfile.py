@@ -68,3 +68,18 @@ def test_each_check_fails_on_a_broken_copy(text, case):
     assert old in text
     found = problems(text.replace(old, new))
     assert any(expected in line for line in found), found
+
+
+def test_the_comments_name_what_exists(text):
+    """The test files the comments point at exist, and the torch floor they state is
+    pyproject's (they once named a moved test and torch >= 2.6)."""
+    import re
+
+    from k8s_image import ROOT, tomllib
+
+    named = re.findall(r"\btests/[\w/]+\.py\b", text)
+    assert named and all((ROOT / path).is_file() for path in named), named
+    floor = re.search(r"mtcore accepts torch >= ([\d.]+)", text)
+    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_range = next(r for r in requirements["dependencies"] if r.startswith("torch"))
+    assert floor and f">={floor[1]}" in torch_range, (floor, torch_range)

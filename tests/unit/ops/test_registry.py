@@ -24,8 +24,13 @@ EXPECTED_PARAMS = {
         "window",
         "dropout_p",
         "dropout_seeds",
+        "query_documents",
+        "key_documents",
     ],
-    "attention_lse": ["q", "k", "v", "causal", "key_padding_mask", "scale", "window"],
+    "attention_lse": [
+        "q", "k", "v", "causal", "key_padding_mask", "scale", "window", "query_documents",
+        "key_documents",
+    ],
     "cross_entropy": ["logits", "target", "ignore_index"],
     "adamw_step": [
         "params",

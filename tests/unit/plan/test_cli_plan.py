@@ -128,3 +128,15 @@ def test_superscript_digits_are_not_counts(capsys):
     assert "--gpus needs a whole number >= 1, got '²'" in capsys.readouterr().err
     assert main(["plan", "configs/default.yaml", "--gpus", "4", "--compare", "tp=²"]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [(["--dp-overlap", "bogus"], "--dp-overlap needs one of mtcore, none, full, got 'bogus'"),
+     (["--grad-reduce-dtype", "fp64"], "--grad-reduce-dtype needs one of fp32, bf16, fp16, got 'fp64'"),
+     (["--compare", "tp2,dp_overlap=bogus", "dp4"], "dp_overlap='bogus': give one of mtcore, none, full"),
+     (["--compare", "tp2,grad_dtype=fp64", "dp4"], "grad_dtype='fp64': give one of fp32, bf16, fp16")],
+)  # fmt: skip
+def test_a_bad_option_is_named_as_it_was_typed(capsys, args, said):
+    assert main(["plan", DEFAULT, "--gpus", "4", "--hardware", "cpu-host", *args]) == 2
+    assert capsys.readouterr().err.strip() == f"mtcore plan: error: {said}"

@@ -223,3 +223,69 @@ def test_zero_stage_and_its_older_spelling():
         ConfigError, match=r"onebit_adam cannot run with parallel\.zero1 \(zero >= 1\)"
     ):
         validate({"parallel": {"zero": 2}, "optimizer": {"name": "onebit_adam"}})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--model.moe", "{num_experts: 4, ffn_size: 8, routed_scale: .inf}"],
+         r"model\.moe\.routed_scale: Input should be a finite number"),
+        (["--model.moe", "{num_experts: 4, ffn_size: 8, capacity_factor: .inf}"],
+         r"model\.moe\.capacity_factor: Input should be a finite number"),
+        (["--model.moe", "{num_experts: 4, ffn_size: 8, aux_loss_coeff: .nan}"],
+         r"model\.moe\.aux_loss_coeff: Input should be a finite number"),
+        (["--model.moe", "{num_experts: 4, ffn_size: 8, z_loss_coeff: .inf}"],
+         r"model\.moe\.z_loss_coeff: Input should be a finite number"),
+        (["--model.moe", "{num_experts: 4, ffn_size: 8, bias_update_rate: .inf}"],
+         r"model\.moe\.bias_update_rate: Input should be a finite number"),
+        (["--model.mla", "{kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
+                         "v_head_dim: 8, latent_norm_eps: .inf}"],
+         r"model\.mla\.latent_norm_eps: Input should be a finite number"),
+        (["--model.mla", "{kv_lora_rank: true, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
+                         "v_head_dim: 8}"],
+         r"model\.mla\.kv_lora_rank: must be an integer, not a boolean"),
+        (["--model.mtp", "{depth: 1, loss_weight: .inf}"],
+         r"model\.mtp\.loss_weight: Input should be a finite number"),
+        (["--model.mtp", "{depth: true}"], r"model\.mtp\.depth: must be an integer, not a boolean"),
+        (["--model.rope_scaling", "{factor: .nan}"],
+         r"model\.rope_scaling\.factor: Input should be a finite number"),
+    ],
+)
+def test_settings_nested_in_the_model_refuse_inf_nan_and_booleans(overrides, message):
+    """The model's nested settings (MoE, MLA, MTP, RoPE scaling) are as strict as the
+    top-level sections: an infinite routed scale or capacity factor, a NaN loss
+    coefficient, ``kv_lora_rank: true`` are one line, not a traceback on a rank."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_every_settings_model_of_a_config_is_strict():
+    """Every pydantic model a config can hold (the sections, each family's config and
+    what is nested in them) refuses inf/NaN and booleans for numbers: it is a ``Section``
+    or a ``Settings``. A new nested model that is a plain BaseModel fails here."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from mtcore.distributed.settings import Settings
+    from mtcore.models import family_names, get_family
+    from mtcore.training.config import DataSection, Section
+
+    seen, todo = set(), [TrainConfig, *(get_family(name).config for name in family_names())]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        for field in cls.model_fields.values():
+            stack = [field.annotation]
+            while stack:
+                annotation = stack.pop()
+                stack.extend(typing.get_args(annotation))
+                if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                    todo.append(annotation)
+    loose = [cls.__qualname__ for cls in seen - {TrainConfig}
+             if not issubclass(cls, Settings | Section | DataSection)
+             or cls.model_config.get("allow_inf_nan") is not False]  # fmt: skip
+    assert not loose, loose
+    assert len(seen) > 12, sorted(c.__qualname__ for c in seen)

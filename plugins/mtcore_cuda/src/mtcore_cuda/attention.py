@@ -8,9 +8,11 @@ gradient. The op takes no mask, head dims that are multiples of 8 up to 256, and
 fp16/bf16 on compute capability 8.0 or newer. The LSE's gradient rides 8 extra head-dim
 columns in backward (``mtcore.ops.flash_lse``), so the head dim is at most 248. A block
 with a padding mask, a sliding window (this op has no window argument; torch's varlen
-``_flash_attention_forward`` has one, not wired), or causal with fewer queries than
-keys, goes to the reference (the op's causal mask would be the top-left one; the
-contract's is bottom-right).
+``_flash_attention_forward`` has one, not wired), document ids (the varlen op's
+``cu_seqlens`` would serve them: not wired, no GPU here could test it), or causal with
+fewer queries than keys, goes to the reference (the op's causal mask would be the
+top-left one; the contract's is bottom-right). The ``attention`` op with document ids
+goes through SDPA with a bool mask (``mtcore.ops.torch_native.sdpa_attention``).
 """
 
 from __future__ import annotations
@@ -44,11 +46,15 @@ def _backward(grad_out, q, k, v, out, lse, state, is_causal, mask, scale):
 CUDA_FLASH = FlashKernels(_forward, _backward, mask=None, head_pad=_PAD)
 
 
-def flash_lse_ok(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None) -> bool:
+def flash_lse_ok(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, query_documents=None,
+    key_documents=None,
+) -> bool:  # fmt: skip
     d = q.shape[-1]
     return (
         key_padding_mask is None
         and window is None
+        and query_documents is None
         and (not causal or q.shape[2] == k.shape[2])
         and v.shape[-1] == d
         and d % _PAD == 0
@@ -56,7 +62,13 @@ def flash_lse_ok(q, k, v, causal=True, key_padding_mask=None, scale=None, window
     )
 
 
-def cuda_flash_attention_lse(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None):
-    """``mtcore.ops.attention_lse`` through torch's CUDA flash-attention kernel (no
-    window: ``flash_lse_ok`` sends windowed blocks to the reference)."""
-    return flash_attention_lse(CUDA_FLASH, q, k, v, causal, key_padding_mask, scale, window)
+def cuda_flash_attention_lse(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, query_documents=None,
+    key_documents=None,
+):  # fmt: skip
+    """``mtcore.ops.attention_lse`` through torch's CUDA flash-attention kernel (no window,
+    no document ids: ``flash_lse_ok`` sends those blocks to the reference)."""
+    return flash_attention_lse(
+        CUDA_FLASH, q, k, v, causal, key_padding_mask, scale, window, query_documents,
+        key_documents,
+    )  # fmt: skip

@@ -17,7 +17,12 @@ import torch.nn.functional as F
 from mtcore.backend import KernelImpl, KernelQuery, TorchModuleDevice
 from mtcore.ops import torch_native
 from mtcore.ops.flash_lse import FlashKernels, default_scale, flash_attention_lse
-from mtcore_musa.attention_scale import attention_ok, sdpa_honours_scale
+from mtcore_musa.attention_scale import (
+    attention_ok,
+    flash_head_dims_ok,
+    musa_sdpa_attention,
+    sdpa_honours_scale,
+)
 from mtcore_musa.devices import MUDNN_MIN_CAPABILITY, TORCH_MUSA
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -25,31 +30,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # -- attention ------------------------------------------------------------------------
-def flash_head_dims_ok(q, k, v, *args, **kwargs) -> bool:
-    """Head sizes muDNN flash attention takes (csrc/aten/ops/attention/mudnn/SDPUtils.h,
-    ``check_musa_attention_input``): qk and v <= 128, or (qk, v) = (192, 128) / (160, 160).
-    Other sizes would run SDPA's math path on the device; the reference serves them.
-    """
-    qk, vd = q.shape[-1], v.shape[-1]
-    return (qk <= 128 and vd <= 128) or (qk, vd) in ((192, 128), (160, 160))
-
-
-# SDPA's ``scale`` on musa (csrc/aten/ops/attention/mudnn/SDP.cpp, ``CheckScale`` and
-# ``MaybeSetScale``, flash and math paths alike): a build with MUSA >= 4.2 passes it to
-# muDNN; an older build raises "Not support explicit `scale` parameter" unless it equals
-# 1/sqrt(head dim) (then it warns and ignores it); a build whose REAL_MUSA_VERSION is
-# undefined ignores it silently, so attention runs with the default scale. The default
-# is sent as None; another (T5's 1.0, MLA's mscale) only where a probe found the build
-# honours it (attention_scale.py), else it goes to the reference.
-def musa_sdpa_attention(
-    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None,
-):  # fmt: skip
-    """``mtcore.ops.attention`` through SDPA on musa: the default scale as None (see
-    above), another only where the build honours it (``attention_scale``); a sliding
-    window reaches muDNN as a banded bool mask (it takes no window of its own)."""
-    scale = None if default_scale(q, scale) else scale
-    return torch_native.sdpa_attention(q, k, v, causal, key_padding_mask, scale, window)
+# SDPA (``attention``) on musa: mtcore_musa.attention_scale.
 
 
 # attention_lse (context parallelism's per-block attention) through muDNN flash, whose
@@ -89,7 +70,10 @@ MUSA_FLASH = FlashKernels(_flash_forward, _flash_backward, "bool", _LSE_PAD, tak
 _LSE_MIN_HEAD_DIM = 64
 
 
-def flash_lse_ok(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None) -> bool:
+def flash_lse_ok(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, query_documents=None,
+    key_documents=None,
+) -> bool:  # fmt: skip
     """Same head dims for q, k and v (the padding widens them together), at least 64,
     at most 128 once padded, and the default scale."""
     d = q.shape[-1]
@@ -101,10 +85,16 @@ def flash_lse_ok(q, k, v, causal=True, key_padding_mask=None, scale=None, window
     )
 
 
-def musa_flash_attention_lse(q, k, v, causal=True, key_padding_mask=None, scale=None, window=None):
-    """``mtcore.ops.attention_lse`` through muDNN flash attention (a window as part of
-    its bool mask)."""
-    return flash_attention_lse(MUSA_FLASH, q, k, v, causal, key_padding_mask, scale, window)
+def musa_flash_attention_lse(
+    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, query_documents=None,
+    key_documents=None,
+):  # fmt: skip
+    """``mtcore.ops.attention_lse`` through muDNN flash attention (a window and document
+    ids as part of its bool mask)."""
+    return flash_attention_lse(
+        MUSA_FLASH, q, k, v, causal, key_padding_mask, scale, window, query_documents,
+        key_documents,
+    )  # fmt: skip
 
 
 # Not used, on purpose (docs/musa.md, section 7):

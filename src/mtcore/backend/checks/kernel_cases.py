@@ -259,7 +259,50 @@ def _cases_attention() -> list[Case]:
             _attn(56, 1, 2, 2, 5, 11, 8),
             {"window": 3, "key_padding_mask": Fixed(first_masked_long)},
         ),
+        *_cases_attention_documents(),
     ]
+
+
+def _documents(*lengths_per_row: tuple[int, ...]) -> torch.Tensor:
+    """Document ids ``[rows, sum(lengths)]`` of packed samples, one row per tuple."""
+    rows = [
+        torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        for lengths in lengths_per_row
+    ]
+    return torch.stack(rows)
+
+
+def _cases_attention_documents() -> list[Case]:
+    """Packed samples with document boundaries: a kernel that ignores them lets queries
+    see the documents before their own and fails every one of these."""
+    square = _documents((4, 3, 6), (1, 11, 1))
+    decode = _documents((3, 5, 3))  # 11 keys; the last 5 are the queries (a cache)
+    return [
+        Case(
+            "causal-documents-gqa-2x4/2x13x16",
+            _attn(60, 2, 4, 2, 13, 13, 16),
+            {"query_documents": Fixed(square), "key_documents": Fixed(square)},
+        ),
+        Case(
+            "noncausal-documents-padding-1x2x9x8",
+            _attn(62, 1, 2, 2, 9, 9, 8),
+            {"causal": False, "key_padding_mask": Fixed(_first_keys(9, 7)),
+             "query_documents": Fixed(_documents((2, 5, 2))),
+             "key_documents": Fixed(_documents((2, 5, 2)))},
+        ),
+        Case(
+            "causal-documents-window4-1x2x5/11x8",
+            _attn(64, 1, 2, 2, 5, 11, 8),
+            {"window": 4, "query_documents": Fixed(decode[:, -5:]),
+             "key_documents": Fixed(decode)},
+        ),
+    ]
+
+
+def _first_keys(total: int, kept: int) -> torch.Tensor:
+    mask = torch.zeros(1, total, dtype=torch.bool)
+    mask[0, :kept] = True
+    return mask
 
 
 def _cases_attention_with_dropout() -> list[Case]:

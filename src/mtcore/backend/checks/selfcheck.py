@@ -9,15 +9,20 @@ rank order, uneven sizes). A kernel 1% off, or an FP8 path that ignores its scal
 stops the job in one line naming the op and the plugin.
 
 Kernel results are cached per machine: the key names the backend, its device, the
-dtype, torch's and mtcore's versions, and every selected implementation with its
-plugin's version, so a new plugin release, driver-visible device or torch is
-checked anew. ``mtcore doctor`` shows the last results; ``training.self_check:
-false`` skips the check.
+dtype, torch's and mtcore's versions, every selected implementation with its
+plugin's version, and a digest of the code of the packages those implementations
+come from (their ``.py``, ``.c`` and compiled files), so an edit to a plugin installed
+with ``pip install -e`` is checked anew as a new release, device or torch is. Each
+saved result carries a digest of itself and its key: an entry edited by hand (a
+"passed" written in) is not trusted, the check runs again. ``mtcore doctor`` shows
+the last results; ``training.self_check: false`` skips the check.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import time
@@ -76,7 +81,7 @@ def key_of(backend, dtype: torch.dtype) -> str:
             return "?"
 
     impls = sorted(
-        (impl.op, impl.name, impl.plugin, release(getattr(impl.fn, "__module__", "") or ""))
+        (impl.op, impl.name, impl.plugin, release(_module(impl)), code_digest(_module(impl)))
         for impl in selected(backend, dtype)
     )
     capability = backend.device.capabilities()
@@ -89,6 +94,68 @@ def key_of(backend, dtype: torch.dtype) -> str:
         "impls": impls,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _module(impl) -> str:
+    return getattr(impl.fn, "__module__", "") or ""
+
+
+# The files whose bytes can change what a kernel computes.
+_CODE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".cu", ".so", ".pyd")
+
+
+@functools.cache
+def code_digest(module: str) -> str:
+    """A digest of the code of ``module``'s top-level package (every file of it that can
+    change what its kernels compute), or of the module's own file when it is not in a
+    package; "?" when neither can be found. Read once per process (a few ms for mtcore)."""
+    top = module.split(".")[0]
+    try:
+        spec = importlib.util.find_spec(top) if top else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return "?"
+    if spec.submodule_search_locations:
+        files = [
+            path
+            for root in spec.submodule_search_locations
+            for path in Path(root).rglob("*")
+            if path.suffix in _CODE_SUFFIXES and "__pycache__" not in path.parts
+        ]
+        base = None
+    elif spec.origin and Path(spec.origin).is_file():
+        files, base = [Path(spec.origin)], Path(spec.origin).parent
+    else:
+        return "?"
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        root = base or next(Path(r) for r in spec.submodule_search_locations if path.is_relative_to(r))
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        try:
+            digest.update(path.read_bytes())
+        except OSError:
+            digest.update(b"unreadable")
+    return digest.hexdigest()[:16]
+
+
+def _seal(key: str, fields: dict) -> str:
+    """The digest a saved result carries of its key and contents."""
+    body = json.dumps({"key": key, **fields}, sort_keys=True).encode()
+    return hashlib.sha256(body).hexdigest()
+
+
+def _load(path: Path, key: str | None = None) -> SelfCheck | None:
+    """The result saved at ``path`` if it is intact (and for ``key`` when given)."""
+    try:
+        saved = json.loads(path.read_text())
+        seal = saved.pop("seal")
+        result = SelfCheck(**saved)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if seal != _seal(result.key, asdict(result)) or (key is not None and result.key != key):
+        return None  # edited by hand, or a result for other code: not trusted
+    return result
 
 
 def check_kernels(backend, dtype: torch.dtype) -> SelfCheck:
@@ -124,16 +191,17 @@ def cached_check(
 ) -> tuple[SelfCheck, bool]:
     """``(result, from_cache)``: a cached result for this key, else a fresh check (saved)."""
     directory = directory or cache_dir()
-    path = directory / f"{backend.name}-{key_of(backend, dtype)}.json"
-    try:
-        return SelfCheck(**json.loads(path.read_text())), True
-    except (OSError, ValueError, TypeError):
-        pass
+    key = key_of(backend, dtype)
+    path = directory / f"{backend.name}-{key}.json"
+    saved = _load(path, key)
+    if saved is not None:
+        return saved, True
     result = check_kernels(backend, dtype)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(result), indent=1))
+        fields = asdict(result)
+        tmp.write_text(json.dumps({**fields, "seal": _seal(result.key, fields)}, indent=1))
         os.replace(tmp, path)
     except OSError:  # an unwritable cache: the check ran, it just runs again next time
         pass
@@ -141,14 +209,14 @@ def cached_check(
 
 
 def last_results(directory: Path | None = None) -> list[SelfCheck]:
-    """Every cached result, newest first (for ``mtcore doctor``)."""
+    """Every intact cached result, newest first (for ``mtcore doctor``; an entry edited
+    by hand is left out)."""
     directory = directory or cache_dir()
     found = []
     for path in sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            found.append(SelfCheck(**json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
-            continue
+        result = _load(path)
+        if result is not None:
+            found.append(result)
     return found
 
 

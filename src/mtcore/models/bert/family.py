@@ -80,6 +80,8 @@ class BertFamily(ModelFamily):
         from mtcore.models.bert.data import build_pair_data
         from mtcore.models.bert.pair_loader import PairLoader
 
+        data_config.check_plain_text(self.name)
+
         data = build_pair_data(
             data_config, model_config.seq_len, model_config.pair_task, seed=data_config.seed
         )

@@ -245,8 +245,18 @@ def copy_tokenizer(
 ) -> None:
     """``tokenizer_json`` into ``out`` with a ``tokenizer_config.json`` that loads it as a
     fast tokenizer; ``settings``: the family's entries (special tokens,
-    ``split_special_tokens``...), in order."""
+    ``split_special_tokens``...), in order.
+
+    A chat tokenizer (a ``tokenizer_config.json`` beside ``tokenizer_json``, as a
+    ``data.format: chat`` checkpoint holds: its chat template, its end-of-turn eos)
+    keeps its own settings over the family's, and its special tokens written in a
+    prompt stay tokens (no ``split_special_tokens``): the template renders them as text."""
     shutil.copyfile(tokenizer_json, out / TOKENIZER)
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     tok_config["model_max_length"] = model_max_length
+    beside = Path(tokenizer_json).parent / TOKENIZER_CONFIG
+    if beside.is_file():
+        chat = json.loads(beside.read_text())
+        settings = {k: v for k, v in settings.items() if k != "split_special_tokens"}
+        settings = {**settings, **{k: v for k, v in chat.items() if k != "model_max_length"}}
     write_json(out / TOKENIZER_CONFIG, {**tok_config, **settings})

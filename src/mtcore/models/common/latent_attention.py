@@ -37,8 +37,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtcore.models.common.latent_spec import MLASpec, softmax_scale
-from mtcore.models.common.layers import Context, Norm, linear_kwargs, out_std
-from mtcore.parallel.context import context_attention
+from mtcore.models.common.layers import (
+    Context,
+    Norm,
+    attention_documents,
+    linear_kwargs,
+    out_std,
+    rope_rows,
+    rotate,
+)
+from mtcore.parallel.context import DocumentIds, context_attention
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -108,23 +116,27 @@ class LatentAttention(nn.Module):
         return q.view(*q.shape[:2], self.heads, self.spec.qk_head_dim)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, cache: dict | None = None
-    ) -> Tensor:
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, cache: dict | None = None,
+        documents: DocumentIds | None = None,
+    ) -> Tensor:  # fmt: skip
         """``cache``: a decoding cache, one dict per layer as ``Attention``'s (the rope
         tables then start at ``x``'s first position). MLA keeps, per token, the normed
         latent (``"latent"``, ``[b, t, kv_lora_rank]``) and the rotated shared rope key
         (``"k_rope"``, ``[b, t, qk_rope_head_dim]``) instead of per-head keys and values,
-        grows them by ``x``'s, and expands all of them through ``kv_up`` each step."""
+        grows them by ``x``'s, and expands all of them through ``kv_up`` each step.
+        ``documents``: packed samples' document ids (``Attention``'s)."""
         spec, c, kernels = self.spec, self.c, self.c.kernels
         q = self.queries(x)
         b, s = q.shape[:2]
-        cos, sin = rope[0][:s], rope[1][:s]
+        cos, sin = rope_rows(rope, s)
         latent, k_rope = self.kv_down(x).split([spec.kv_lora_rank, spec.qk_rope_head_dim], -1)
         latent = self.kv_norm(latent)
         # The shared rope key feeds every local head: its grad sums over tp.
         k_rope = gather_from_sp(k_rope, c.tp) if c.sequence_parallel else copy_to_tp(k_rope, c.tp)
-        k_rope = kernels.rope(k_rope.unsqueeze(2), cos, sin).squeeze(2)
+        k_rope = rotate(kernels, k_rope.unsqueeze(2), cos, sin).squeeze(2)
         if cache is not None:
+            if documents is not None:
+                raise ValueError("a decoding cache holds one sequence: no document ids with it")
             if "latent" in cache:
                 latent = torch.cat([cache["latent"], latent], 1)
                 k_rope = torch.cat([cache["k_rope"], k_rope], 1)
@@ -133,15 +145,19 @@ class LatentAttention(nn.Module):
         kv = self.kv_up(latent).view(b, t, self.heads, -1)
         k_nope, v = kv.split([spec.qk_nope_head_dim, spec.v_head_dim], -1)
         q_nope, q_rope = q.split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], -1)
-        q_rope = kernels.rope(q_rope, cos, sin)
+        q_rope = rotate(kernels, q_rope, cos, sin)
         k_rope = k_rope.unsqueeze(2).expand(b, t, self.heads, -1)
         q = torch.cat([q_nope, q_rope], -1) * self.q_factor
         k = torch.cat([k_nope, k_rope], -1)
         q, k, v = (_pad_last(t, self.attention_dim).transpose(1, 2) for t in (q, k, v))
         if c.cp is not None:
-            attend = functools.partial(context_attention, cp=c.cp, kernels=kernels, causal=True)
+            attend = functools.partial(
+                context_attention, cp=c.cp, kernels=kernels, causal=True, documents=documents
+            )
         else:
-            attend = functools.partial(kernels.attention, causal=True)
+            attend = functools.partial(
+                kernels.attention, causal=True, **attention_documents(documents)
+            )
         if c.config.recompute == "selective":
             y = checkpoint(attend, q, k, v, backend=c.backend)
         else:

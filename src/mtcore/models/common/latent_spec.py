@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from mtcore.distributed.settings import Settings
 
 
-class MLASpec(BaseModel):
+class MLASpec(Settings):
     """The sizes of multi-head latent attention (names as DeepSeek's configs)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     q_lora_rank: int | None = Field(None, ge=1, description="None: a plain query projection")
     kv_lora_rank: int = Field(ge=1)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtcore.ops.attention_dropout import head_seeds
-from mtcore.parallel.context import CPGroup, context_attention, local_positions
+from mtcore.parallel.context import CPGroup, DocumentIds, context_attention, local_positions
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
@@ -185,6 +185,30 @@ class HeadNorm(nn.Module):
         return self.c.kernels.rms_norm(x, weight, self.c.config.norm_eps)
 
 
+def rope_rows(rope: tuple[Tensor, Tensor], length: int) -> tuple[Tensor, Tensor]:
+    """The rope tables of a call's ``length`` tokens: the first rows of shared tables
+    ``[seq, d/2]``, or of per-sample tables ``[b, seq, d/2]`` (positions that restart
+    per document, ``GPT.rope_at``)."""
+    if rope[0].dim() == 3:
+        return rope[0][:, :length], rope[1][:, :length]
+    return rope[0][:length], rope[1][:length]
+
+
+def rotate(kernels, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``kernels.rope`` of ``x [b, s, h, d]``; per-sample tables ``[b, s, d/2]`` fold the
+    batch into the sequence (the op's tables are ``[seq, d/2]``, one row per token)."""
+    if cos.dim() == 2:
+        return kernels.rope(x, cos, sin)
+    b, s = x.shape[:2]
+    folded = kernels.rope(x.reshape(1, b * s, *x.shape[2:]), cos.flatten(0, 1), sin.flatten(0, 1))
+    return folded.view(x.shape)
+
+
+def attention_documents(documents: DocumentIds | None) -> dict:
+    """The attention op's document arguments (none without documents)."""
+    return documents.kernel_args() if documents is not None else {}
+
+
 class Attention(nn.Module):
     """Self-attention with grouped-query heads; this rank holds heads / tp of them.
 
@@ -196,6 +220,7 @@ class Attention(nn.Module):
     by the local sequence (the family takes its rows at ``Context.positions``). A
     config's ``sliding_window`` (Mistral's) shorter than ``seq_len`` limits each query to
     that many keys ending at its own position; a longer one hides nothing and is not passed.
+    ``documents`` (packed samples, ``DocumentIds``) limits each query to its own document.
     """
 
     def __init__(self, c: Context, generator: torch.Generator, causal: bool = True):
@@ -226,6 +251,7 @@ class Attention(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         key_padding_mask: Tensor | None = None,
         cache: dict | None = None,
+        documents: DocumentIds | None = None,
     ) -> Tensor:
         """``cache``: a decoding cache (one dict per layer, the design of T5's decoder):
         the keys and values of the tokens before ``x``, grown here by ``x``'s. The rope
@@ -241,11 +267,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            cos, sin = rope[0][:s], rope[1][:s]
-            q, k = self.c.kernels.rope(q, cos, sin), self.c.kernels.rope(k, cos, sin)
+            cos, sin = rope_rows(rope, s)
+            q, k = rotate(self.c.kernels, q, cos, sin), rotate(self.c.kernels, k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, heads, s, d]
         v = v.view(b, s, self.kv_heads, self.d).transpose(1, 2)
         if cache is not None:
+            if documents is not None:
+                raise ValueError("a decoding cache holds one sequence: no document ids with it")
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
             cache.update(k=k, v=v)
@@ -255,12 +283,12 @@ class Attention(nn.Module):
                 raise ValueError("attention_dropout > 0 under context parallelism is not built")
             attend = functools.partial(
                 context_attention, cp=self.c.cp, kernels=self.c.kernels, causal=self.causal,
-                key_padding_mask=key_padding_mask, window=self.window,
+                key_padding_mask=key_padding_mask, window=self.window, documents=documents,
             )  # fmt: skip
         else:
             attend = functools.partial(
                 self.c.kernels.attention, causal=self.causal, key_padding_mask=key_padding_mask,
-                window=self.window, **dropout,
+                window=self.window, **dropout, **attention_documents(documents),
             )  # fmt: skip
         if self.c.config.recompute == "selective":
             y = checkpoint(attend, q, k, v, backend=self.c.backend)

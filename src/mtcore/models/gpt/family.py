@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from mtcore.models.common.decoder.model import GPT
 
 HF = "mtcore.models.gpt.hf"
+HF_LORA = "mtcore.models.common.decoder.hf_lora"
 MEGATRON = "mtcore.models.gpt.megatron.ranks"
 
 
@@ -43,7 +44,13 @@ class GPTFamily(ModelFamily):
     checkpoint_aliases = MappingProxyType(
         {"output.weight": "embed.tok.weight", "mtp_embed.tok.weight": "embed.tok.weight"}
     )
-    hf = HFAdapter(MODEL_TYPES, imported_on_call(HF, "import_hf"), imported_on_call(HF, "export_hf"))
+    hf = HFAdapter(
+        MODEL_TYPES,
+        imported_on_call(HF, "import_hf"),
+        imported_on_call(HF, "export_hf"),
+        export_adapter=imported_on_call(HF_LORA, "export_peft"),
+        import_adapter=imported_on_call(HF_LORA, "import_peft"),
+    )
     megatron = MegatronAdapter(
         model_config_from_megatron,
         megatron_args,

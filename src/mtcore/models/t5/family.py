@@ -72,6 +72,8 @@ class T5Family(ModelFamily):
         """Span-corrupted pieces of the documents (``data.py``)."""
         from mtcore.models.t5.data import SpanLoader, build_span_data
 
+        data_config.check_plain_text(self.name)
+
         m = model_config
         data = build_span_data(
             data_config, m.seq_len, m.decoder_seq_len, m.noise_density, m.mean_span_length

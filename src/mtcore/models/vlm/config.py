@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from mtcore.distributed.layout import LayoutError, LayoutSpec, reject_bool_numbers
+from mtcore.distributed.layout import LayoutError, LayoutSpec
+from mtcore.distributed.settings import Settings
 from mtcore.models.common.decoder.config import DecoderConfig
 from mtcore.models.vlm.image_samples import ImageDataConfig
 
@@ -39,11 +40,8 @@ _VISION_STRUCTURE = (
 )  # fmt: skip
 
 
-class VisionConfig(BaseModel):
+class VisionConfig(Settings):
     """A ViT: sizes and switches (the shared blocks read the usual field names)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
 
     image_size: int = Field(32, ge=1)
     patch_size: int = Field(8, ge=1)

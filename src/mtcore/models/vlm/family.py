@@ -74,6 +74,8 @@ class LlavaFamily(ModelFamily):
         """Image-text records, or the embedded shapes (``data.py``)."""
         from mtcore.models.vlm.data import ImageTextLoader, build_image_text_data
 
+        data_config.check_plain_text(self.name)
+
         data = build_image_text_data(
             data_config,
             model_config.seq_len,

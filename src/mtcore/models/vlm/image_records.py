@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from mtcore.data.cache import DataError
+from mtcore.data.corpus import read_utf8
 from mtcore.data.tokenizer import Tokenizer
 from mtcore.models.vlm.image_samples import (
     IGNORE_INDEX,
@@ -95,7 +96,7 @@ def read_records(files: list[Path]) -> list[tuple[str, Path, Any]]:
     """(file:line, the file's directory, the parsed object or a ValueError) per line."""
     out = []
     for f in files:
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(read_utf8(f).splitlines(), 1):
             if not line.strip():
                 continue
             try:

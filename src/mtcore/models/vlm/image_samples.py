@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from mtcore.data.cache import DataError
 from mtcore.data.tokenizer import Tokenizer
-from mtcore.distributed.layout import reject_bool_numbers
+from mtcore.distributed.settings import Settings
 from mtcore.models.vlm.images import CLIP_MEAN, CLIP_STD, to_pixels
 
 IMAGE_TOKEN = "<image>"
@@ -22,11 +22,8 @@ _USER_ROLES, _ASSISTANT_ROLES = ("human", "user"), ("gpt", "assistant")
 _SMALLEST_STD = float(np.finfo(np.float32).tiny)  # below it, 1 / std overflows float32
 
 
-class ImageDataConfig(BaseModel):
+class ImageDataConfig(Settings):
     """How images become pixels and records become samples (the ``model.images`` section)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
 
     mean: tuple[float, float, float] = CLIP_MEAN
     std: tuple[float, float, float] = CLIP_STD

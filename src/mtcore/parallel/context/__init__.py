@@ -14,6 +14,7 @@ from mtcore.parallel.context.comm import (
     heads_to_sequence,
     sequence_to_heads,
 )
+from mtcore.parallel.context.documents import DocumentIds
 from mtcore.parallel.context.group import (
     METHOD_COLLECTIVES,
     METHODS,
@@ -37,6 +38,7 @@ __all__ = [
     "METHODS",
     "METHOD_COLLECTIVES",
     "CPGroup",
+    "DocumentIds",
     "a2a_attention",
     "allgather_attention",
     "broadcast_from_first",

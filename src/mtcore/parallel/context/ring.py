@@ -34,6 +34,7 @@ from torch import Tensor
 
 from mtcore.backend.collective import P2P
 from mtcore.ops import merge_attention
+from mtcore.parallel.context.documents import DocumentIds, kernel_documents
 from mtcore.parallel.context.group import CPGroup, chunk_ids
 from mtcore.parallel.context.window import windowed_chunks_lse
 
@@ -53,19 +54,28 @@ def _plan(step: int, cp: CPGroup, causal: bool, length: int, window) -> tuple[sl
     return slice(half, length), _ALL, False
 
 
-def _block_lse(q, k, v, causal: bool, mask, step: int, cp: CPGroup, window, kernels):
-    """``(out, lse)`` of one step's block (q, k, v already sliced by ``_plan``)."""
+def _block_lse(q, k, v, causal: bool, mask, step: int, cp: CPGroup, window, kernels, ids):
+    """``(out, lse)`` of one step's block (q, k, v already sliced by ``_plan``; ``ids``
+    the block's (query, key) document ids or (None, None))."""
     if window is None:
-        return kernels.attention_lse(q, k, v, causal, mask)
+        return kernels.attention_lse(q, k, v, causal, mask, **kernel_documents(*ids))
     src = (cp.rank - step) % cp.size
     mine, theirs = chunk_ids(cp.size, cp.rank), chunk_ids(cp.size, src)
-    return windowed_chunks_lse(q, k, v, mask, mine, theirs, window, kernels)
+    return windowed_chunks_lse(q, k, v, mask, mine, theirs, window, kernels, *ids)
 
 
-def _block_mask(mask: Tensor | None, src: int, length: int, keys: slice) -> Tensor | None:
-    if mask is None:
+def _block_keys(keys_of_all: Tensor | None, src: int, length: int, keys: slice):
+    """The key padding mask's or the key document ids' part for one step's block:
+    rank ``src``'s tokens (cp order), sliced by ``_plan``'s key slice."""
+    if keys_of_all is None:
         return None
-    return mask[:, src * length : (src + 1) * length][:, keys]
+    return keys_of_all[:, src * length : (src + 1) * length][:, keys]
+
+
+def _block_ids(documents: DocumentIds | None, src: int, length: int, rows: slice, keys: slice):
+    if documents is None:
+        return None, None
+    return documents.queries[:, rows], _block_keys(documents.keys, src, length, keys)
 
 
 def _rotate(cp: CPGroup, tensor: Tensor) -> tuple[Tensor, list]:
@@ -95,7 +105,7 @@ class RingAttention(torch.autograd.Function):
     """``(q, k, v)`` of the local sequence -> attention over the whole sequence."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, key_mask, cp: CPGroup, kernels, window):
+    def forward(ctx, q, k, v, causal: bool, key_mask, cp: CPGroup, kernels, window, documents):
         b, hq, length, d = q.shape
         acc = torch.promote_types(q.dtype, torch.float32)
         out = q.new_zeros((b, hq, length, d), dtype=acc)
@@ -111,7 +121,8 @@ class RingAttention(torch.autograd.Function):
             _note(cp, "compute", step)
             o, o_lse = _block_lse(
                 q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], block_causal,
-                _block_mask(key_mask, src, length, keys), step, cp, window, kernels,
+                _block_keys(key_mask, src, length, keys), step, cp, window, kernels,
+                _block_ids(documents, src, length, rows, keys),
             )  # fmt: skip
             out[:, :, rows], lse[:, :, rows] = merge_attention(
                 out[:, :, rows], lse[:, :, rows], o, o_lse
@@ -120,12 +131,14 @@ class RingAttention(torch.autograd.Function):
                 kv = _wait(cp, pending, "wait", step + 1)
         ctx.save_for_backward(q, k, v, out, lse, key_mask)
         ctx.causal, ctx.cp, ctx.kernels, ctx.window = causal, cp, kernels, window
+        ctx.documents = documents  # integer ids: no gradient, kept as they are
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, key_mask = ctx.saved_tensors
         cp, causal, kernels, window = ctx.cp, ctx.causal, ctx.kernels, ctx.window
+        documents = ctx.documents
         length, acc = q.shape[2], out.dtype
         dout = dout.to(acc)
         dq = torch.zeros_like(q, dtype=acc)
@@ -147,8 +160,8 @@ class RingAttention(torch.autograd.Function):
                 kb = kv[0][:, :, keys].detach().requires_grad_()
                 vb = kv[1][:, :, keys].detach().requires_grad_()
                 o, o_lse = _block_lse(
-                    qb, kb, vb, block_causal, _block_mask(key_mask, src, length, keys),
-                    step, cp, window, kernels,
+                    qb, kb, vb, block_causal, _block_keys(key_mask, src, length, keys),
+                    step, cp, window, kernels, _block_ids(documents, src, length, rows, keys),
                 )  # fmt: skip
                 # The merged output is sum_j w_j o_j with w_j = exp(lse_j - lse): o_j gets
                 # w_j dO, and lse_j gets w_j <dO, o_j - O> (the softmax normalisation).
@@ -171,14 +184,18 @@ class RingAttention(torch.autograd.Function):
         # One last hop brings this rank its own block's dK/dV.
         dkv = _wait(cp, dkv_pending, "wait dkv", cp.size - 1)
         grads = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
-def ring_attention(q, k, v, causal: bool, key_mask, cp: CPGroup, kernels, window=None) -> Tensor:
+def ring_attention(
+    q, k, v, causal: bool, key_mask, cp: CPGroup, kernels, window=None,
+    documents: DocumentIds | None = None,
+) -> Tensor:  # fmt: skip
     """Attention of the local queries over the whole sequence's keys, K/V in a ring.
 
     q ``[b, hq, S/cp, d]``, k/v ``[b, hkv, S/cp, d]`` (local sequence); ``key_mask``
-    ``[b, S]`` in cp order or None; ``window``: sliding window (causal only) or None.
+    ``[b, S]`` in cp order or None; ``window``: sliding window (causal only) or None;
+    ``documents``: the tokens' document ids (``DocumentIds``) or None.
     Returns ``[b, hq, S/cp, d]``.
     """
-    return RingAttention.apply(q, k, v, causal, key_mask, cp, kernels, window)
+    return RingAttention.apply(q, k, v, causal, key_mask, cp, kernels, window, documents)

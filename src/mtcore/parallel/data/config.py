@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from mtcore.distributed.settings import Settings
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-Core's default
 
 
-class DataParallelConfig(BaseModel):
+class DataParallelConfig(Settings):
     """bucket_size: elements per bucket (a bucket closes once it reaches this).
 
     shard_optimizer: reduce-scatter gradients for a ZeRO-1 optimizer instead of
@@ -19,8 +21,6 @@ class DataParallelConfig(BaseModel):
     ``shard_optimizer``); its buckets reduce from backward whatever
     ``overlap_grad_reduce`` and ``no_sync`` say.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     bucket_size: int = Field(DEFAULT_BUCKET_SIZE, ge=1)
     shard_optimizer: bool = False

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from mtcore.distributed.layout import reject_bool_numbers
+from mtcore.distributed.settings import Settings
 
 
-class MoESpec(BaseModel):
+class MoESpec(Settings):
     """Settings of one MoE layer (router, dispatch, experts).
 
     num_experts, top_k: routed experts and how many each token picks.
@@ -44,11 +44,6 @@ class MoESpec(BaseModel):
       "alltoall" (one row per assignment), "alltoall_dedup" (one row per token
       and destination rank) or "allgather".
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # ``num_experts: true`` is an error, not one expert.
-    _no_bool_numbers = field_validator("*", mode="before")(reject_bool_numbers)
 
     num_experts: int = Field(ge=1)
     top_k: int = Field(2, ge=1)

@@ -126,6 +126,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             _add_sharded_param(self, "bias", (out_features,), rows, _zeros, None, device, dtype)
         self.fp8 = _fp8_scaling(fp8, tp, device, self, fp8_replicas)
+        self.lora = None  # low-rank adapters (``lora.SectionAdapters``), added by fine-tuning
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:  # FP8: the collectives around the matmul, not overlapped
@@ -134,6 +135,8 @@ class ColumnParallelLinear(nn.Module):
             y = fp8_linear(total, self.weight, self.bias, self.fp8)
         else:
             y = column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
+        if self.lora is not None:
+            y = y + self.lora(x)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -189,6 +192,7 @@ class RowParallelLinear(nn.Module):
             if self.sequence_parallel:
                 mark_sequence_parallel(self, "bias")
         self.fp8 = _fp8_scaling(fp8, tp, device, self, fp8_replicas)
+        self.lora = None  # low-rank adapters (``lora.SectionAdapters``), added by fine-tuning
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
@@ -203,6 +207,8 @@ class RowParallelLinear(nn.Module):
             if self.sequence_parallel
             else reduce_from_tp(y, self.tp, inplace=True)
         )
+        if self.lora is not None:
+            y = y + self.lora(x)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -179,9 +179,10 @@ def kit_backend(config: pytest.Config):
 
         try:
             state.backend = select_backend(state.requested)
-        except BackendError as exc:
+        except BackendError as exc:  # a vendor debugging a plugin wants the frames too
             state.error = str(exc)
-            pytest.exit(f"mtcore conformance: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
+            details = f"\n{exc.tracebacks}" if exc.tracebacks else ""
+            pytest.exit(f"mtcore conformance: {exc}{details}", returncode=pytest.ExitCode.USAGE_ERROR)
     return state.backend
 
 

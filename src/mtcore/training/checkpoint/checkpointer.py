@@ -11,6 +11,11 @@ What a training checkpoint ``<root>/step_<N>/`` holds:
 * ``manifest.json`` (written last, see ``manifest``), and the trainer's extra
   files (``tokenizer.json``, ``config.yaml``).
 
+Under LoRA (``engine.lora``) the tensors are the adapters' alone and the manifest's
+``lora`` names the adapters' config and the base checkpoint (``lora_base``); loading
+such a checkpoint loads that base first. Loading a plain checkpoint into a LoRA engine
+takes its weights as the base (weights only, step 0).
+
 Asynchronous save (``async_save=True``): the state is copied during the call
 (``host_copy``: to host memory, DTensor pieces on their own device), then
 written by a background thread over a separate gloo process group, so it never
@@ -39,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.checkpoint.compat import check_model_matches
 from mtcore.training.checkpoint.engine_state import EngineState
+from mtcore.training.checkpoint.lora_base import init_reference, lora_part
 from mtcore.training.checkpoint.safe_reader import dcp_load, dcp_save, tensor_shapes
 
 TRAINER_STATE = "trainer_state.json"
@@ -107,6 +113,9 @@ class Checkpointer:
         self.backend, self.collective = engine.backend, engine.collective
         self.rank, self.world = self.layout.rank, self.layout.world_size
         self.state = EngineState(engine)
+        self.lora = getattr(engine, "lora", None)
+        # The base a LoRA checkpoint refers to: the initialisation until a load says otherwise.
+        self.base = init_reference(engine.seed) if self.lora is not None else None
         self.keep_last, self.async_save = keep_last, async_save
         self.layout_record = {
             **self.layout.spec.model_dump(mode="json"),
@@ -143,7 +152,8 @@ class Checkpointer:
         root = Path(root).expanduser()  # as resolve_checkpoint and has_checkpoint do
         self.wait()  # one save in flight at a time
         sections = self._gathered_sections()
-        tensors = self.state.save_tensors(optimizer=True)  # collective under ZeRO-1
+        part = "all" if self.lora is None else "adapters"
+        tensors = self.state.save_tensors(optimizer=True, part=part)  # collective under ZeRO-1
         tensors.update(self._rng_tensors())
         incarnation = self.owner.incarnation if self.owner is not None else None
         staging = mf.staging_dir(root, step, incarnation)
@@ -164,6 +174,8 @@ class Checkpointer:
             "sections": sections,
             "run": {"id": self.run_id, "incarnation": incarnation},
         }
+        if self.lora is not None:
+            header["lora"] = {"config": self.lora.model_dump(mode="json"), "base": self.base}
         if self.async_save:
             future = dcp_save(
                 host_copy(tensors),
@@ -310,7 +322,10 @@ class Checkpointer:
         notes = check_model_matches(manifest.get("model_config"), self.engine.config, directory)
         available = tensor_shapes(directory)
         full = manifest.get("kind") == "training" and not finetune
-        targets, apply = self.state.load_targets(available, optimizer=full)
+        part = lora_part(self, directory, manifest)
+        if part == "base":  # a plain checkpoint under LoRA: the frozen weights, nothing else
+            full = False
+        targets, apply = self.state.load_targets(available, optimizer=full, part=part)
         rng_targets = {}
         same_layout = manifest.get("layout") == self.layout_record
         if full and same_layout:

@@ -28,6 +28,10 @@ rectangle of the whole ``[E, ...]`` logical tensor (see ``logical``); the edp
 replicas offer the same rectangle, written once. Their ZeRO-1 state is sharded
 over ``edp`` rather than ``dp_cp`` (``DataParallel.reduction_of``), which the
 gather above follows bucket by bucket.
+
+Under LoRA (``finetune.lora``) a part is picked: ``"adapters"`` (the trainable
+parameters, the only ones a LoRA checkpoint holds, with their optimizer state) or
+``"base"`` (the frozen ones, loaded from the base checkpoint); ``"all"`` otherwise.
 """
 
 from __future__ import annotations
@@ -50,6 +54,13 @@ from mtcore.training.checkpoint.logical import (
 from mtcore.training.checkpoint.manifest import CheckpointError
 
 KINDS = ("exp_avg", "exp_avg_sq", "master")
+PARTS = ("all", "adapters", "base")
+
+
+def _in_part(param: Tensor, part: str) -> bool:
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    return part == "all" or param.requires_grad == (part == "adapters")
 
 
 class _Param:
@@ -136,12 +147,13 @@ class EngineState:
 
     # -- save ---------------------------------------------------------------------------
     @torch.no_grad()
-    def save_tensors(self, optimizer: bool = True) -> dict[str, Tensor]:
-        """Every logical tensor this rank contributes. Collective over dp under ZeRO-1."""
+    def save_tensors(self, optimizer: bool = True, part: str = "all") -> dict[str, Tensor]:
+        """Every logical tensor this rank contributes (of ``part``'s parameters).
+        Collective over dp under ZeRO-1."""
         out: dict[str, Tensor] = {}
         with self.engine.ddp.gathered_params():
             for entry in self.params:
-                if entry.saved:
+                if entry.saved and _in_part(entry.param, part):
                     local = entry.param.detach()
                     if id(entry.param) in self._zero3:  # freed when the gather ends
                         local = local.clone()
@@ -216,12 +228,12 @@ class EngineState:
 
     # -- load ---------------------------------------------------------------------------
     def load_targets(
-        self, available: dict, optimizer: bool
+        self, available: dict, optimizer: bool, part: str = "all"
     ) -> tuple[dict[str, Tensor], Callable[[], None]]:
         """The tensors to hand ``dcp.load`` and the function that applies them afterwards.
 
-        available: ``key -> (shape, dtype)`` of the checkpoint; a parameter missing from it
-        is an error naming it, as is a shape that does not fit this model.
+        available: ``key -> (shape, dtype)`` of the checkpoint; a parameter of ``part``
+        missing from it is an error naming it, as is a shape that does not fit this model.
         """
         targets: dict[str, Tensor] = {}
         plans: list[tuple[Callable[[Tensor], None], list[Piece]]] = []
@@ -243,6 +255,8 @@ class EngineState:
         # ZeRO-3: the pieces are cut from whole params (only their shapes are kept).
         with self.engine.ddp.gathered_params():
             for entry in self.params:
+                if not _in_part(entry.param, part):
+                    continue
                 state = {}
                 if optimizer and entry.param.requires_grad:
                     state = self._param_state(entry, flat)

@@ -15,6 +15,7 @@ rank, a replacement node or a requeued job continues from it whatever
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -99,7 +100,7 @@ class TrainerCheckpoints:
             what = "no commit of this run yet: starting at step 0"
         if run.restart > 0:
             most = run.max_restarts if run.max_restarts is not None else "?"
-            self.say(f"mtcore train: restart {run.restart} of at most {most} (a rank died): {what}")
+            self.say(f"mtcore train: restart {run.restart} of at most {most} (a rank stopped or a node was lost): {what}")
         elif ours and not self.ck.resume:
             self.say(
                 f"checkpoint: the latest commit (step {latest['step']}) is this run's "
@@ -116,6 +117,8 @@ class TrainerCheckpoints:
                 self.config.model_dump(mode="json"), sort_keys=False
             ).encode(),
         }
+        if getattr(self.tokenizer, "chat_config", None):  # a chat template: it travels along
+            files["tokenizer_config.json"] = json.dumps(self.tokenizer.chat_config).encode()
         state = {"data": loader.state_dict()}
         done = self.checkpointer.save(self.ck.dir, step, state, files, self.model_config)
         if final:

@@ -28,7 +28,8 @@ def read_model_weights(path: str | Path) -> tuple[FamilyConfig, dict[str, Tensor
     """``(model config, full fp32 weights named as the family's one-process model, step)``.
 
     Checksums are verified first (a CheckpointError names a bad file). Low-precision
-    training checkpoints give their fp32 master weights. The result is complete: every
+    training checkpoints give their fp32 master weights; a LoRA checkpoint its base's
+    weights with the adapters merged in (``lora_weights``). The result is complete: every
     weight of the recorded model config, of its shape, or a CheckpointError.
     """
     config, weights, step, _ = _read(path)
@@ -38,6 +39,11 @@ def read_model_weights(path: str | Path) -> tuple[FamilyConfig, dict[str, Tensor
 def _read(path) -> tuple[FamilyConfig, dict[str, Tensor], int, Path]:
     directory = mf.resolve_checkpoint(path)
     manifest = mf.read_manifest(directory)
+    if manifest.get("lora") is not None:  # adapters alone: merged into their base
+        from mtcore.training.checkpoint.lora_weights import merge_lora, read_lora_weights
+
+        config, lora, adapters, base = read_lora_weights(directory)
+        return config, merge_lora(config, lora, adapters, base), int(manifest["step"]), directory
     mf.verify_files(directory, manifest)
     config = saved_model_config(manifest.get("model_config"), directory)
     shapes = tensor_shapes(directory)

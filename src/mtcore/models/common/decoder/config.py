@@ -43,9 +43,10 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from mtcore.distributed.layout import LayoutError, LayoutSpec
+from mtcore.distributed.settings import Settings
 from mtcore.models.common.decoder.mtp_spec import MTPSpec
 from mtcore.models.common.latent_spec import MLASpec
 from mtcore.models.common.layout_checks import check_block_split
@@ -88,7 +89,7 @@ _STRUCTURE = (
 _MOE_STRUCTURE = ("num_experts", "ffn_size", "shared_ffn_size", "activation")
 
 
-class RopeScaling(BaseModel):
+class RopeScaling(Settings):
     """RoPE frequency scaling: Llama 3.1's (``rope_type: llama3``) or YaRN (``yarn``).
 
     llama3: wavelengths longer than ``original_max_position_embeddings /
@@ -100,8 +101,6 @@ class RopeScaling(BaseModel):
     from ``mscale``/``mscale_all_dim``, and multi-head latent attention multiplies its
     softmax scale by ``mscale(mscale_all_dim)^2`` (``mtcore.models.common.decoder.rope``).
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     rope_type: Literal["llama3", "yarn"] = "llama3"
     factor: float = Field(gt=0)

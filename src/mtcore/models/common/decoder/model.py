@@ -21,6 +21,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from mtcore.data.documents import DOCUMENTS, POSITIONS
 from mtcore.models.common.chunks import PipelineChunk, build_chunks
 from mtcore.models.common.decoder.config import DecoderConfig
 from mtcore.models.common.decoder.mtp import PredictionModule, mtp_targets, mtp_term, shifted
@@ -29,6 +30,7 @@ from mtcore.models.common.latent_attention import LatentAttention
 from mtcore.models.common.layers import MLP, Attention, Context, Norm, out_std
 from mtcore.models.common.sampling import continue_tokens
 from mtcore.models.family import BuiltModel
+from mtcore.parallel.context import DocumentIds
 from mtcore.parallel.moe import MoELayer
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import (
@@ -69,14 +71,19 @@ class Embedding(nn.Module):
             if c.sequence_parallel:  # each rank adds only its positions
                 mark_sequence_parallel(self, "pos")
 
-    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        """``offset``: the position of the first token (a decoding step after a cache)."""
+    def forward(self, tokens: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """``offset``: the position of the first token (a decoding step after a cache);
+        ``positions``: each token's own ``[b, s]`` (restarting per document) instead."""
         x = self.tok(tokens)  # [b, s, h], or [b, s / tp, h] under sequence parallel
         if self.pos is not None:
             s, start = x.shape[1], offset
             if self.c.sequence_parallel:
                 start = self.c.tp.rank * s
-            x = x + self.pos[self.c.positions(start, s)].to(x.dtype)  # global positions under cp
+            if positions is not None:  # this rank's tokens' (its sequence shard under sp)
+                rows = positions[:, start - offset : start - offset + s]
+            else:
+                rows = self.c.positions(start, s)  # global positions under cp
+            x = x + self.pos[rows].to(x.dtype)
         return self.c.dropout(x, self.training)
 
 
@@ -95,9 +102,11 @@ class Block(nn.Module):
         self.mlp = _moe(c, g) if c.config.is_moe_layer(index) else MLP(c, g)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, cache: dict | None = None
-    ) -> Tensor:
-        x = x + self.c.dropout(self.attn(self.attn_norm(x), rope, cache=cache), self.training)
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, cache: dict | None = None,
+        documents: DocumentIds | None = None,
+    ) -> Tensor:  # fmt: skip
+        attended = self.attn(self.attn_norm(x), rope, cache=cache, documents=documents)
+        x = x + self.c.dropout(attended, self.training)
         return x + self.c.dropout(self.mlp(self.mlp_norm(x)), self.training)
 
 
@@ -183,17 +192,21 @@ class GPT(PipelineChunk):
             if not first:
                 self.mtp_embed = Embedding(c)
                 self.mtp_embed.tok.weight.pipeline_copy = True
-        self.rope = None
+        self.rope = self.rope_tables = None
         if config.position == "rope":  # plain tensors, not buffers: .to(bf16) must not round them
-            self.rope = gpt_rope_tables(config, device=c.device)
+            self.rope = self.rope_tables = gpt_rope_tables(config, device=c.device)
             if c.cp is not None:  # the rows of this rank's tokens (their global positions)
                 rows = c.positions(0, config.seq_len // c.cp.size)
                 self.rope = tuple(table[rows] for table in self.rope)
 
-    def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, targets: Tensor | None = None, documents: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
         """tokens ``[b, s]`` (first chunk) or hidden states -> hidden states, logits
-        ``[b, s, vocab / tp]`` (last chunk), or the mean loss when ``targets`` is given."""
-        x = self.body(x)
+        ``[b, s, vocab / tp]`` (last chunk), or the mean loss when ``targets`` is given.
+        ``documents``, ``positions``: a packed sample's (``mtcore.data.documents``)."""
+        x = self.body(x, documents, positions)
         if not self.last:
             return x
         logits = self.head(self.norm(x))
@@ -202,16 +215,34 @@ class GPT(PipelineChunk):
         total, count = self._cross_entropy(logits, targets)
         return total / count.clamp(min=1)
 
-    def body(self, x: Tensor) -> Tensor:
-        """Tokens (first chunk) or hidden states through this chunk's blocks."""
+    def rope_at(self, positions: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """The rope tables of this rank's tokens: shared ``[s, d/2]`` rows at their global
+        positions, or per-sample ``[b, s, d/2]`` rows at ``positions [b, s]`` (positions
+        restarting per document)."""
+        if self.rope is None or positions is None:
+            return self.rope
+        return self.rope_tables[0][positions], self.rope_tables[1][positions]
+
+    def body(
+        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        """Tokens (first chunk) or hidden states through this chunk's blocks; with the
+        batch's ``documents`` each token attends only its own document."""
+        rope, ids = self.rope_at(positions), self.document_ids(documents)
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, positions=positions)
         for block in self.layers.values():
             if self.config.recompute == "full":
-                x = checkpoint(block, x, self.rope, backend=self.c.backend, tracker=self.c.tracker)
+                x = checkpoint(
+                    block, x, rope, None, ids, backend=self.c.backend, tracker=self.c.tracker
+                )
             else:
-                x = block(x, self.rope)
+                x = block(x, rope, documents=ids)
         return x
+
+    def document_ids(self, documents: Tensor | None) -> DocumentIds | None:
+        """The batch's document ids as attention reads them (gathered once over cp)."""
+        return DocumentIds.of(documents, self.c.cp) if documents is not None else None
 
     def head(self, x: Tensor) -> Tensor:
         """Normed hidden states -> logits ``[b, s, vocab / tp]`` (the output layer, or the
@@ -244,13 +275,15 @@ class GPT(PipelineChunk):
         """``{"hidden"}`` from the previous stage (or ``batch["tokens"]`` on the first)
         -> ``{"hidden"}`` for the next, or ``{"logits"}`` on the last (and each
         multi-token-prediction module's ``{"mtp_k"}`` logits)."""
-        x = self.body(batch["tokens"] if self.first else inputs["hidden"])
+        documents, positions = batch.get(DOCUMENTS), batch.get(POSITIONS)
+        x = self.body(batch["tokens"] if self.first else inputs["hidden"], documents, positions)
         if not self.last:
             return {"hidden": x}
         out = {"logits": self.head(self.norm(x))}
         embed = self.embed if self.embed is not None else self.mtp_embed
+        rope, ids = self.rope_at(positions), self.document_ids(documents)
         for k, module in enumerate(self.mtp or (), start=1):
-            x = module(x, embed(shifted(batch["tokens"], k, 0)), self.rope)
+            x = module(x, embed(shifted(batch["tokens"], k, 0), positions=positions), rope, ids)
             out[mtp_term(k)] = self.head(module.norm(x))
         return out
 

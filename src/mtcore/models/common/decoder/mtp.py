@@ -58,8 +58,9 @@ class PredictionModule(nn.Module):
         self.block = block
         self.norm = Norm(c)
 
-    def forward(self, hidden: Tensor, ahead: Tensor, rope) -> Tensor:
+    def forward(self, hidden: Tensor, ahead: Tensor, rope, documents=None) -> Tensor:
         """``hidden [b, s, h]`` (the previous module's) and ``ahead`` (the embeddings of the
-        tokens ``k`` places ahead) -> this module's hidden states (before ``norm``)."""
+        tokens ``k`` places ahead) -> this module's hidden states (before ``norm``);
+        ``documents``: the batch's ``DocumentIds`` (packed samples) or None."""
         x = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(ahead)], dim=-1))
-        return self.block(x, rope)
+        return self.block(x, rope, documents=documents)

@@ -3,13 +3,13 @@ them without torch."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from mtcore.distributed.settings import Settings
 
 
-class MTPSpec(BaseModel):
+class MTPSpec(Settings):
     """``depth`` prediction modules; their losses weigh ``loss_weight`` in all."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     depth: int = Field(1, ge=1)
     loss_weight: float = Field(0.3, gt=0.0)
