@@ -72,6 +72,7 @@ def build(case: dict, seed: int):
         num_query_groups=case.get("num_query_groups"), ffn_hidden_size=case["ffn_hidden_size"],
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         init_method_std=0.05, hidden_dropout=0.0, attention_dropout=0.0,
+        layernorm_epsilon=case.get("norm_epsilon", 1e-5),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         normalization=norm, gated_linear_unit=swiglu, activation_func=F.silu if swiglu else gelu,

@@ -19,7 +19,10 @@ the final weights (expert biases included), relative error <= 1e-5. Layouts:
   tp2 with sequence parallel, ep2 with ZeRO-1 and pp2 x ep2 (the embedding's copy on
   the last stage, its gradient summed with the first stage's): its ``mtp_k`` loss terms are compared like the main one;
 * a Qwen3-MoE-shaped model (QK-norm on grouped-query heads, softmax experts, a dense
-  first layer) under ep2 x tp2 with sequence parallel and under tp2 x pp2.
+  first layer) under ep2 x tp2 with sequence parallel and under tp2 x pp2;
+* (extended, 8 ranks in one spawn) DeepSeek's ``first_k_dense_replace`` 1 and 3
+  (V3/R1's) under tp2 x pp2 x ep2: with 3 the first stage is all dense and the second
+  holds a dense layer before the MoE one (issue 47).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ MODELS = {
         moe=dict(num_experts=4, top_k=2, ffn_size=16),
     ),
 }
+DENSE_FIRST = {  # DeepSeek-V3/R1 keep 3 dense layers; with 4 layers over pp2, one stage is dense
+    f"dense_{k}": GPTConfig(**{**DEEPSEEK, "first_dense_layers": k}) for k in (1, 3)
+}
 OPT = OptimizerConfig(lr=1e-2, eps=1e-3, warmup_steps=0, max_grad_norm=0.5)
 CASES = {
     "tp2_sp_pp2": Case(WORLD, "deepseek", dict(tp=2, pp=2, sequence_parallel=True)),
@@ -76,6 +82,9 @@ CASES = {
     "qwen3_moe_ep2_tp2_sp": Case(WORLD, "qwen3_moe", dict(ep=2, tp=2, sequence_parallel=True)),
     "qwen3_moe_tp2_pp2": Case(WORLD, "qwen3_moe", dict(tp=2, pp=2)),
 }
+DENSE_FIRST_CASES = {
+    f"{name}_tp2_pp2_ep2": Case(8, name, dict(tp=2, pp=2, ep=2)) for name in DENSE_FIRST
+}
 SETUP = Setup(MODELS, OPT, batch_size=BATCH, micro_batch_size=MB, seed=5,
               reference_micro_batch_size=MB, evaluate=False)  # fmt: skip
 
@@ -88,6 +97,27 @@ def runs():
 @pytest.mark.parametrize("case", list(CASES))
 def test_deepseek_layout_matches_one_process(runs, case):
     assert_matches(SETUP, case, CASES[case], *runs[case], moe_floor=1.0)
+
+
+DENSE_SETUP = Setup(DENSE_FIRST, OPT, batch_size=BATCH, micro_batch_size=MB, seed=5,
+                    reference_micro_batch_size=MB, evaluate=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dense_first_runs():
+    batches = token_batches(STEPS, BATCH, SIZES["seq_len"], vocab=64)
+    return spawn(DENSE_SETUP, DENSE_FIRST_CASES, batches)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("case", list(DENSE_FIRST_CASES))
+def test_dense_first_layers_match_one_process_under_tp2_pp2_ep2(dense_first_runs, case):
+    records, reference = dense_first_runs[case]
+    assert_matches(DENSE_SETUP, case, DENSE_FIRST_CASES[case], records, reference, moe_floor=1.0)
+    dense = DENSE_FIRST[DENSE_FIRST_CASES[case].model].first_dense_layers
+    weights = reference["weights"]  # the reference is built with the dense layers first
+    assert all(f"layers.{i}.mlp.fc1.weight" in weights for i in range(dense))
+    assert all(f"layers.{i}.mlp.router.weight" in weights for i in range(dense, 4))
 
 
 def test_reference_exercises_the_deepseek_paths(runs):

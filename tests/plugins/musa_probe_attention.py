@@ -39,7 +39,7 @@ def probe_attention(out: dict, standin) -> None:
         KernelQuery("musa", torch.float32))]  # fmt: skip
     out["lse_served"] = {
         f"d{d}-{label}": _served(chain, *(torch.randn(1, 2, 4, d),) * 3, True, None, scale)
-        for d in (64, 120, 128)
+        for d in (32, 56, 64, 120, 128)
         for label, scale in (("default", None), ("one", 1.0))
     }
 

@@ -236,21 +236,38 @@ def test_docs_state_what_was_not_exercised_and_the_musa_settings():
         "MUSA_DEVICE_MAX_CONNECTIONS",
         "_flash_attention_forward",
         "parallel_fused_cross_entropy",
+        "_MIN_MUSA_DIM = 64",
+        "mfu = tflops / 98e12",
     ):
         assert fact in text, fact
+    # Issue 47: MT-MegatronLM's scripts do not set MCCL_SOCKET_IFNAME, and the hybrid
+    # format runs natively on musa only after the probe: the docs say so, no more.
+    for page in ("musa.md", "clusters.md", "fp8.md"):
+        page_text = (ROOT / "docs" / page).read_text()
+        assert "named in Moore Threads' multi-node scripts" not in page_text, page
+        assert "named from Moore Threads' launch scripts" not in page_text, page
+        assert "(recommended)" not in page_text, page
+    assert "MT-MegatronLM's launch scripts do not set it" in text
+    assert "--precision.fp8 hybrid --precision.fp8_recipe delayed" not in text
 
 
-def test_sdpa_scale_other_than_the_default_goes_to_the_reference(facts):
-    # SDP.cpp: MUSA < 4.2 raises on such a scale, a build without a version ignores it.
-    assert facts["attention_by_scale"] == {"none": "sdpa", "default": "sdpa", "one": "reference"}
+def test_sdpa_scale_other_than_the_default_runs_where_the_probe_finds_it_honoured(facts):
+    # The stand-in's SDPA honours the scale, as a MUSA >= 4.2 build does (SDP.cpp); builds
+    # that raise or ignore it: tests/plugins/test_musa_attention_scale.py.
+    assert facts["attention_by_scale"] == {"none": "sdpa", "default": "sdpa", "one": "sdpa"}
 
 
 def test_attention_lse_through_musa_flash_once_the_op_exists(facts):
     assert facts["lse_before_op"] == ["reference"]
     assert facts["lse_table"] == ["mudnn-flash", "reference"]
     assert facts["lse_fp32_table"] == ["reference"]  # muDNN flash is fp16/bf16 only
-    # Padded by 8 in backward, the head dim must stay <= 128; only the default scale.
+    # Padded by 8 in backward, the head dim must stay <= 128, and be >= 64 (what
+    # MT-TransformerEngine sends the op); only the default scale.
     assert facts["lse_served"] == {
+        "d32-default": "reference",
+        "d32-one": "reference",
+        "d56-default": "reference",
+        "d56-one": "reference",
         "d64-default": "mudnn-flash",
         "d64-one": "reference",
         "d120-default": "mudnn-flash",
@@ -286,3 +303,21 @@ def test_notes_say_hybrid_fp8_and_the_sdpa_scale_are_handled(facts):
     notes = "\n".join(facts["s22"]["notes"])
     assert "Hybrid FP8 (e5m2 x e4m3" in notes and "unverified" in notes
     assert "SDPA's scale" in notes and "attention_lse" in notes
+
+
+def test_doctor_shows_the_variables_mt_megatronlm_s_scripts_export(monkeypatch):
+    """Issue 47: MUSA_KERNEL_TIMEOUT, MCCL_PROTOS, MCCL_CHECK_POINTERS and
+    CUDA_DEVICE_MAX_CONNECTIONS, each with this machine's value beside the scripts'."""
+    from mtcore_musa import plugin
+    from mtcore_musa.environment import MT_MEGATRON_VARIABLES
+
+    for name in MT_MEGATRON_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MCCL_PROTOS", "0")
+    facts = plugin._diagnostics()
+    assert set(MT_MEGATRON_VARIABLES) == {"MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS",
+                                          "MCCL_CHECK_POINTERS", "CUDA_DEVICE_MAX_CONNECTIONS"}  # fmt: skip
+    assert facts["env MCCL_PROTOS"].startswith("'0' here; MT-MegatronLM's scripts: 2 (")
+    assert facts["env MUSA_KERNEL_TIMEOUT"].startswith("unset here; MT-MegatronLM's scripts: 3200000")
+    assert "MUSA_DEVICE_MAX_CONNECTIONS" in facts["env CUDA_DEVICE_MAX_CONNECTIONS"]
+    assert "triton backend for musa" in facts

@@ -8,9 +8,10 @@ docs/migrating-from-megatron.md).
       weights-only mtcore checkpoint that trains under any layout. The model comes from
       the arguments Megatron-LM saved with it.
 
-  mtcore convert to-megatron CHECKPOINT OUT_DIR [--tp N] [--pp N] [--ep N]
+  mtcore convert to-megatron CHECKPOINT OUT_DIR [--tp N] [--pp N] [--ep N] [--format F]
       An mtcore GPT checkpoint becomes a legacy Megatron checkpoint at tp x pp (x ep) under
-      OUT_DIR; the Megatron-LM arguments that build the model that loads it are printed.
+      OUT_DIR, or (--format torch_dist) a torch_dist one that loads at any layout; the
+      Megatron-LM arguments that build the model that loads it are printed.
 
   mtcore convert megatron-args SCRIPT_OR_ARGS
       A Megatron-LM launch script (or its pretrain_gpt.py arguments, quoted) becomes
@@ -39,6 +40,11 @@ def add_arguments(directions) -> None:
     target.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     target.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     target.add_argument("--ep", type=int, default=1, help="expert-parallel size (default 1)")
+    target.add_argument(
+        "--format", choices=("legacy", "torch_dist"), default="legacy",
+        help="legacy per-rank files (default), or torch_dist (Megatron-LM's default "
+        "--ckpt-format; whole tensors, loadable at any tp x pp)",
+    )  # fmt: skip
     script = directions.add_parser(
         "megatron-args", help="Megatron-LM launch script or arguments -> mtcore config (YAML)"
     )
@@ -80,7 +86,12 @@ def from_megatron(args: argparse.Namespace) -> Path:
 def to_megatron(args: argparse.Namespace) -> Path:
     from mtcore.models import get_family
     from mtcore.training.checkpoint import read_model_weights
-    from mtcore.training.checkpoint.megatron import FAMILY, LATEST, write_megatron_legacy
+    from mtcore.training.checkpoint.megatron import (
+        FAMILY,
+        LATEST,
+        write_megatron_legacy,
+        write_megatron_torch_dist,
+    )
     from mtcore.training.writable import check_writable
 
     for name in ("tp", "pp", "ep"):
@@ -95,13 +106,19 @@ def to_megatron(args: argparse.Namespace) -> Path:
         raise ValueError(
             f"{args.checkpoint} holds a {config.family} model; Megatron export is for gpt"
         )
-    directory = write_megatron_legacy(config, weights, out, args.tp, args.pp, step, args.ep)
+    if args.format == "torch_dist":
+        directory = write_megatron_torch_dist(config, weights, out, step)
+        how = f"--load {out} --ckpt-format torch_dist --no-load-optim --no-load-rng"
+    else:
+        directory = write_megatron_legacy(config, weights, out, args.tp, args.pp, step, args.ep)
+        how = f"--load {out} --ckpt-format torch --no-load-optim --no-load-rng"
     megatron_args = get_family(FAMILY).megatron.args_for(config, args.tp, args.pp)
     if args.ep > 1:
         megatron_args["expert_model_parallel_size"] = args.ep
     print(
-        f"Megatron-LM loads {out} ({LATEST}: {step}) with --load {out} --use-checkpoint-args, "
-        f"or with these model arguments:\n{' '.join(flags(megatron_args))}",
+        f"Megatron-LM loads {out} ({LATEST}: {step}) with {how} and --use-checkpoint-args "
+        f"(it does not carry --norm-epsilon), or with these model arguments:\n"
+        f"{' '.join(flags(megatron_args))}",
         file=sys.stderr,
     )
     return directory
@@ -109,7 +126,8 @@ def to_megatron(args: argparse.Namespace) -> Path:
 
 # Megatron-LM's switches whose flag says the opposite of the attribute (store_false).
 _NEGATED = {"add_bias_linear": "--disable-bias-linear"}
-_NOT_FLAGS = {"padded_vocab_size"}  # derived by Megatron-LM, never passed
+# Derived by Megatron-LM, or its saved name of a flag printed under another name.
+_NOT_FLAGS = {"padded_vocab_size", "layernorm_epsilon"}
 
 
 def flags(megatron_args: dict) -> list[str]:

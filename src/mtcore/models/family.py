@@ -128,10 +128,16 @@ class FamilyConfig(Settings):
         return {}
 
     @property
-    def layer_period(self) -> int:
-        """Layers ``0..k-1`` stand for every layer's parameter names and shapes (the MoE
-        period for a GPT with ``moe_layer_freq``; 1 for a uniform stack)."""
+    def template_layers(self) -> int:
+        """How many first layers a template model (this config with fewer layers) keeps
+        so that every layer's parameter names and shapes appear among them: 1 for a
+        uniform stack. Checkpoint tools build that template instead of the whole model."""
         return 1
+
+    def template_layer(self, index: int) -> int:
+        """The template's layer (below ``template_layers``) whose parameter names and
+        shapes layer ``index`` has."""
+        return 0
 
     @property
     def experts(self) -> MoESpec | None:
@@ -274,7 +280,9 @@ class MegatronAdapter:
     stacked)``, a torch_dist checkpoint's tensors, and ``from_ranks(config, args,
     ranks)``, legacy per-rank state dicts (``{(tp, pp, ep): [chunk state dicts]}``), as
     full weights; ``to_ranks(config, weights, tp, pp)`` the reverse of ``from_ranks``.
-    ``model_arguments``: the argument names ``config_from_args`` reads."""
+    ``model_arguments``: the argument names ``config_from_args`` reads. ``to_dist(config,
+    weights)``: ``(tensors, extra_state_keys)`` of a torch_dist checkpoint (None: the
+    family exports only the legacy format)."""
 
     config_from_args: Callable[..., FamilyConfig]
     args_for: Callable[..., dict]
@@ -282,6 +290,7 @@ class MegatronAdapter:
     from_ranks: Callable[..., dict[str, Tensor]]
     to_ranks: Callable[..., dict]
     model_arguments: tuple[str, ...] = ()
+    to_dist: Callable[..., tuple] | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ _VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?:\[@\]|\[\*\])?(?::?-([^}]*))?\}|\$
 # store_false switches of Megatron-LM: flag -> (attribute, value)
 _SWITCHES = {
     "disable_bias_linear": ("add_bias_linear", False),
-    "no_position_embedding": ("position_embedding_type", "none"),
+    "no_position_embedding": ("add_position_embedding", False),  # beside rope: no effect
     "use_rotary_position_embeddings": ("position_embedding_type", "rope"),
     "use_distributed_optimizer": ("use_distributed_optimizer", True),
 }
@@ -178,6 +178,8 @@ def train_config_sections(args: dict[str, Any]) -> tuple[dict[str, dict], list[s
     model.pop("init_std", None)
     if "hidden_dropout" in args:
         model["dropout"] = args["hidden_dropout"]
+    if "attention_dropout" in args:  # dropout of the attention probabilities, as Megatron's
+        model["attention_dropout"] = args["attention_dropout"]
     sections: dict[str, dict] = {"model": model}
     used = set(_model_arguments(args))
     used.discard("seq_length")  # data.seq_len too (below)

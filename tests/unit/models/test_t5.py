@@ -71,7 +71,7 @@ def test_bucket_table_by_hand():
 
 def test_config_derives_the_stack_and_the_decoder_length():
     config = T5Config(encoder_layers=3, decoder_layers=5, seq_len=128)
-    assert config.num_layers == 8 and config.decoder_seq_len == 29 and config.layer_period == 8
+    assert config.num_layers == 8 and config.decoder_seq_len == 29 and config.template_layers == 8 and config.template_layer(7) == 7
     assert T5Config(seq_len=128, decoder_seq_len=40).decoder_seq_len == 40
     with pytest.raises(ValueError, match=r"num_layers=4 is derived for T5: .* = 3 \+ 5 = 8"):
         T5Config(encoder_layers=3, decoder_layers=5, num_layers=4)

@@ -1,7 +1,7 @@
 """``mtcore convert to-megatron / from-megatron`` without Megatron-Core: the legacy files
-round-trip mtcore weights exactly at any tp x pp, and bad input fails in one line with
-exit 2 (Megatron-Core itself loads and writes them in
-tests/distributed/test_megatron_checkpoints.py)."""
+round-trip mtcore weights exactly at any tp x pp, torch_dist ones too (dense models),
+and bad input fails in one line with exit 2 (Megatron-Core itself loads and writes them
+in tests/distributed/test_megatron_checkpoints.py and test_megatron_lm_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ import torch
 from mtcore.cli.main import main
 from mtcore.models.gpt import GPTConfig, full_weight_shapes
 from mtcore.training.checkpoint import read_model_weights, write_model_weights
-from mtcore.training.checkpoint.megatron import read_megatron, write_megatron_legacy
+from mtcore.training.checkpoint.megatron import (
+    read_megatron,
+    write_megatron_legacy,
+    write_megatron_torch_dist,
+)
 
 CONFIGS = {
     "gpt2_tied_learned": GPTConfig(style="gpt2", vocab_size=64, hidden_size=32, num_layers=4,
@@ -52,6 +56,36 @@ def test_legacy_files_round_trip_the_weights_exactly(tmp_path, name, tp, pp):
     assert imported.keys() == weights.keys()
     for key in weights:
         assert torch.equal(imported[key], weights[key]), key
+
+
+DENSE = {
+    "gpt2_tied_learned": CONFIGS["gpt2_tied_learned"],
+    "llama_gqa_untied": GPTConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4,
+                                  num_kv_heads=2, seq_len=8, qkv_bias=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_torch_dist_files_round_trip_the_weights_exactly(tmp_path, name):
+    config, weights = DENSE[name], _weights(DENSE[name])
+    directory = write_megatron_torch_dist(config, weights, tmp_path, iteration=4)
+    names = {p.name for p in directory.iterdir()}
+    assert {"metadata.json", "common.pt", ".metadata"} <= names
+    again, imported, iteration = read_megatron(tmp_path)
+    assert iteration == 4 and again.structure() == config.structure()
+    assert imported.keys() == weights.keys()
+    assert all(torch.equal(imported[k], weights[k]) for k in weights)
+
+
+def test_torch_dist_export_of_experts_is_refused_in_one_line(tmp_path, capsys):
+    config = CONFIGS["llama_gqa_moe"]
+    write_model_weights(tmp_path / "ckpt", _weights(config), config)
+    out = tmp_path / "meg"
+    assert main(["convert", "to-megatron", str(tmp_path / "ckpt"), str(out),
+                 "--format", "torch_dist"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "torch_dist export of mixture-of-experts" in err
+    assert not out.exists() or not any(out.iterdir())
 
 
 def test_cli_round_trip_and_the_arguments_it_prints(tmp_path, capsys):

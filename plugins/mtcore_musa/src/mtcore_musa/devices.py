@@ -19,6 +19,8 @@ TORCH_MUSA = "torch_musa"
 # MTT S5000 is left out on purpose: the figure disclosed in February 2026 ("AI dense
 # compute up to 1000 TFLOPS", 920 for the air-cooled card) names no dtype, so any
 # per-dtype number would be a guess and would skew MFU. Unknown devices get {}.
+# MT-MegatronLM's MFU divides by 98e12 for any card (musa_patch/training.py,
+# throughput_calculator); the S4000 keeps its published 100 here (docs/musa.md).
 _MUSA_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
     ("S4000", {"bfloat16": 100.0, "float16": 100.0, "float32": 25.0}),
 )

@@ -17,6 +17,12 @@ import torch.nn.functional as F
 from mtcore.backend import KernelImpl, KernelQuery, TorchModuleDevice
 from mtcore.ops import torch_native
 from mtcore.ops.flash_lse import FlashKernels, default_scale, flash_attention_lse
+from mtcore_musa.attention_scale import (
+    attention_ok,
+    flash_head_dims_ok,
+    musa_sdpa_attention,
+    sdpa_honours_scale,
+)
 from mtcore_musa.devices import MUDNN_MIN_CAPABILITY, TORCH_MUSA
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -24,41 +30,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # -- attention ------------------------------------------------------------------------
-def flash_head_dims_ok(q, k, v, *args, **kwargs) -> bool:
-    """Head sizes muDNN flash attention takes (csrc/aten/ops/attention/mudnn/SDPUtils.h,
-    ``check_musa_attention_input``): qk and v <= 128, or (qk, v) = (192, 128) / (160, 160).
-    Other sizes would run SDPA's math path on the device; the reference serves them.
-    """
-    qk, vd = q.shape[-1], v.shape[-1]
-    return (qk <= 128 and vd <= 128) or (qk, vd) in ((192, 128), (160, 160))
-
-
-# SDPA's ``scale`` on musa (csrc/aten/ops/attention/mudnn/SDP.cpp, ``CheckScale`` and
-# ``MaybeSetScale``, flash and math paths alike): a build with MUSA >= 4.2 passes it to
-# muDNN; an older build raises "Not support explicit `scale` parameter" unless it equals
-# 1/sqrt(head dim) (then it warns and ignores it); a build whose REAL_MUSA_VERSION is
-# undefined ignores it silently, so attention runs with the default scale. Only the
-# default is sent (as None); any other scale (T5's 1.0, for one) goes to the reference.
-def flash_attention_ok(
-    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None, query_documents=None, key_documents=None,
-) -> bool:  # fmt: skip
-    """Head dims muDNN takes, the default scale, and no dropout (muDNN's draws from the
-    device generator, not the op's coordinate-hashed mask)."""
-    return flash_head_dims_ok(q, k, v) and default_scale(q, scale) and dropout_p == 0
-
-
-def musa_sdpa_attention(
-    q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, dropout_p=0.0,
-    dropout_seeds=None, query_documents=None, key_documents=None,
-):  # fmt: skip
-    """``mtcore.ops.attention`` through SDPA on musa, with the default scale (see above);
-    a sliding window and document ids reach muDNN as a bool mask (it takes neither of its
-    own; SDPUtils.h's check_musa_attn_mask refuses only masks that need a gradient)."""
-    return torch_native.sdpa_attention(
-        q, k, v, causal, key_padding_mask, None, window,
-        query_documents=query_documents, key_documents=key_documents,
-    )  # fmt: skip
+# SDPA (``attention``) on musa: mtcore_musa.attention_scale.
 
 
 # attention_lse (context parallelism's per-block attention) through muDNN flash, whose
@@ -91,14 +63,26 @@ def _flash_backward(grad_out, q, k, v, out, lse, dropout_mask, is_causal, mask, 
 MUSA_FLASH = FlashKernels(_flash_forward, _flash_backward, "bool", _LSE_PAD, takes_scale=False)
 
 
+# The lower bound: MT-TransformerEngine sends this op only head dims of at least 64
+# (MooreThreads/MT-TransformerEngine, transformer_engine/musa/pytorch/attention.py,
+# ``_MIN_MUSA_DIM = 64`` in ``flash_attn_varlen_func_variance``; smaller ones raise), and
+# torch_musa's own tests of it use 64 and 128 only. The forward sees d, the backward d + 8.
+_LSE_MIN_HEAD_DIM = 64
+
+
 def flash_lse_ok(
     q, k, v, causal=True, key_padding_mask=None, scale=None, window=None, query_documents=None,
     key_documents=None,
 ) -> bool:  # fmt: skip
-    """Same head dims for q, k and v (the padding widens them together), at most 128
-    once padded, and the default scale."""
+    """Same head dims for q, k and v (the padding widens them together), at least 64,
+    at most 128 once padded, and the default scale."""
     d = q.shape[-1]
-    return v.shape[-1] == d and d + _LSE_PAD <= 128 and default_scale(q, scale)
+    return (
+        v.shape[-1] == d
+        and d >= _LSE_MIN_HEAD_DIM
+        and d + _LSE_PAD <= 128
+        and default_scale(q, scale)
+    )
 
 
 def musa_flash_attention_lse(
@@ -329,7 +313,7 @@ def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
             "sdpa",
             priority=50,
             predicate=on_musa(_HALF, arch=True),
-            fallback_ok=flash_attention_ok,
+            fallback_ok=attention_ok(lambda: sdpa_honours_scale(device), flash_head_dims_ok),
         ),
     ]
     if has_musa_kernel(FLASH_MUSA_OP):

@@ -23,6 +23,7 @@ from mtcore_musa.devices import (
     float8_on_device,
     mixed_formats_on_device,
 )
+from mtcore_musa.environment import launch_environment
 from mtcore_musa.kernels import musa_kernels
 
 BACKEND = "musa"
@@ -52,8 +53,9 @@ NOTES = (
     "torch._scaled_mm only after a 32x32 product of small integers came out exact, once; "
     "otherwise they dequantize.",
     "SDPA's scale: torch_musa < MUSA 4.2 refuses a scale that is not 1/sqrt(head dim) and "
-    "builds without a MUSA version ignore it (SDP.cpp), so attention and attention_lse "
-    "serve only the default scale; any other (T5's 1.0) takes the reference.",
+    "builds without a MUSA version ignore it (SDP.cpp); attention runs another scale "
+    "(T5's 1.0, MLA's mscale) only where a one-time probe found it honoured, else the "
+    "reference; attention_lse serves the default scale only.",
     "attention_lse (context parallelism) runs muDNN flash attention, whose forward returns "
     "the log-sum-exp; its gradient rides 8 extra head-dim columns in backward (head dim "
     "<= 120); not run on a MUSA device.",
@@ -91,6 +93,10 @@ def _mixed_formats(device: MusaDevice, gate):
 
 
 def _diagnostics() -> dict[str, str]:
+    return {**_triton_target(), **launch_environment()}
+
+
+def _triton_target() -> dict[str, str]:
     # The Triton pack's own finder (mtcore-musa[triton]), imported only when doctor asks.
     try:
         from mtcore_triton.targets import describe_target
@@ -108,8 +114,8 @@ def mtcore_backends():
     musa = BackendSpec(
         name=BACKEND,
         device=_DEVICE,
-        # libmccl (not torch_musa's Python) reads MCCL_SOCKET_IFNAME, as NCCL reads its own;
-        # the name comes from Moore Threads' launch scripts, not checked on MUSA hardware.
+        # libmccl (not torch_musa's Python) reads MCCL_SOCKET_IFNAME, assumed from NCCL's
+        # NCCL_SOCKET_IFNAME (MT-MegatronLM's scripts set neither); not checked on hardware.
         collective=Collective(
             "mccl", capabilities, interface_variables=("MCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
         ),

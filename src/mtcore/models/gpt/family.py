@@ -58,6 +58,7 @@ class GPTFamily(ModelFamily):
         imported_on_call(MEGATRON, "from_ranks"),
         imported_on_call(MEGATRON, "to_ranks"),
         MODEL_ARGUMENTS,
+        imported_on_call("mtcore.models.gpt.megatron.dist", "to_dist"),
     )
     description = "decoder-only transformer: Llama and GPT-2 styles, GQA, mixture of experts"
 

@@ -138,9 +138,12 @@ class T5Config(FamilyConfig):
         return False
 
     @property
-    def layer_period(self) -> int:
+    def template_layers(self) -> int:
         """Encoder and decoder blocks differ: every layer stands for itself."""
         return self.num_layers
+
+    def template_layer(self, index: int) -> int:
+        return index
 
     # -- the family's answers ----------------------------------------------------------
     def num_params(self, active: bool = False) -> int:

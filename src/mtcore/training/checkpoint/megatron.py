@@ -29,7 +29,7 @@ from torch import Tensor
 from mtcore.models import FamilyConfig, MegatronAdapter, get_family
 from mtcore.training.checkpoint.manifest import CheckpointError
 from mtcore.training.checkpoint.safe_pickle import torch_file
-from mtcore.training.checkpoint.safe_reader import dcp_load, load_metadata
+from mtcore.training.checkpoint.safe_reader import dcp_load, dcp_save, load_metadata
 
 LATEST = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
@@ -184,5 +184,36 @@ def write_megatron_legacy(
         saved = {"args": args, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
                  "model": model}  # fmt: skip
         torch.save(saved, directory / name / LEGACY_FILE)
+    (Path(out) / LATEST).write_text(str(iteration))
+    return directory
+
+
+# What Megatron-Core's dist_checkpointing writes beside the DCP files (metadata.json).
+_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                  "common_backend": "torch", "common_backend_version": 1}  # fmt: skip
+
+
+def write_megatron_torch_dist(
+    config: FamilyConfig, weights: dict[str, Tensor], out: str | Path, iteration: int = 0
+) -> Path:
+    """Write ``weights`` as a torch_dist Megatron checkpoint under the root ``out``
+    (``iter_N/`` with ``metadata.json``, ``common.pt`` holding the arguments, and DCP's
+    files; ``latest_checkpointed_iteration.txt``); returns the iteration directory.
+    Every tensor is written whole, so Megatron-Core loads it at any tp x pp."""
+    adapter = _adapter()
+    if adapter.to_dist is None:
+        raise CheckpointError(f"the {config.family} family exports no torch_dist checkpoint")
+    tensors, extra_state_keys = adapter.to_dist(config, weights)
+    entries: dict[str, object] = {k: v.detach().contiguous() for k, v in tensors.items()}
+    for key in extra_state_keys:  # a ShardedObject: DCP torch.saves its data list
+        entries[key] = [None]
+    directory = Path(out) / f"iter_{iteration:07d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(**adapter.args_for(config, 1, 1), ckpt_format="torch_dist")
+    common = {"args": args, "iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+              "num_floating_point_operations_so_far": 0}  # fmt: skip
+    torch.save(common, directory / "common.pt")
+    dcp_save(entries, directory, world=1)
+    (directory / "metadata.json").write_text(json.dumps(_DIST_METADATA))
     (Path(out) / LATEST).write_text(str(iteration))
     return directory

@@ -8,9 +8,16 @@ Anything else is refused in one line naming it, before it is imported or called.
 
 A torch file may also hold, beside the weights, objects mtcore never uses: Megatron's
 own enums and classes inside its arguments (``AttnBackend.auto``) and numpy's RNG
-state arrays. With ``inert=True`` (torch files) a global from ``megatron`` or one of
-numpy's array rebuilders becomes an ``InertObject``: it records its name and
-arguments, imports nothing and runs nothing.
+state arrays. In torch files a global from ``megatron`` or one of numpy's array
+rebuilders becomes an ``InertObject``: it records its name and arguments, imports
+nothing and runs nothing.
+
+Standard-library enums in saved arguments (Megatron-LM 0.16's ``exit_signal =
+signal.SIGTERM``, in every checkpoint it writes) are admitted one class at a time
+(``_ENUMS``). A pickle names such a member as the class called with its value; the
+unpickler gets not the class but a look-up that takes exactly one plain value (an int
+or a str) and returns the existing member: the class's other calls (Enum's functional
+API builds new classes) and its attributes stay out of reach.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ _ALLOWED = {
     ("builtins", "frozenset"),
     ("_codecs", "encode"),  # bytes pickled as text (numpy arrays, protocol 2): str -> bytes
 }
+_ENUMS = {("signal", "Signals")}  # IntEnums of the standard library, no custom look-up
 _TORCH_NAMES = ("layout", "memory_format", "strided", "contiguous_format")
 _INERT_NUMPY = {
     ("numpy.core.multiarray", "_reconstruct"),
@@ -65,8 +73,25 @@ class InertObject:
         return f"{self.name}{self.args!r}" if self.args else self.name
 
 
+def _member_lookup(module: str, name: str):
+    """``enum_class(value)`` for one int or str ``value``, and nothing else."""
+    enum_class = getattr(__import__(module, fromlist=[name]), name)
+
+    def member(*args):
+        if len(args) != 1 or type(args[0]) not in (int, str):
+            raise CheckpointError(f"refusing to call {module}.{name} with {args!r:.80}")
+        try:
+            return enum_class(args[0])
+        except ValueError:
+            raise CheckpointError(f"{module}.{name} has no member {args[0]!r:.40}") from None
+
+    return member
+
+
 def allowed_global(module: str, name: str):
     """The object ``module.name`` when the allow-list admits it, else None."""
+    if (module, name) in _ENUMS:
+        return _member_lookup(module, name)
     if (module, name) in _ALLOWED:
         return getattr(__import__(module, fromlist=[name]), name)
     if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

@@ -71,15 +71,15 @@ def _read(path) -> tuple[FamilyConfig, dict[str, Tensor], int, Path]:
 def _model_entries(config: FamilyConfig, weights: dict[str, Tensor], directory: Path):
     """The one-process model's entries of ``weights``: every one, of its shape, or a
     CheckpointError (a checkpoint whose tensors are not those of its model config)."""
-    model, period = _template(config)
+    model = _template(config)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    expected = {}
-    for j in range(config.num_layers):
+    expected = {k: v for k, v in shapes.items() if not k.startswith("layers.")}
+    for index in range(config.num_layers):
+        stem = f"layers.{config.template_layer(index)}."
         for key, shape in shapes.items():
-            if key.startswith(f"layers.{j % period}."):
-                expected[f"layers.{j}." + key.removeprefix(f"layers.{j % period}.")] = shape
-    expected.update({k: v for k, v in shapes.items() if not k.startswith("layers.")})
-    out = {k: v for k, v in weights.items() if _layer_key(k, period) in shapes}
+            if key.startswith(stem):
+                expected[f"layers.{index}." + key.removeprefix(stem)] = shape
+    out = {k: v for k, v in weights.items() if _template_key(config, k) in shapes}
     missing = sorted(set(expected) - set(out))
     extra = sorted(set(out) - set(expected))
     wrong = sorted(k for k in set(out) & set(expected) if out[k].shape != expected[k])
@@ -93,24 +93,31 @@ def _model_entries(config: FamilyConfig, weights: dict[str, Tensor], directory: 
     return out
 
 
-def _layer_key(name: str, period: int) -> str:
-    m = re.match(r"^layers\.(\d+)\.(.*)$", name)
-    return f"layers.{int(m.group(1)) % period}.{m.group(2)}" if m else name
+def _template_key(config: FamilyConfig, name: str) -> str:
+    """``name`` in the template model: layer i's entries are its template layer's."""
+    match = re.match(r"^layers\.(\d+)\.(.*)$", name)
+    if match is None:
+        return name
+    return f"layers.{config.template_layer(int(match.group(1)))}.{match.group(2)}"
+
+
+def _past_the_stack(config: FamilyConfig, name: str) -> bool:
+    match = re.match(r"^layers\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= config.num_layers
 
 
 def _template(config: FamilyConfig):
-    """The family's one-process model of the first ``period`` layers
-    (``config.layer_period``), which stand for every layer, and ``period``."""
+    """The family's one-process model of the first ``config.template_layers`` layers,
+    which stand for every layer (``config.template_layer``)."""
     from mtcore.backend import select_backend
 
-    period = config.layer_period
-    template = config.model_copy(update={"num_layers": min(config.num_layers, period)})
+    layers = min(config.num_layers, config.template_layers)
+    template = config.model_copy(update={"num_layers": layers})
     host = torch.get_rng_state()  # building a model seeds the generators: leave them as found
     try:
-        model = family_of(config).one_process(template, select_backend("cpu"))
+        return family_of(config).one_process(template, select_backend("cpu"))
     finally:
         torch.set_rng_state(host)
-    return model, period
 
 
 def write_model_weights(
@@ -144,15 +151,17 @@ def write_model_weights(
 
 
 def model_sections(config: FamilyConfig, names) -> dict[str, dict]:
-    """The multi-section (fused) parameters among ``names``, from a small template model:
-    its first ``k`` layers, ``k`` the MoE period, stand for every layer."""
-    model, period = _template(config)
+    """The multi-section (fused) parameters among ``names``, from a small template model
+    whose first layers stand for every layer (``config.template_layer``)."""
+    model = _template(config)
     known = {name: section_entry(part) for name, _, part, _ in named_tp_parameters(model)}
     known.update({name: None for name, _ in model.named_buffers()})
     out = {}
     for name in names:
-        key = _layer_key(name, period)
-        if key not in known and not _owned_by_a_module(model, key):
+        key = _template_key(config, name)
+        if _past_the_stack(config, name) or (
+            key not in known and not _owned_by_a_module(model, key)
+        ):
             raise mf.CheckpointError(
                 f"weight {name!r} is not a parameter of this {config.family} model"
             )

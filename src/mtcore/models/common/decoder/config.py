@@ -202,6 +202,12 @@ class DecoderConfig(FamilyConfig):
             raise ValueError(f"rotary embeddings need an even head size, got {self.head_dim}")
         if self.rope_scaling is not None and self.position != "rope":
             raise ValueError(f"rope_scaling needs position='rope', got {self.position!r}")
+        if self.moe is not None and not self.num_moe_layers:
+            raise ValueError(
+                f"model.moe is set but none of the {self.num_layers} layers is MoE "
+                f"(first_dense_layers={self.first_dense_layers}, "
+                f"moe_layer_freq={self.moe_layer_freq})"
+            )
         if (
             self.moe is not None
             and self.moe.activation == "gelu"
@@ -362,8 +368,23 @@ class DecoderConfig(FamilyConfig):
         return fields
 
     @property
-    def layer_period(self) -> int:
-        return self.moe_layer_freq if self.moe is not None else 1
+    def template_layers(self) -> int:
+        """The dense first layers, then one MoE period (``is_moe_layer`` repeats every
+        ``moe_layer_freq`` layers after them), then as many more as make the count
+        congruent to ``num_layers``: the multi-token prediction blocks after the stack
+        (layers ``num_layers + k``) are then MoE or dense as in the whole model."""
+        if self.moe is None:
+            return 1
+        first, period = self.first_dense_layers, self.moe_layer_freq
+        if self.num_layers < first + period:
+            return self.num_layers
+        return first + period + (self.num_layers - first - period) % period
+
+    def template_layer(self, index: int) -> int:
+        if self.moe is None:
+            return 0
+        first, period = self.first_dense_layers, self.moe_layer_freq
+        return index if index < first + period else first + (index - first) % period
 
     def check_layout(self, spec: LayoutSpec) -> None:
         """Reject a layout this model cannot be split by, naming the numbers (LayoutError)."""

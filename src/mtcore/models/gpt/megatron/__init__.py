@@ -6,7 +6,7 @@ weights).
 * ``weights``: Megatron's tensors (whole, or one tensor-parallel rank's shard) as
   mtcore's full weights, and back;
 * ``ranks``: a checkpoint's arrangement of them (torch_dist's stacked layers, the
-  legacy per-rank state dicts) as full weights, and back.
+  legacy per-rank state dicts) as full weights, and back (``dist``: to torch_dist).
 
 Reading and writing the checkpoint directories (DCP, the pickled per-rank files) is
 ``mtcore.training.checkpoint.megatron``; the command is ``mtcore convert``. ``args`` loads
@@ -28,6 +28,7 @@ _TENSORS = {
     "from_dist": "ranks",
     "from_ranks": "ranks",
     "to_ranks": "ranks",
+    "to_dist": "dist",
     "from_megatron_tensors": "weights",
     "merge_tp_shards": "weights",
     "split_tp_shards": "weights",
@@ -52,6 +53,7 @@ __all__ = [
     "merge_tp_shards",
     "model_config_from_megatron",
     "split_tp_shards",
+    "to_dist",
     "to_megatron_tensors",
     "to_ranks",
 ]

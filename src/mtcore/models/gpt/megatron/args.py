@@ -76,15 +76,44 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "moe_expert_capacity_factor": None,
 }
 
+# Megatron-LM 0.16 saves some arguments under the name of the TransformerConfig field its
+# flag sets (``--norm-epsilon`` -> ``layernorm_epsilon``); older ones under the flag's.
+_SAVED_AS = {
+    "norm_epsilon": "layernorm_epsilon",
+    "apply_layernorm_1p": "layernorm_zero_centered_gamma",
+}
+
 # Every argument model_config_from_megatron reads.
 MODEL_ARGUMENTS = (
     *MEGATRON_DEFAULTS,
+    *_SAVED_AS.values(),
     "num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "seq_length",
     "padded_vocab_size",
 )  # fmt: skip
 
-# Arguments whose non-default value changes the model in a way mtcore has no switch for.
+# Arguments whose non-default value changes the model in a way mtcore has no switch for
+# (each checked against Megatron-LM core_v0.16.1's parser: docs/migrating-from-megatron.md).
 _UNSUPPORTED = {
+    "apply_layernorm_1p": "--apply-layernorm-1p (zero-centred norm weights: 1 + gamma)",
+    "attention_output_gate": "--attention-output-gate",
+    "experimental_attention_variant": "--experimental-attention-variant",
+    "glu_linear_offset": "--glu-linear-offset",
+    "activation_func_clamp_value": "--activation-func-clamp-value",
+    "quick_geglu": "--quick-geglu",
+    "use_fused_weighted_squared_relu": "--use-fused-weighted-squared-relu",
+    "qk_l2_norm": "--qk-l2-norm",
+    "no_rope_freq": "--no-rope-freq (layers without RoPE)",
+    "rotary_seq_len_interpolation_factor": "--rotary-seq-len-interpolation-factor",
+    "window_size": "--window-size (sliding-window attention)",
+    "window_attn_skip_freq": "--window-attn-skip-freq",
+    "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
+    "heterogeneous_layers_config_encoded_json": "--heterogeneous-layers-config-encoded-json",
+    "linear_attention_freq": "--linear-attention-freq",
+    "hybrid_attention_ratio": "--hybrid-attention-ratio",
+    "moe_apply_probs_on_input": "--moe-apply-probs-on-input",
+    "moe_latent_size": "--moe-latent-size",
+    "moe_shared_expert_gate": "--moe-shared-expert-gate",
+    "moe_router_group_topk": "--moe-router-group-topk (group-limited routing)",
     "qk_layernorm": "--qk-layernorm (norms on queries and keys)",
     "apply_residual_connection_post_layernorm": "--apply-residual-connection-post-layernorm",
     "multi_latent_attention": "--multi-latent-attention (MLA)",
@@ -98,9 +127,16 @@ _UNSUPPORTED = {
 }
 
 
+# Arguments refused unless they hold Megatron-LM's default: name -> (default, flag).
+_ONLY_DEFAULT = {
+    "softmax_type": ("vanilla", "--softmax-type"),
+}
+
+
 def _value(args: Mapping[str, Any], name: str) -> Any:
-    if name in args and args[name] is not None:
-        return args[name]
+    for saved in (name, _SAVED_AS.get(name)):
+        if saved in args and args[saved] is not None:
+            return args[saved]
     return MEGATRON_DEFAULTS.get(name)
 
 
@@ -114,6 +150,11 @@ def model_config_from_megatron(args: Mapping[str, Any], vocab_size: int | None =
     for name, what in _UNSUPPORTED.items():
         if get(name):
             raise MegatronError(f"{what} is not supported by mtcore's GPT")
+    for name, (default, flag) in _ONLY_DEFAULT.items():
+        if args.get(name, default) not in (default, None):
+            raise MegatronError(f"{flag} {args[name]} is not supported by mtcore's GPT")
+    if get("rope_type") not in (None, "rope"):
+        raise MegatronError(f"--rope-type {get('rope_type')} is not supported (rope)")
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
         if get(name) is None:
             raise MegatronError(
@@ -123,6 +164,13 @@ def model_config_from_megatron(args: Mapping[str, Any], vocab_size: int | None =
     if position not in ("learned_absolute", "rope"):
         raise MegatronError(
             f"--position-embedding-type {position} is not supported (learned_absolute, rope)"
+        )
+    # Megatron-LM 0.16 builds position embeddings from --position-embedding-type alone;
+    # --no-position-embedding is a no-op beside rope and an error (deprecated) otherwise.
+    if args.get("add_position_embedding") is False and position != "rope":
+        raise MegatronError(
+            "--no-position-embedding is not supported without --position-embedding-type "
+            "rope (Megatron-LM refuses it too)"
         )
     if position == "rope" and float(get("rotary_percent")) != 1.0:
         raise MegatronError(f"--rotary-percent {get('rotary_percent')} is not supported (only 1.0)")
@@ -214,6 +262,13 @@ def _moe_fields(get, fields: dict) -> dict:
     return {"moe": moe, "moe_layer_freq": int(freq)}
 
 
+def _rotary_base(theta: float) -> int:
+    """Megatron-LM parses ``--rotary-base`` as an int: a fractional base has no flag."""
+    if theta != int(theta):
+        raise MegatronError(f"rope_theta={theta}: Megatron-LM's --rotary-base is an integer")
+    return int(theta)
+
+
 def megatron_args(config: GPTConfig, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     """Megatron-LM's model arguments (attribute names) for ``config`` at ``tp`` x ``pp``:
     what a checkpoint written by ``to-megatron`` records, and what Megatron-LM needs to
@@ -244,10 +299,11 @@ def megatron_args(config: GPTConfig, tp: int = 1, pp: int = 1) -> dict[str, Any]
         max_position_embeddings=config.seq_len,
         seq_length=config.seq_len,
         position_embedding_type="rope" if config.position == "rope" else "learned_absolute",
-        rotary_base=config.rope_theta,
+        rotary_base=_rotary_base(config.rope_theta) if config.position == "rope" else 10000,
         rotary_percent=1.0,
         normalization="RMSNorm" if config.norm == "rmsnorm" else "LayerNorm",
         norm_epsilon=config.norm_eps,
+        layernorm_epsilon=config.norm_eps,  # where Megatron-LM 0.16 saves --norm-epsilon
         swiglu=config.activation == "swiglu",
         openai_gelu=config.activation == "gelu" and config.gelu_approximate == "tanh",
         add_bias_linear=config.bias,
