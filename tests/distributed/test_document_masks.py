@@ -1,6 +1,6 @@
 """Packed samples with document masks train the same under any layout as in one process.
 
-tests/unit/models/test_document_masks.py shows that, in one process, a packed sample
+tests/unit/models/test_document_masks_alone.py shows that, in one process, a packed sample
 with ``documents`` and ``positions`` trains each document as if it were alone; here the
 layouts match that one process (``mtcore.testing.equivalence``, fp32, relative error
 <= 1e-5) on random packings (documents of 1 to 9 tokens, straddling the cp chunks and
@@ -60,8 +60,11 @@ EXTENDED_CASES = {
 
 
 def packed_batches(seed: int = 11) -> list[dict[str, torch.Tensor]]:
-    """``token_batches`` with random document boundaries (1 to 9 tokens each) and the
-    positions within each document."""
+    """``token_batches`` with random document boundaries (1 to 9 tokens each), the
+    positions within each document, and each document's first half untrained (labels
+    -100, as a prompt's are in supervised fine-tuning): micro-batches and dp ranks then
+    hold unequal numbers of trained tokens, and the loss is still one process's token
+    mean."""
     g = torch.Generator().manual_seed(seed)
     batches = token_batches(STEPS, BATCH, SIZES["seq_len"], vocab=64)
     for batch in batches:
@@ -74,6 +77,11 @@ def packed_batches(seed: int = 11) -> list[dict[str, torch.Tensor]]:
             rows.append(ids[: SIZES["seq_len"]])
         batch[DOCUMENTS] = torch.stack(rows)
         batch[POSITIONS] = positions_in_documents(batch[DOCUMENTS])
+        lengths = torch.zeros_like(batch[POSITIONS]).scatter_add_(
+            1, batch[DOCUMENTS], torch.ones_like(batch[POSITIONS])
+        ).gather(1, batch[DOCUMENTS])  # each token's document length
+        prompt = 2 * batch[POSITIONS] < lengths - 1
+        batch["labels"] = batch["labels"].masked_fill(prompt, -100)
     return batches
 
 

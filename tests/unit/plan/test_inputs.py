@@ -55,7 +55,7 @@ def test_a_bad_number_is_refused_naming_the_key(tmp_path, capsys, old, new, mess
         (["--gpus", "4", "--zero", "two"], "give a ZeRO stage"),
         (["--gpus", "4", "--flash-attention", "maybe"], "give on or off"),
         (["--gpus", "4", "--comm-overlap", "tp,dp"], "comm overlap takes distinct axes"),
-        (["--gpus", "4", "--grad-reduce-dtype", "int8"], "gradient reduction dtype"),
+        (["--gpus", "4", "--grad-reduce-dtype", "int8"], "--grad-reduce-dtype needs one of"),
         (["--gpus", "4", "--compare", "tp=2,zero=9"], "ZeRO stage must be"),
     ],
 )
