@@ -140,6 +140,8 @@ def _to_hf(args: argparse.Namespace):
     max_shard = parse_size(args.max_shard_size)
     out = Path(args.out_dir)
     _check_out_dir(out, args.force)
+    # The step read, said, and read from that directory even if the root's latest moves.
+    args.checkpoint = str(say_step_read(f"convert {args.direction}", args.checkpoint))
     lora = convert_lora.is_lora_checkpoint(args.checkpoint)
     dtype = getattr(torch, DTYPES[args.dtype])
     if getattr(args, "adapter", False):
@@ -161,6 +163,21 @@ def _to_hf(args: argparse.Namespace):
         )
 
     return _replace_model_files(out, export)
+
+
+def say_step_read(command: str, path) -> Path:
+    """The committed step directory ``path`` names (a root: its latest), said on stderr
+    with its step: a root that another run's save moved would otherwise be exported or
+    sampled without a word of which model it was."""
+    from mtcore.training.checkpoint import resolve_checkpoint
+    from mtcore.training.checkpoint.manifest import read_manifest
+
+    directory = resolve_checkpoint(path)
+    given = Path(path).expanduser()
+    via = "" if given.resolve() == directory.resolve() else f" (the latest commit under {given})"
+    step = read_manifest(directory)["step"]
+    print(f"mtcore {command}: reading step {step}: {directory}{via}", file=sys.stderr)
+    return directory
 
 
 def _replace_model_files(out: Path, write) -> Path:

@@ -101,7 +101,9 @@ def to_megatron(args: argparse.Namespace) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory; choose a new one")
     check_writable("OUT_DIR", out)
-    config, weights, step = read_model_weights(args.checkpoint)
+    from mtcore.cli.convert import say_step_read
+
+    config, weights, step = read_model_weights(say_step_read("convert to-megatron", args.checkpoint))
     if config.family != FAMILY:
         raise ValueError(
             f"{args.checkpoint} holds a {config.family} model; Megatron export is for gpt"

@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtcore generate: error: {problem}", file=sys.stderr)
         return 2
     try:
-        model, _step, directory = load_model(args.checkpoint, backend)
+        from mtcore.cli.convert import say_step_read
+
+        directory = say_step_read("generate", args.checkpoint)  # the step it samples, said
+        model, _step, directory = load_model(directory, backend)
         tokenizer = load_tokenizer(directory / "tokenizer.json")
     except (FileNotFoundError, ValueError, DataError) as e:  # CheckpointError too: bad input
         print(f"mtcore generate: error: {e}", file=sys.stderr)

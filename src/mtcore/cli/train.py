@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             report_to(None)
         check_node_counts(config, prep.model, plan)
-        check_checkpoint_model(config, prep.model)
+        resumes = check_start(config, plan)
+        check_checkpoint_model(config, prep.model, resumes)
         # The fewest nodes an elastic job may run on hold the most per rank.
         sized = config.model_copy(update={"model": prep.model})
         check_memory(sized, min(plan.world_sizes()), plan.nproc, backend)
@@ -218,7 +219,24 @@ def check_node_counts(config, model, plan) -> None:
             ) from None
 
 
-def check_checkpoint_model(config, model) -> None:
+def check_start(config, plan) -> bool:
+    """ConfigError when the run would start afresh over another run's checkpoints in its
+    checkpoint.dir (``lineage.decide``, which every rank applies again): said here, before
+    any rank starts. True when it resumes checkpoint.dir's latest commit."""
+    from mtcore.training.checkpoint import CheckpointError
+    from mtcore.training.checkpoint.lineage import decide, fingerprint, latest_commit
+    from mtcore.training.config import ConfigError
+
+    if config.checkpoint.dir is None:
+        return False
+    try:
+        latest = latest_commit(config.checkpoint.dir)
+        return decide(config, latest, plan.run_id, fingerprint(config)).resume
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_checkpoint_model(config, model, resumes: bool | None = None) -> None:
     """ConfigError when the checkpoint the job will load holds another architecture:
     said here, in one line, instead of by every rank once they have started."""
     from mtcore.training.checkpoint import CheckpointError
@@ -232,7 +250,9 @@ def check_checkpoint_model(config, model) -> None:
 
     ck = config.checkpoint
     path = ck.load
-    if ck.resume and ck.dir is not None and has_checkpoint(ck.dir):
+    if resumes is None:
+        resumes = ck.resume
+    if resumes and ck.dir is not None and has_checkpoint(ck.dir):
         path = ck.dir  # resume wins over load (TrainerCheckpoints.restore)
     if path is None:
         return

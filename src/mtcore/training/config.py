@@ -294,6 +294,11 @@ class CheckpointConfig(Section):
     finetune: bool = Field(
         False, description="take only the model weights from the loaded checkpoint (step 0)"
     )
+    overwrite: bool = Field(
+        False,
+        description="start afresh in a dir holding another run's checkpoints; the first "
+        "commit removes them (otherwise that is refused)",
+    )
 
 
 class FinetuneConfig(Section):

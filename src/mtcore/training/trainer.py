@@ -33,6 +33,7 @@ from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
 from mtcore.training.backend_check import verify_backend
 from mtcore.training.checkpoint import CheckpointError
+from mtcore.training.checkpoint.lineage import fingerprint
 from mtcore.training.checkpoint.manifest import has_checkpoint, resolve_checkpoint, step_dir_name
 from mtcore.training.checkpoint.owner import claim as claim_checkpoint_dir
 from mtcore.training.checkpoint.trainer_io import TrainerCheckpoints
@@ -177,6 +178,7 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
     """Run the whole job on this rank; returns what rank 0 observed (all ranks agree on losses)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     config = config.model_copy(deep=True)  # the run fills in values (decay_steps): not the caller's
+    run_fingerprint = fingerprint(config)  # as given: `mtcore train` checks the same before ranks
     from mtcore.backend import PluginWarning, select_backend
 
     with warnings.catch_warnings():
@@ -228,8 +230,9 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
                 if owner is not None and owner.notice:
                     say(owner.notice)
                 return _Loop(
-                    config, prep, layout, backend, rank == 0, stream, owner, elastic, stop
-                ).run()
+                    config, prep, layout, backend, rank == 0, stream, owner, elastic, stop,
+                    run_fingerprint,
+                ).run()  # fmt: skip
             finally:
                 if owner is not None:
                     owner.release()
@@ -264,9 +267,11 @@ class _Loop:
         owner=None,
         elastic: ElasticRun | None = None,
         stop: StopSignal | None = None,
+        run_fingerprint: str | None = None,
     ):
         """``owner``: the job's claim on ``checkpoint.dir`` (``owner.claim``); ``elastic``: its
-        run id and restart count; ``stop``: the installed ``StopSignal`` (None: none)."""
+        run id and restart count; ``stop``: the installed ``StopSignal`` (None: none);
+        ``run_fingerprint``: ``lineage.fingerprint`` of the config as given."""
         self.config, self.prep, self.layout, self.backend = config, prep, layout, backend
         self.stop = stop if stop is not None else StopSignal(signals=())
         self.is_main, self.t = is_main, config.training
@@ -313,7 +318,9 @@ class _Loop:
             self.loader_args["group"] = sample_group(layout, backend.collective, self.device)
         self.train_loader = prep.data.loader(prep.data.train, **self.loader_args)
         self.result = TrainResult()
-        self.checkpoints = TrainerCheckpoints(config, self.engine, prep, self.say, owner, elastic)
+        self.checkpoints = TrainerCheckpoints(
+            config, self.engine, prep, self.say, owner, elastic, run_fingerprint
+        )
         self.result.start_step = self.checkpoints.restore(self.train_loader)  # collective
         self.decay_steps = self._schedule_length()
 
