@@ -121,7 +121,8 @@ def decide(config, latest: dict | None, run_id: str | None, config_fingerprint: 
             "or give this run its own directory (--checkpoint.dir or --logging.run_name)"
         )
     raise mf.CheckpointError(
-        f"checkpoint.dir {root} holds another run's checkpoints (latest step {step}, written "
+        f"checkpoint.dir {root} holds another run's checkpoints (latest "
+        f"{f'step {step}' if step is not None else 'commit unreadable'}, written "
         "by another config or a run that started afresh); this run would start at step 1 "
         "over them. Continue that run with --checkpoint.resume true, give this one its own "
         "directory (--checkpoint.dir or --logging.run_name), or replace them with "
