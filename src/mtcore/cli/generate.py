@@ -62,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtcore generate: error: {problem}", file=sys.stderr)
         return 2
     try:
-        from mtcore.cli.convert import say_step_read
+        from mtcore.cli.convert import step_to_read
 
-        directory = say_step_read("generate", args.checkpoint)  # the step it samples, said
+        directory, said = step_to_read("generate", args.checkpoint)  # one directory, said
         model, _step, directory = load_model(directory, backend)
         tokenizer = load_tokenizer(directory / "tokenizer.json")
     except (FileNotFoundError, ValueError, DataError) as e:  # CheckpointError too: bad input
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except DataError as e:  # an unreadable image, a prompt that does not fit, no template
         print(f"mtcore generate: error: {e}", file=sys.stderr)
         return 2
+    print(said, file=sys.stderr)  # on stderr: stdout is the text alone
     if args.chat:
         answer = text.removeprefix(rendered)
         print(answer.split(end_of_turn)[0] if end_of_turn else answer)

@@ -33,6 +33,9 @@ checkpoints (docs/checkpoints.md):
   --checkpoint.resume true         continue from checkpoint.dir's latest save (restarts)
   --checkpoint.load PATH           start from a checkpoint saved under any layout
   --checkpoint.finetune true       with load: the weights only (fresh optimizer, step 0)
+  --checkpoint.overwrite true      start afresh over another run's checkpoints in dir
+                                   (refused otherwise; the same config's unfinished run
+                                   is continued without any flag)
 """
 
 

@@ -133,13 +133,13 @@ def test_latest_one_commit_behind_resolves_to_the_commit_and_readers_say_the_ste
 
     exported = run_mtcore("convert", "to-hf", root, tmp_path / "hf")
     assert exported.returncode == 0, exported.stdout + exported.stderr
-    said = f"mtcore convert to-hf: reading step 4: {root / mf.step_dir_name(4)} (the latest commit under {root})"
+    said = f"mtcore convert to-hf: read step 4: {root / mf.step_dir_name(4)} (the latest commit under {root})"
     assert said in exported.stderr, exported.stderr
     sampled = run_mtcore(
         "generate", root / mf.step_dir_name(2), "--prompt", "def", "--max-new-tokens", "2"
     )
     assert sampled.returncode == 0, sampled.stdout + sampled.stderr
-    assert f"mtcore generate: reading step 2: {root / mf.step_dir_name(2)}\n" in sampled.stderr
+    assert f"mtcore generate: read step 2: {root / mf.step_dir_name(2)}\n" in sampled.stderr
     # The same command resumes the commit, not the step latest names: nothing to train.
     resumed = run_mtcore("train", config, "--checkpoint.resume", "true")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
