@@ -12,8 +12,11 @@ torchrun's do on a cluster. Compared with the same layout on one host:
   for bit; and dp2 x tp2 with ZeRO-1, cut off from the network for good: node0
   goes on alone at dp1, resharding the checkpoint; node1's ranks give up within the
   collective timeout and commit nothing; losses after the shrink equal a fresh run
-  from that checkpoint at 2 ranks. Both are slow (about a minute each): `make
-  test-cluster` runs them, in CI too; the default suite runs doctor on a node.
+  from that checkpoint at 2 ranks; and a SIGTERM to one node's launcher only (node1,
+  then node0, which hosts the rendezvous): both launchers exit 143 without a restart
+  round, and the same command on both nodes resumes the commit. All are slow (about a
+  minute each): `make test-cluster` runs them, in CI too; the default suite runs doctor
+  on a node.
 
 Needs root (namespaces); skipped with the reason otherwise.
 """

@@ -12,6 +12,9 @@ matter), ``checkpoint.interval 0`` (no save of its own before the end):
 3. resumed once more to the end: every loss (full precision, TensorBoard, steps trained
    twice logged twice with the same value) and the final weights equal an uninterrupted
    run's, bit for bit.
+
+And under ``--max-restarts 2``, a SIGTERM to rank 0 or to rank 1 alone ends the job with
+143 after the commit: no restart round (which would train on to the end, rc 0).
 """
 
 from __future__ import annotations
