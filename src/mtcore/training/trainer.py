@@ -24,6 +24,7 @@ from typing import NamedTuple, TextIO
 import torch
 import yaml
 
+from mtcore.backend.tracing import phase
 from mtcore.data import DataError
 from mtcore.data.loader import ALONE, SampleGroup
 from mtcore.distributed import Axis, LayoutError, LayoutSpec, ParallelLayout
@@ -49,6 +50,7 @@ from mtcore.training.metrics import (
     perplexity,
 )
 from mtcore.training.preemption import Preempted, StopSignal
+from mtcore.training.profiling import StepProfiler
 from mtcore.training.writable import check_output_dirs
 
 
@@ -313,6 +315,9 @@ class _Loop:
             self.loader_args["group"] = sample_group(layout, backend.collective, self.device)
         self.train_loader = prep.data.loader(prep.data.train, **self.loader_args)
         self.result = TrainResult()
+        self.profiler = StepProfiler(
+            config.logging.profile, backend, layout.rank, layout.world_size, self.say
+        )
         self.checkpoints = TrainerCheckpoints(config, self.engine, prep, self.say, owner, elastic)
         self.result.start_step = self.checkpoints.restore(self.train_loader)  # collective
         self.decay_steps = self._schedule_length()
@@ -399,6 +404,7 @@ class _Loop:
             self.say(f"fp8 ({fp8.format}): {fp8.describe()} | block linear GEMMs: {paths}")
         with collected_every(self.t.gc_interval):
             self._loop()
+        self.profiler.close()  # when training ended inside the traced steps
         self._save(self.t.steps, final=True)
         self.progress.close()
         self.scalars.close()
@@ -415,8 +421,11 @@ class _Loop:
             t0, cpu0 = time.perf_counter(), time.process_time()
             if self.t.gc_interval and step % self.t.gc_interval == 0:
                 gc.collect(1)  # timed with the step: it is the step's cost
-            self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.decay_steps))
-            out = self.engine.train_step(self._batch(self.train_loader), self.stop.requested)
+            with self.profiler.step(step):  # logging.profile: the traced steps
+                self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.decay_steps))
+                with phase("data", "data"):
+                    batches = self._batch(self.train_loader)
+                out = self.engine.train_step(batches, self.stop.requested)
             window_t += time.perf_counter() - t0
             window_cpu += time.process_time() - cpu0  # every thread of this process
             window_steps += 1

@@ -31,7 +31,11 @@ see in an unsplit backward, only later.
 
 Per step the runner records compute time (busy) and time in communication
 calls (wait: posting batches, waiting for receives and, at the end, sends);
-the rest of the step (bookkeeping) is neither. For a bubble measurement, synchronise the ranks before and after
+the rest of the step (bookkeeping) is neither. The same places are the named ranges of a
+trace (``mtcore.backend.tracing``): each compute action (``forward``/``backward``/``weight``,
+with its micro-batch and chunk; from its receive's arrival to its end), each posted batch
+of transfers, and each wait: for a receive (the ``bubble``: this rank idles on its peer
+stage) or for a send. For a bubble measurement, synchronise the ranks before and after
 ``step`` and use ``1 - busy / window`` (see benchmarks/bench_pipeline.py).
 """
 
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from mtcore.backend import tracing
 from mtcore.backend.collective import P2P
 from mtcore.parallel.pipeline.groups import PipelineGroups
 from mtcore.parallel.pipeline.schedules import (
@@ -187,8 +192,9 @@ class PipelineRunner:
                 j += 1
             self._post(actions[i:j])
             i = j
-        for _, handles, _ in self._sends.values():
-            self._wait_all(handles)
+        with tracing.phase("wait sends", "comm"):
+            for _, handles, _ in self._sends.values():
+                self._wait_all(handles)
         self._sends = {}  # delivered: keep no sent tensor through the optimizer step
         total = time.perf_counter() - self._t0
         if self._saved or self._outgoing or self._recv or self._weights_due:
@@ -215,6 +221,10 @@ class PipelineRunner:
 
     # -- transfers -----------------------------------------------------------------------
     def _post(self, batch: Sequence[Action]) -> None:
+        with tracing.phase("p2p post", "comm", actions=batch):
+            self._post_batch(batch)
+
+    def _post_batch(self, batch: Sequence[Action]) -> None:
         start = time.perf_counter()
         self._drop_delivered()
         ops, kept = [], []
@@ -272,7 +282,8 @@ class PipelineRunner:
     def _received(self, kind: str, mb: int, chunk: int) -> dict[str, Tensor]:
         action = Action(kind, mb, chunk)
         tensors, handles = self._recv.pop(action)
-        self._wait_all(handles)
+        with tracing.phase(kind, "bubble", microbatch=mb, chunk=chunk):
+            self._wait_all(handles)
         self._drop_delivered(action)
         return tensors
 
@@ -313,6 +324,7 @@ class PipelineRunner:
                 for tensor in inputs.values():
                     if tensor.dtype.is_floating_point:
                         tensor.requires_grad_()
+            span = self._span(a)
             start = time.perf_counter()
             store = WeightGradStore() if self.split else None
             with deferring_weight_grads(store):
@@ -327,6 +339,7 @@ class PipelineRunner:
         elif a.kind == BACKWARD:
             inputs, out, store = self._saved.pop((mb, c))
             grads = None if last else self._received(RECV_BWD, mb, c)
+            span = self._span(a)
             start = time.perf_counter()
             if last:
                 roots, root_grads = [out], None
@@ -345,6 +358,7 @@ class PipelineRunner:
                 back = {n: torch.zeros_like(t) if back[n] is None else back[n] for n, t in floats.items()}
                 self._to_send(Action(SEND_BWD, mb, c), back)
         else:
+            span = self._span(a)
             start = time.perf_counter()
             store, own = self._weights_due.pop((mb, c))
             params = [p for p, _ in own] + store.weights()
@@ -360,10 +374,19 @@ class PipelineRunner:
         if self.timing:
             self._sync()
         end = time.perf_counter()
+        span.__exit__(None, None, None)
         self._busy += end - start
         if self.trace:
             self._trace.append((a, start - self._t0, end - self._t0))
 
+
+    @staticmethod
+    def _span(a: Action):
+        """The compute action's trace range (opened after its receive: the wait for that
+        is a range of its own, the bubble), closed by ``_compute`` as it ends."""
+        span = tracing.phase(a.kind, "compute", microbatch=a.microbatch, chunk=a.chunk)
+        span.__enter__()
+        return span
 
     def _sync_context(self, c: int, index: int):
         """``no_sync`` of the chunk's data-parallel wrapper but where its gradients
