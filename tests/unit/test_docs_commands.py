@@ -814,6 +814,9 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         ),
         "mtcore train configs/default.yaml --nproc 4 --parallel.tp 1 --parallel.pp 4 "
         "--parallel.schedule zb_h1": SLOW_SHORT,
+        # shortened to 2 steps: the trace holds step 2, and merge reads it
+        "mtcore train configs/default.yaml --nproc 4 --profile 2:3 --logging.profile.memory "
+        "true": SLOW_SHORT,
     },
 }
 

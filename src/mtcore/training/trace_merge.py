@@ -153,10 +153,11 @@ def format_summary(summaries: list[RankSummary], width: int = 30) -> str:
         lines.append(f"{s.rank:>4} {per:>9.1f}{cells}")
     lines.append("")
     for s in summaries:
-        bar = "".join(
-            letters[c] * round(width * s.by_column[c] / s.step_us) if s.step_us else ""
-            for c in COLUMNS.values()
-        )
+        bar, done, filled = "", 0.0, 0
+        for c in COLUMNS.values():  # cumulative rounding: the bar is always ``width`` long
+            done += s.by_column[c] / s.step_us if s.step_us else 0.0
+            upto = round(width * done)
+            bar, filled = bar + letters[c] * (upto - filled), upto
         lines.append(f"rank {s.rank:>3} |{bar:<{width}}|")
     lines.append("  C compute  X exposed comm  B bubble  O optimizer  D data  . other")
     return "\n".join(lines)
