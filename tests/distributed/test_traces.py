@@ -6,7 +6,8 @@ forward/backward of every micro-batch in the schedule's order; stage 0's forward
 micro-batch ends before stage 1's starts on the merged (barrier-aligned) clock; the
 pipeline's receives and a data-parallel bucket reduction launched inside the last
 backward (overlap); the memory counter; the merged timeline's rows; the summary's
-categories adding up to the traced steps, with a bubble on stage 1.
+categories adding up to the traced steps, with a bubble on stage 1; and the planned
+trace of the same layout (``mtcore plan --trace``) with the same ranges in the same order.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import os
 from mtcore.cli.main import main
 from mtcore.parallel.pipeline import build_schedule
 from mtcore.parallel.pipeline.schedules import COMPUTE
+from mtcore.plan import load_hardware, plan
+from mtcore.plan.trace import planned_trace
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.overrides import validate
-from mtcore.training.profiling import ASYNC_TID, PHASES_TID
+from mtcore.training.trace_format import ASYNC_TID, PHASES_TID
 from mtcore.training.trace_merge import load, merge, phases, summarize, trace_files
 from mtcore.training.trainer import train
 
@@ -119,6 +122,17 @@ def test_four_ranks_trace_merge_and_summary(tmp_path, write_code_corpus, capsys)
         assert abs(sum(s.by_column.values()) - s.step_us) < 1e-6 * s.step_us + 1.0
         assert s.by_column["compute"] > 0 and min(s.by_column.values()) >= 0
     assert summarize(loaded[2]).by_column["bubble"] > 0  # stage 1 waits for stage 0's first forward
+
+    # the planned trace of the same layout: the same ranges in the same order per stage
+    planned = planned_trace(plan(validate(config), 4, load_hardware("cpu-host")))
+    for stage in (0, 1):
+        mine = [e["name"] for e in phases(planned, stage) if e["args"]["category"] == "compute"]
+        last = next(e for e in phases(loaded[2 * stage]) if e["name"] == "step 3")
+        measured = [
+            e["name"] for e in phases(loaded[2 * stage])
+            if e["args"]["category"] == "compute" and e["ts"] >= last["ts"]
+        ]  # fmt: skip
+        assert mine == measured
 
     assert main(["trace", "merge", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out

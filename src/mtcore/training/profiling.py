@@ -25,9 +25,7 @@ import torch
 
 from mtcore.backend import tracing
 from mtcore.backend.tracing import ASYNC, PhaseRecorder
-
-PHASES_TID, ASYNC_TID = 1_000_000_001, 1_000_000_002  # tids no thread of the OS has
-TRACE_KEY = "mtcore"  # the top-level key holding what merge reads (rank, sync, ...)
+from mtcore.training.trace_format import ASYNC_TID, PHASES_TID, TRACE_KEY
 
 
 def trace_path(directory: str | Path, rank: int) -> Path:

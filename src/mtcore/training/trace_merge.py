@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtcore.training.profiling import ASYNC_TID, PHASES_TID, TRACE_KEY
+from mtcore.training.trace_format import ASYNC_TID, PHASES_TID, TRACE_KEY
 
 # Trace categories -> the summary's columns, in the planner's words.
 COLUMNS = {
@@ -101,9 +101,13 @@ class RankSummary:
     by_column: dict[str, float] = field(default_factory=dict)  # column -> microseconds
 
 
-def phases(trace: dict) -> list[dict]:
-    """mtcore's ranges on the phases track (the main thread), in start order."""
-    found = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("tid") == PHASES_TID]
+def phases(trace: dict, pid=None) -> list[dict]:
+    """mtcore's ranges on the phases track (the main thread), in start order; ``pid``:
+    one process row's (a merged or planned trace's rank or stage)."""
+    found = [
+        e for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("tid") == PHASES_TID and (pid is None or e["pid"] == pid)
+    ]  # fmt: skip
     return sorted(found, key=lambda e: (e["ts"], -e["dur"]))
 
 
@@ -111,11 +115,12 @@ def in_flight(trace: dict) -> list[dict]:
     return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("tid") == ASYNC_TID]
 
 
-def summarize(trace: dict) -> RankSummary:
+def summarize(trace: dict, pid=None) -> RankSummary:
     """Each column's time over the traced steps: the self time of its phases (a phase's
-    time less that of the phases inside it), a step's own self time being "other"."""
+    time less that of the phases inside it), a step's own self time being "other".
+    ``pid``: one row of a trace with several (the planned one's stages)."""
     by_column = dict.fromkeys(COLUMNS.values(), 0.0)
-    events = phases(trace)
+    events = phases(trace, pid)
     steps = [e for e in events if e["args"].get("category") == "step"]
     stack: list[tuple[dict, float]] = []  # open phases and their children's time so far
 
@@ -135,14 +140,15 @@ def summarize(trace: dict) -> RankSummary:
         stack.append((event, 0.0))
     close_until(float("inf"))
     total = sum(e["dur"] for e in steps)
-    return RankSummary(trace[TRACE_KEY]["rank"], len(steps), total, by_column)
+    rank = pid if pid is not None else trace[TRACE_KEY]["rank"]
+    return RankSummary(rank, len(steps), total, by_column)
 
 
-def format_summary(summaries: list[RankSummary], width: int = 30) -> str:
+def format_summary(summaries: list[RankSummary], width: int = 30, row: str = "rank") -> str:
     """A table per rank (ms per step and share of the step) and an ASCII bar of the
     shares: C compute, X exposed comm, B bubble, O optimizer, D data, . other."""
     letters = dict(zip(COLUMNS.values(), "CXBOD.", strict=True))
-    head = f"{'rank':>4} {'step ms':>9}" + "".join(f" {c:>14}" for c in COLUMNS.values())
+    head = f"{row:>5} {'step ms':>9}" + "".join(f" {c:>14}" for c in COLUMNS.values())
     lines = [head]
     for s in summaries:
         per = s.step_us / max(s.steps, 1) / 1e3
@@ -150,7 +156,7 @@ def format_summary(summaries: list[RankSummary], width: int = 30) -> str:
             f" {s.by_column[c] / max(s.steps, 1) / 1e3:8.1f} {_share(s, c):>5}"
             for c in COLUMNS.values()
         )
-        lines.append(f"{s.rank:>4} {per:>9.1f}{cells}")
+        lines.append(f"{s.rank:>5} {per:>9.1f}{cells}")
     lines.append("")
     for s in summaries:
         bar, done, filled = "", 0.0, 0
@@ -158,7 +164,7 @@ def format_summary(summaries: list[RankSummary], width: int = 30) -> str:
             done += s.by_column[c] / s.step_us if s.step_us else 0.0
             upto = round(width * done)
             bar, filled = bar + letters[c] * (upto - filled), upto
-        lines.append(f"rank {s.rank:>3} |{bar:<{width}}|")
+        lines.append(f"{row} {s.rank:>3} |{bar:<{width}}|")
     lines.append("  C compute  X exposed comm  B bubble  O optimizer  D data  . other")
     return "\n".join(lines)
 

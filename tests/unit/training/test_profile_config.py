@@ -10,7 +10,8 @@ from mtcore.backend import select_backend, tracing
 from mtcore.cli.main import build_parser
 from mtcore.training.config import ConfigError, TrainConfig
 from mtcore.training.overrides import load_config
-from mtcore.training.profiling import PHASES_TID, chrome_events
+from mtcore.training.profiling import chrome_events
+from mtcore.training.trace_format import PHASES_TID
 from mtcore.training.trace_merge import COLUMNS, summarize
 
 
