@@ -344,6 +344,10 @@ class LoggingConfig(Section):
         "online", description="offline: write the run under runs/<run_name>/wandb only"
     )
     profile: ProfileConfig | None = Field(None, description="{steps, ranks, memory}: traces")
+    straggler_factor: float | None = Field(
+        1.2, gt=1.0, description="name a rank computing this much slower than its stage's "
+        "median at each log line (None: off)",
+    )
 
 
 class TrainConfig(BaseModel, extra="forbid"):

@@ -223,7 +223,8 @@ class Engine:
         scale = scaler.scale if scaler is not None else 1.0
         with phase("loss counts", "comm"):
             self._counts, self._terms = self.global_counts(batches), {}
-        self.runner.step(batches)  # each chunk's last backward launches its buckets
+        # each chunk's last backward launches its buckets; the stats: the straggler report's
+        self.last_pipeline = self.runner.step(batches)
         with phase("fp8 amax", "comm"):
             self.fp8.finish_step()
         if self.tied:
