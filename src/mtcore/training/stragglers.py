@@ -2,8 +2,10 @@
 
 Every log line, each rank's mean compute time per step over the interval and its time
 in pipeline communication reach rank 0 in the all-reduce that already gathers memory and
-CPU time. Compute is, on the host, the rank's CPU time (every thread): a rank waiting for
-a peer, in a pipeline receive or inside a tp collective, sleeps in the kernel (gloo, the
+CPU time. Compute is, on the host, the CPU time of the rank's main thread inside the
+pipeline runner's forward, backward and weight passes (``StepStats.busy_cpu_s``; not the
+logging, TensorBoard or data loading rank 0 does besides): a rank waiting for a peer, in
+a pipeline receive or inside a tp collective, sleeps in the kernel (gloo, the
 shared-memory collectives' futex) and spends none. On a device it is the pipeline
 runner's busy time (its forward, backward and weight passes), which holds a tp peer's
 wait inside a collective too: there a straggler's tp group is named with it.

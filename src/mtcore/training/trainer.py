@@ -433,8 +433,9 @@ class _Loop:
             window_cpu += time.process_time() - cpu0  # every thread of this process
             window_steps += 1
             window_trained += (out.counts or {}).get("lm", 0.0)
-            window_busy += self.engine.last_pipeline.busy_s
-            window_wait += self.engine.last_pipeline.wait_s
+            pipeline = self.engine.last_pipeline  # compute: CPU time on the host (stragglers)
+            window_busy += pipeline.busy_cpu_s if self.device.type == "cpu" else pipeline.busy_s
+            window_wait += pipeline.wait_s
             self.result.losses.append(out.loss)
             if out.moe is not None:
                 self.result.moe.append(out.moe)
@@ -539,12 +540,8 @@ class _Loop:
         t[4, rank] = self.layout.coordinate(Axis.PP)
         if n > 1:
             self.backend.collective.all_reduce(t, op="max")
-        rows = t[1:].tolist()
-        # compute per rank: on the host its CPU time (a rank waiting for a peer sleeps in
-        # the kernel, so waiting costs no CPU, even inside a tp collective); on a device
-        # the pipeline runner's busy time
-        compute = rows[0] if self.backend.device.type == "cpu" else rows[1]
-        per_rank = (compute, rows[2], [int(s) for s in rows[3]])
+        rows = t[2:].tolist()
+        per_rank = (rows[0], rows[1], [int(s) for s in rows[2]])
         return int(t[0].max().item()), float(t[1].sum().item()), per_rank
 
     def _stragglers(self, step: int, compute, wait, stages) -> dict[str, float]:

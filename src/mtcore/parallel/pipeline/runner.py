@@ -96,6 +96,7 @@ class StepStats:
     peak_in_flight: int
     trace: list[tuple[Action, float, float]] = field(default_factory=list)
     peak_undelivered: int = 0  # the most sends whose tensors this rank held at once
+    busy_cpu_s: float = 0.0  # this thread's CPU time in the compute (waits in it cost none)
 
     @property
     def idle_share(self) -> float:
@@ -177,7 +178,7 @@ class PipelineRunner:
         self._sends: dict[Action, tuple[dict[str, Tensor], list, bool]] = {}
         self._most_sends = 0
         self._losses: list[Tensor] = []
-        self._busy = self._wait = 0.0
+        self._busy = self._wait = self._busy_cpu = 0.0
         self._peak = 0
         self._trace: list[tuple[Action, float, float]] = []
         self._t0 = time.perf_counter()
@@ -203,7 +204,8 @@ class PipelineRunner:
             )
         loss = torch.stack(self._losses).sum().item() if self._losses else None
         return StepStats(
-            loss, self._busy, self._wait, total, self._peak, self._trace, self._most_sends
+            loss, self._busy, self._wait, total, self._peak, self._trace, self._most_sends,
+            self._busy_cpu,
         )
 
     def _forward(self, c: int, inputs: dict[str, Tensor], batch) -> dict[str, Tensor] | Tensor:
@@ -326,6 +328,7 @@ class PipelineRunner:
                         tensor.requires_grad_()
             span = self._span(a)
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             store = WeightGradStore() if self.split else None
             with deferring_weight_grads(store):
                 out = self._forward(c, inputs, self._inputs[mb] if self.named or first else None)
@@ -341,6 +344,7 @@ class PipelineRunner:
             grads = None if last else self._received(RECV_BWD, mb, c)
             span = self._span(a)
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             if last:
                 roots, root_grads = [out], None
             else:  # a message computed from the batch alone carries no gradient
@@ -360,6 +364,7 @@ class PipelineRunner:
         else:
             span = self._span(a)
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             store, own = self._weights_due.pop((mb, c))
             params = [p for p, _ in own] + store.weights()
 
@@ -376,6 +381,7 @@ class PipelineRunner:
         end = time.perf_counter()
         span.__exit__(None, None, None)
         self._busy += end - start
+        self._busy_cpu += time.thread_time() - cpu_start
         if self.trace:
             self._trace.append((a, start - self._t0, end - self._t0))
 
