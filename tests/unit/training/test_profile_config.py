@@ -92,3 +92,35 @@ def test_summary_counts_each_moment_once_for_the_innermost_phase():
     assert s.by_column == {"compute": 30, "exposed comm": 10, "bubble": 20, "optimizer": 20,
                            "data": 3, "other": 17}  # fmt: skip
     assert set(s.by_column) == set(COLUMNS.values())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_bucket_reduction_overlaps_the_backward_only_with_overlap_on(overlap):
+    """The in-flight range of each dp bucket starts inside the backward when buckets are
+    launched from it, and after it (in finish_grad_sync) when overlap is off."""
+    import torch
+    from torch import nn
+
+    from mtcore.distributed.layout import ParallelLayout
+    from mtcore.parallel.data import DataParallel, DataParallelConfig
+
+    backend = select_backend("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    config = DataParallelConfig(bucket_size=40, overlap_grad_reduce=overlap)
+    ddp = DataParallel(model, ParallelLayout.single(), backend, config)
+    recorder = tracing.PhaseRecorder(backend.device)
+    recorder.start()
+    try:
+        with tracing.phase("backward", "compute", microbatch=0, chunk=0):
+            ddp(torch.randn(5, 6)).square().mean().backward()
+        with tracing.phase("dp grad sync", "comm"):
+            ddp.finish_grad_sync()
+    finally:
+        recorder.stop()
+    backward = next(e for e in recorder.events if e.name.startswith("backward"))
+    reductions = [e for e in recorder.events if e.track == tracing.ASYNC]
+    assert [e.args["bucket"] for e in reductions] == [0, 1]
+    inside = [backward.start_ns <= e.start_ns <= backward.end_ns for e in reductions]
+    assert inside == [overlap, overlap]
+    assert all(e.end_ns >= e.start_ns for e in reductions)
