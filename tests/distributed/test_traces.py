@@ -25,7 +25,7 @@ from mtcore.plan.trace import planned_trace
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.overrides import validate
 from mtcore.training.trace_format import ASYNC_TID, PHASES_TID
-from mtcore.training.trace_merge import load, merge, phases, summarize, trace_files
+from mtcore.training.trace_merge import load, memory_peaks, merge, phases, summarize, trace_files
 from mtcore.training.trainer import train
 
 MICROBATCHES = 4
@@ -134,8 +134,13 @@ def test_four_ranks_trace_merge_and_summary(tmp_path, write_code_corpus, capsys)
         ]  # fmt: skip
         assert mine == measured
 
+    for trace in loaded:  # memory: true
+        peaks = memory_peaks(trace)
+        assert peaks["forward"] > 0 and peaks["backward"] > 0 and peaks["optimizer"] > 0
+
     assert main(["trace", "merge", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "exposed comm" in out and "bubble" in out and out.count("rank ") >= 4
+    assert out.count("peak memory by phase: ") == 4
     with gzip.open(traces / "merged.json.gz", "rt") as f:
         assert {e["pid"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X"} == {0, 1, 2, 3}

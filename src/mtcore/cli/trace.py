@@ -32,8 +32,10 @@ def run(args: argparse.Namespace) -> int:
 
     from mtcore.training.trace_merge import (
         TraceError,
+        format_memory,
         format_summary,
         load,
+        memory_peaks,
         merge,
         summarize,
         trace_files,
@@ -54,12 +56,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         rows = [
             {"rank": s.rank, "steps": s.steps, "step_ms": s.step_us / max(s.steps, 1) / 1e3,
-             **{c: v / max(s.steps, 1) / 1e3 for c, v in s.by_column.items()}}
-            for s in summaries
+             **{c: v / max(s.steps, 1) / 1e3 for c, v in s.by_column.items()},
+             "peak_bytes_by_phase": memory_peaks(trace)}
+            for s, trace in zip(summaries, traces, strict=True)
         ]  # fmt: skip
         print(json.dumps({"timeline": output, "ranks": rows}, indent=2))
         return 0
     print(f"timeline: {output} ({len(traces)} ranks; open in https://ui.perfetto.dev)")
     print("ms per traced step, and share of the step:")
     print(format_summary(summaries))
+    for trace, s in zip(traces, summaries, strict=True):
+        if peaks := memory_peaks(trace):  # logging.profile.memory
+            print(format_memory(s.rank, peaks))
     return 0

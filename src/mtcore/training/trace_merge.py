@@ -169,5 +169,24 @@ def format_summary(summaries: list[RankSummary], width: int = 30, row: str = "ra
     return "\n".join(lines)
 
 
+def memory_peaks(trace: dict, pid=None) -> dict[str, int]:
+    """With ``logging.profile.memory``: per kind of phase (its name's first word:
+    forward, backward, optimizer, ...), the highest memory reading at one's end."""
+    peaks: dict[str, int] = {}
+    for event in phases(trace, pid):
+        value = event["args"].get("memory_bytes")
+        if value is not None and event["args"].get("category") != "step":
+            kind = event["name"].split()[0]
+            peaks[kind] = max(peaks.get(kind, 0), int(value))
+    return peaks
+
+
+def format_memory(rank: int, peaks: dict[str, int]) -> str:
+    top = sorted(peaks.items(), key=lambda kv: -kv[1])[:6]
+    return f"rank {rank:>3} peak memory by phase: " + ", ".join(
+        f"{kind} {value / 2**20:.0f} MiB" for kind, value in top
+    )
+
+
 def _share(s: RankSummary, column: str) -> str:
     return f"{100 * s.by_column[column] / s.step_us:.0f}%" if s.step_us else "-"
