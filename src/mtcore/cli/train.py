@@ -18,6 +18,7 @@ every node (or `torchrun ... -m mtcore.train CONFIG`; docs/training.md).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import warnings
 
@@ -29,6 +30,9 @@ overrides:
   --section.key VALUE    set one config value, e.g. --parallel.tp 2 --precision.dtype fp32
                          (sections: model parallel precision data optimizer training
                          checkpoint logging; values are YAML: 2, true, null, [a, b])
+profiling (docs/training.md, "Profiling"):
+  --profile [FROM:TO]              trace steps FROM-TO (default 2:3) on every rank:
+                                   logging.profile; then mtcore trace merge runs/<run_name>
 checkpoints (docs/checkpoints.md):
   --checkpoint.resume true         continue from checkpoint.dir's latest save (restarts)
   --checkpoint.load PATH           start from a checkpoint saved under any layout
@@ -98,7 +102,12 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
             parser.print_help()
             parser.exit()
         name = arg.partition("=")[0]
-        if name in ENVIRONMENT:
+        if name == "--profile":  # the shorthand of logging.profile.steps
+            value = arg.partition("=")[2] if "=" in arg else None
+            if value is None and i + 1 < len(argv) and re.fullmatch(r"\d+(:\d+)?", argv[i + 1]):
+                value, i = argv[i + 1], i + 1
+            ns.overrides += ["--logging.profile.steps", _profile_steps(parser, value)]
+        elif name in ENVIRONMENT:
             if "=" not in arg and i + 1 >= len(argv):
                 parser.error(f"{name} needs a value")
             flags[name] = arg.partition("=")[2] if "=" in arg else argv[i + 1]
@@ -120,6 +129,17 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     except LaunchError as e:
         parser.error(str(e))
     return ns
+
+
+def _profile_steps(parser: argparse.ArgumentParser, value: str | None) -> str:
+    """``--profile`` (steps 2-3: the first pays one-time costs), ``--profile N`` or
+    ``--profile FROM:TO`` as the value of ``logging.profile.steps``."""
+    if value is None:
+        return "[2, 3]"
+    if not re.fullmatch(r"\d+(:\d+)?", value):
+        parser.error(f"--profile {value!r}: give steps as N or FROM:TO (e.g. --profile 10:12)")
+    first, _, last = value.partition(":")
+    return f"[{first}, {last or first}]"
 
 
 def run(args: argparse.Namespace) -> int:

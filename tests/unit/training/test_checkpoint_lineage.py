@@ -186,6 +186,10 @@ def test_how_a_run_starts_on_a_directory_holding_a_commit(tmp_path):
     plain, mine = config(), fingerprint(config())
     assert mine == fingerprint(config(resume=True)) == fingerprint(config(overwrite=True))
     assert mine != fingerprint(config(interval=5))
+    logged = TrainConfig.model_validate(
+        {"training": {"steps": 10}, "checkpoint": {"dir": str(tmp_path)}, "logging": {"interval": 1}}
+    )
+    assert fingerprint(logged) == mine  # how a run reports is not what it trains
     theirs = {"id": "aaaaaaaaaaaa", "config": "f" * 64}
     latest = {"step": 4, "run_id": "job-1", "kind": "training", "lineage": theirs}
     assert decide(plain, None, None, mine).resume is False

@@ -39,11 +39,14 @@ _NOT_THE_RUN = {"checkpoint": ("resume", "overwrite")}
 
 def fingerprint(config) -> str:
     """sha256 of ``config`` (a ``TrainConfig``) as JSON, without ``checkpoint.resume`` and
-    ``checkpoint.overwrite``: two runs of one command (file and overrides) have the same."""
+    ``checkpoint.overwrite`` and with only ``logging.run_name`` of its logging (how a run
+    reports, traces or profiles changes none of its steps): two runs of one command (file
+    and overrides) have the same."""
     data = config.model_dump(mode="json")
     for section, keys in _NOT_THE_RUN.items():
         for key in keys:
             data.get(section, {}).pop(key, None)
+    data["logging"] = {"run_name": (data.get("logging") or {}).get("run_name")}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
