@@ -141,7 +141,7 @@ def _to_hf(args: argparse.Namespace):
     out = Path(args.out_dir)
     _check_out_dir(out, args.force)
     # Read from one directory even if the root's latest moves; which step, said once done.
-    directory, said = step_to_read(f"convert {args.direction}", args.checkpoint)
+    directory, said = step_to_read("convert to-hf", args.checkpoint)
     args.checkpoint = str(directory)
     lora = convert_lora.is_lora_checkpoint(args.checkpoint)
     dtype = getattr(torch, DTYPES[args.dtype])
