@@ -208,7 +208,14 @@ def test_two_blocks_at_most_are_whole(runs):
 def test_zero3_low_precision_matches_zero2(runs, dtype):
     for rank, got in enumerate(runs.extras[2]):
         (loss2, weights2, skipped2), (loss3, weights3, skipped3) = got[dtype, 2], got[dtype, 3]
-        assert loss2 == loss3, (dtype, rank, loss2, loss3)
+        if dtype == "fp16":
+            # On an AVX512 host (AMD EPYC, torch's cpu capability AVX512) the third fp16
+            # loss differs between the stages by about one float32 ulp (4.352209091 and
+            # 4.352210045), at 0eef49e too; earlier hosts gave equal bits. Cause not
+            # isolated: bf16 and fp8 stay bitwise equal here.
+            assert loss2 == pytest.approx(loss3, rel=1e-6, abs=0), (dtype, rank, loss2, loss3)
+        else:
+            assert loss2 == loss3, (dtype, rank, loss2, loss3)
         assert skipped2 == skipped3, (dtype, rank, skipped2, skipped3)
         if dtype == "fp16":
             assert skipped3[0] == "grad" and "" in skipped3, skipped3  # skipped, then stepped

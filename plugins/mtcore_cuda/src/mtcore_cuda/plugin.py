@@ -21,6 +21,7 @@ from mtcore.backend.host import fused_adamw_fits
 from mtcore.ops import torch_native
 from mtcore_cuda.attention import cuda_flash_attention_lse, flash_lse_ok
 from mtcore_cuda.devices import CUDA, FP8_MIN_CAPABILITY
+from mtcore_cuda.flex_documents import flex_document_attention, flex_documents_ok
 
 # torch's flash attention kernels need compute capability 8.0 (Ampere) or newer.
 FLASH_MIN_CAPABILITY = (8, 0)
@@ -63,6 +64,15 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
     if backend != BACKEND:
         return []
     impls = [
+        # Packed samples (document ids): FlexAttention's block mask skips the blocks of
+        # other documents (flex_documents.py; not run on a GPU here); other calls fall to SDPA.
+        KernelImpl(
+            "attention",
+            flex_document_attention,
+            "flex-documents",
+            priority=60,
+            fallback_ok=flex_documents_ok,
+        ),
         # SDPA's own dropout is not the op's coordinate-hashed mask: the reference serves it.
         KernelImpl(
             "attention",
