@@ -89,8 +89,8 @@ class KernelUse:
 
 
 # The longest attention case the self-check adds (the float64 reference it is compared
-# with costs O(seq**2); 512 keeps the whole check under a second on a CPU).
-MAX_SEQ_LEN = 512
+# with costs O(seq**2); 256 adds about 0.1-0.2 s to a bf16 check on a CPU).
+MAX_SEQ_LEN = 256
 
 
 def selected(backend, dtype: torch.dtype) -> list:
