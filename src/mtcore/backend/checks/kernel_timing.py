@@ -32,6 +32,9 @@ REPEATS = 3
 # slower than a 20 us reference is 2 ms a call: within any per-call slack).
 BLOCK_S = 2e-3
 MAX_CALLS = 1000
+# After this long measuring one kernel, no further blocks start: an honest kernel's
+# blocks take milliseconds, and a kernel whose blocks take seconds has failed already.
+MEASURE_BUDGET_S = 2.0
 UNTIMED = ("adamw_step",)  # updates its state in place: no inputs to call it on again
 # A native FP8 GEMM may be slower than its fallback on a device where torch runs it as
 # a plain loop (the CPU's torch._scaled_mm per tensor: 6 ms against 0.05 for
@@ -50,7 +53,10 @@ def fastest(calls: dict[str, Callable[[], object]], sync: Callable[[], None], re
     once = time.perf_counter() - start
     n = max(1, min(MAX_CALLS, int(BLOCK_S / max(once, 1e-7))))
     best = dict.fromkeys(calls, float("inf"))
+    began = time.perf_counter()
     for _ in range(repeats):
+        if time.perf_counter() - began > MEASURE_BUDGET_S:
+            break  # far too slow already (more blocks only lower a minimum by noise)
         for name, call in calls.items():
             sync()
             start = time.perf_counter()
