@@ -104,7 +104,7 @@ def run_rank(make_config) -> int:
     from mtcore.data.loader import SamplesLost
     from mtcore.training.checkpoint import CheckpointError, CheckpointWriteError
     from mtcore.training.config import ConfigError
-    from mtcore.training.preemption import PREEMPTED_EXIT, Preempted
+    from mtcore.training.preemption import PREEMPTED_EXIT, Preempted, tell_launcher_stopped
     from mtcore.training.trainer import TrainingError, train
 
     rank = int(os.environ.get("RANK", "0"))
@@ -140,8 +140,14 @@ def run_rank(make_config) -> int:
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 1
     except Preempted as e:  # every rank stopped at the same step; rank 0 committed it
+        # The launcher stops its agent next (below), and the agent passes a SIGTERM on to
+        # the ranks: the commit is done, but rank 0's line must still come out.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if loud:
             print(f"mtcore train: {e}", file=sys.stderr, flush=True)
+        # Else the agent restarts ranks that exit 143 (another node's, or one rank's,
+        # SIGTERM) into a new round, using up --max-restarts: the job ends everywhere.
+        tell_launcher_stopped(e.step, signalled_here=e.seconds is not None)
         return PREEMPTED_EXIT
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it, once
         return 130

@@ -12,8 +12,11 @@ torchrun's do on a cluster. Compared with the same layout on one host:
   for bit; and dp2 x tp2 with ZeRO-1, cut off from the network for good: node0
   goes on alone at dp1, resharding the checkpoint; node1's ranks give up within the
   collective timeout and commit nothing; losses after the shrink equal a fresh run
-  from that checkpoint at 2 ranks. Both are slow (about a minute each): `make
-  test-cluster` runs them, in CI too; the default suite runs doctor on a node.
+  from that checkpoint at 2 ranks; and a SIGTERM to one node's launcher only (node1,
+  then node0, which hosts the rendezvous): both launchers exit 143 without a restart
+  round, and the same command on both nodes resumes the commit. All are slow (about a
+  minute each): `make test-cluster` runs them, in CI too; the default suite runs doctor
+  on a node.
 
 Needs root (namespaces); skipped with the reason otherwise.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import random
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -231,6 +235,51 @@ def test_a_node_cut_off_for_good_shrinks_the_job_and_commits_nothing_after(
         f"cut off after step {after}: node0 finished {shrunk_in:.1f} s after the cut, "
         f"node1 gave up after {gave_up_in:.1f} s (timeout {timeout_s} s)"
     )
+
+
+@pytest.mark.slow  # about 40 s: make test-cluster
+@pytest.mark.parametrize("preempted", [1, 0])  # node1; node0, which hosts the rendezvous
+def test_sigterm_to_one_node_ends_the_job_on_every_node_with_143_and_it_continues(
+    cluster, tmp_path, mtcore_script, cli_env, preempted
+):
+    """A preempted pod or Slurm node: SIGTERM to one node's launcher only. Every node's
+    ranks stop at the same step and commit it; every launcher exits 143 (what Slurm's
+    script requeues and the Kubernetes examples retry), none starts a new round (which
+    would use up --max-restarts); the same command on both nodes continues the commit."""
+    steps, cache = 12, tmp_path / "cache"
+    directory = tmp_path / "two_nodes"
+    args = [str(DEFAULT_JOB), *short_run(directory, cache, steps)]
+    args += ["--checkpoint.dir", str(directory / "checkpoints")]
+    args += _rendezvous(f"preempt-{preempted}", "2", max_restarts="3")
+    job = Job(cluster, mtcore_script, cli_env, directory, args)
+    node0, node1 = cluster.nodes
+    try:
+        job.start(node0), job.start(node1)
+        job.wait_for_commit(2)
+        launcher = job.launchers[preempted]
+        assert b"train" in Path(f"/proc/{launcher.pid}/cmdline").read_bytes()
+        launcher.send_signal(signal.SIGTERM)
+        codes = job.finish()
+        first = job.text()
+        assert codes == {0: 143, 1: 143}, first
+        assert "restart 1 of at most 3" not in first, first
+        stop = re.search(r"preempted: .* stopped the job after step (\d+): committed ([^;\s]+)", first)
+        assert stop, first
+        step = int(stop.group(1))
+        assert step < steps and stop.group(2).endswith(mf.step_dir_name(step)), first
+        assert "a SIGTERM to another node or rank of this job stopped it after step" in first
+        assert "stopped by SIGTERM" in first  # the preempted node's own line
+        assert "Traceback" not in first, first
+        # The same command on both nodes (same --rdzv-id): the commit of the stop, by itself.
+        job.start(node0), job.start(node1)
+        codes = job.finish()
+    finally:
+        node1.kill()
+        node0.kill()
+    log = job.text()
+    assert codes == {0: 0, 1: 0}, log
+    assert f"checkpoint: the latest commit (step {step}) is this run's (preempt-{preempted})" in log
+    assert f"resumed from {directory / 'checkpoints' / mf.step_dir_name(step)} at step {step}" in log
 
 
 def test_doctor_names_the_rendezvous_route_and_the_address_the_ranks_bind(

@@ -12,6 +12,9 @@ matter), ``checkpoint.interval 0`` (no save of its own before the end):
 3. resumed once more to the end: every loss (full precision, TensorBoard, steps trained
    twice logged twice with the same value) and the final weights equal an uninterrupted
    run's, bit for bit.
+
+And under ``--max-restarts 2``, a SIGTERM to rank 0 or to rank 1 alone ends the job with
+143 after the commit: no restart round (which would train on to the end, rc 0).
 """
 
 from __future__ import annotations
@@ -143,3 +146,32 @@ def test_sigterm_commits_an_agreed_step_and_the_next_run_continues_exactly(
     got = by_step(tensorboard_scalars(tmp_path / "cut" / "tensorboard"))
     assert got == expected
     assert not weight_differences(tmp_path / "plain" / "checkpoints", checkpoints)
+
+
+@pytest.mark.slow  # make test-cluster (about 30 s)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+@pytest.mark.parametrize("target", [0, 1])
+def test_sigterm_to_one_rank_under_max_restarts_ends_the_job_with_143(
+    tmp_path, write_code_corpus, mtcore_script, cli_env, target
+):
+    """docs/clusters.md: a SIGTERM to any one rank stops the job with 143, restarts or not
+    (the agent would restart ranks that exit 143, and count it). Rank 1: the launcher hears
+    of it from local rank 0, which did not get the signal; rank 0: from the rank that did."""
+    corpus = write_code_corpus(tmp_path / "docs", n_docs=10, n_lines=30)
+    command = [str(mtcore_script), "train", str(_config(tmp_path, corpus, "cut")), "--nproc", "2",
+               "--max-restarts", "2"]  # fmt: skip
+    run = Run(command, cli_env(PYTHONUNBUFFERED="1"))
+    run.wait_for_step(3)
+    os.kill(rank_pids(below=run.process.pid)[target], signal.SIGTERM)
+    log = run.finish()
+    assert run.process.returncode == 143, log
+    stopped = PREEMPTED.search(log) or OTHER_RANK.search(log)
+    assert stopped, log
+    step = int(stopped.group(1))
+    assert step < STEPS and f"step {STEPS}/{STEPS}" not in log, log
+    assert "restart 1 of at most 2" not in log, log  # no new round: the budget is untouched
+    assert "Traceback" not in log, log
+    if target == 1:  # the launcher's own line: its ranks stopped on a signal it never got
+        assert f"a SIGTERM to another node or rank of this job stopped it after step {step}" in log
+    checkpoints = tmp_path / "cut" / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == f"step_{step:06d}"

@@ -176,3 +176,49 @@ def test_the_sbatch_example_survives_a_requeue_and_a_time_limit_signal_bitwise(
         f"scancel --signal=TERM after step {second} (committed {after_signal}): running again "
         f"{signal[0]:.1f} s later, first step {signal[1]:.1f} s after the signal"
     )
+
+
+def _launcher_on(node) -> int:
+    """The pid of `mtcore train`'s launcher on ``node`` (not its rank server or ranks)."""
+    for pid in node.pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"train" in argv and b"--rdzv-id" in argv and any(a.endswith(b"mtcore") for a in argv):
+            return pid
+    raise AssertionError(f"no mtcore train launcher on {node.hostname}")
+
+
+def test_a_sigterm_to_one_node_ends_the_step_with_143_and_the_script_requeues(
+    cluster, tmp_path, mtcore_script, cli_env
+):
+    """One node preempted (its launcher alone gets SIGTERM): both nodes' launchers exit
+    143 at the same commit, without a restart round; srun returns 143, the script
+    requeues the job, and the next run resumes that commit and finishes."""
+    cache, steps = tmp_path / "cache", 12
+    submitted = tmp_path / "slurm"
+    submitted.mkdir()
+    env = cli_env(
+        PATH=f"{mtcore_script.parent}:{os.environ['PATH']}",
+        PYTHONUNBUFFERED="1",
+        MTCORE_CONFIG=str(DEFAULT_JOB),
+        MTCORE_NPROC_PER_NODE="2",
+        MTCORE_ARGS=" ".join(short_run(submitted, cache, steps)),
+    )
+    done = cluster.command("sbatch", "--parsable", "--gpus-per-node=0", SCRIPT, env=env,
+                           cwd=submitted)  # fmt: skip
+    assert done.returncode == 0, done.stderr + cluster.logs()
+    job = Job(cluster, done.stdout.strip().split(";")[0], submitted)
+    job.wait(lambda: job.committed(2), "the commit of step 2")
+    os.kill(_launcher_on(cluster.nodes.nodes[1]), 15)
+    job.wait(lambda: len(job.runs()) > 1 and STEP.search(job.runs()[1]), "the requeued run")
+    job.wait(lambda: job.state() == "COMPLETED", "the job's end")
+    assert cluster.job(job.id)["Restarts"] == "1", job.text()
+    runs = job.runs()
+    assert f"train.sbatch: stopped after a commit; requeueing job {job.id}" in runs[0], runs[0]
+    assert "restart 1 of at most" not in runs[0], runs[0]  # no round: the budget is whole
+    assert "a SIGTERM to another node or rank of this job stopped it" in runs[0], runs[0]
+    step = int(re.search(r"preempted: .* stopped the job after step (\d+)", runs[0]).group(1))
+    assert f"the latest commit (step {step}) is this run's ({job.id}): resuming it" in runs[1]
+    assert f"done: {steps - step} steps" in runs[1], runs[1]

@@ -754,6 +754,9 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
     "docs/plan.md": {
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host": EXTENDED,
         "mtcore plan configs/llava.yaml --gpus 4 --hardware cpu-host": CHEAP,
+        "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --trace planned.json.gz": (
+            CHEAP
+        ),
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --backend cpu": CHEAP,
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --compare tp=1,pp=4 "
         "tp=1,pp=4,schedule=zb_h1": CHEAP,
@@ -814,6 +817,9 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         ),
         "mtcore train configs/default.yaml --nproc 4 --parallel.tp 1 --parallel.pp 4 "
         "--parallel.schedule zb_h1": SLOW_SHORT,
+        # shortened to 2 steps: the trace holds step 2, and merge reads it
+        "mtcore train configs/default.yaml --nproc 4 --profile 2:3 --logging.profile.memory "
+        "true": SLOW_SHORT,
     },
 }
 

@@ -116,6 +116,17 @@ class Device:
     def empty_cache(self) -> None:
         return None
 
+    # -- traces --------------------------------------------------------------------
+    def trace_range(self, name: str) -> contextlib.AbstractContextManager:
+        """The device's own marker around one of mtcore's named phases, entered only while
+        a trace is being recorded (``mtcore.backend.tracing``; mtcore times the range on
+        the host itself, whatever this returns). Default: torch.profiler's
+        ``record_function``, a host-side range that torch.profiler's trace shows with the
+        ops run inside it (and, where torch.profiler sees the device, with the device's
+        share). A device whose vendor has range markers its own profiler shows returns
+        those as well."""
+        return torch.profiler.record_function(name)
+
     # -- random numbers ------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)

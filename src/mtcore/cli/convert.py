@@ -140,6 +140,9 @@ def _to_hf(args: argparse.Namespace):
     max_shard = parse_size(args.max_shard_size)
     out = Path(args.out_dir)
     _check_out_dir(out, args.force)
+    # Read from one directory even if the root's latest moves; which step, said once done.
+    directory, said = step_to_read(f"convert {args.direction}", args.checkpoint)
+    args.checkpoint = str(directory)
     lora = convert_lora.is_lora_checkpoint(args.checkpoint)
     dtype = getattr(torch, DTYPES[args.dtype])
     if getattr(args, "adapter", False):
@@ -148,7 +151,9 @@ def _to_hf(args: argparse.Namespace):
                 f"--adapter: {args.checkpoint} is not a LoRA checkpoint (finetune.lora)"
             )
         export = functools.partial(convert_lora.export_adapter, args.checkpoint, dtype=dtype)
-        return _replace_model_files(out, export)
+        written = _replace_model_files(out, export)
+        print(said, file=sys.stderr)
+        return written
     config, weights, _step = read_model_weights(args.checkpoint)  # LoRA: merged
     tokenizer = resolve_checkpoint(args.checkpoint) / TOKENIZER
     adapter = _adapter(family_of(config))
@@ -160,7 +165,23 @@ def _to_hf(args: argparse.Namespace):
             config, weights, staging, dtype, tokenizer_json=tokenizer_json, **shard_option
         )
 
-    return _replace_model_files(out, export)
+    written = _replace_model_files(out, export)
+    print(said, file=sys.stderr)
+    return written
+
+
+def step_to_read(command: str, path) -> tuple[Path, str]:
+    """The committed step directory ``path`` names (a root: its latest), and the line that
+    says which step ``command`` read, to print once it succeeded: a root that another run's
+    save moved would otherwise be exported or sampled without a word of which model."""
+    from mtcore.training.checkpoint import resolve_checkpoint
+    from mtcore.training.checkpoint.manifest import read_manifest
+
+    directory = resolve_checkpoint(path)
+    given = Path(path).expanduser()
+    via = "" if given.resolve() == directory.resolve() else f" (the latest commit under {given})"
+    step = read_manifest(directory)["step"]
+    return directory, f"mtcore {command}: read step {step}: {directory}{via}"
 
 
 def _replace_model_files(out: Path, write) -> Path:

@@ -101,7 +101,10 @@ def to_megatron(args: argparse.Namespace) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory; choose a new one")
     check_writable("OUT_DIR", out)
-    config, weights, step = read_model_weights(args.checkpoint)
+    from mtcore.cli.convert import step_to_read
+
+    source, said = step_to_read("convert to-megatron", args.checkpoint)
+    config, weights, step = read_model_weights(source)
     if config.family != FAMILY:
         raise ValueError(
             f"{args.checkpoint} holds a {config.family} model; Megatron export is for gpt"
@@ -115,6 +118,7 @@ def to_megatron(args: argparse.Namespace) -> Path:
     megatron_args = get_family(FAMILY).megatron.args_for(config, args.tp, args.pp)
     if args.ep > 1:
         megatron_args["expert_model_parallel_size"] = args.ep
+    print(said, file=sys.stderr)
     print(
         f"Megatron-LM loads {out} ({LATEST}: {step}) with {how} and --use-checkpoint-args "
         f"(it does not carry --norm-epsilon), or with these model arguments:\n"

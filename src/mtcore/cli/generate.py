@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtcore generate: error: {problem}", file=sys.stderr)
         return 2
     try:
-        model, _step, directory = load_model(args.checkpoint, backend)
+        from mtcore.cli.convert import step_to_read
+
+        directory, said = step_to_read("generate", args.checkpoint)  # one directory, said
+        model, _step, directory = load_model(directory, backend)
         tokenizer = load_tokenizer(directory / "tokenizer.json")
     except (FileNotFoundError, ValueError, DataError) as e:  # CheckpointError too: bad input
         print(f"mtcore generate: error: {e}", file=sys.stderr)
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except DataError as e:  # an unreadable image, a prompt that does not fit, no template
         print(f"mtcore generate: error: {e}", file=sys.stderr)
         return 2
+    print(said, file=sys.stderr)  # on stderr: stdout is the text alone
     if args.chat:
         answer = text.removeprefix(rendered)
         print(answer.split(end_of_turn)[0] if end_of_turn else answer)

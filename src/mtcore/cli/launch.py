@@ -22,6 +22,8 @@ from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 
+from mtcore.cli.stop_note import StopNote
+
 DEFAULT_PORT = 29400  # torchrun's for the c10d rendezvous
 # Flag -> torchrun's environment variable for it (torch.distributed.run reads PET_<NAME>).
 ENVIRONMENT = {
@@ -345,6 +347,7 @@ def launch(
         # the dead ranks' addresses from it: a fresh store for every round instead.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     bad_input = BadInputWatch()  # sets the file's name in the ranks' environment
+    stopped = StopNote()  # likewise: where local rank 0 says the job was preempted
     # The ranks' environment is complete; the server loads torch while this process does.
     stop_rank_server = start_rank_server()
     from torch.distributed import DistNetworkError, DistStoreError
@@ -374,12 +377,16 @@ def launch(
             flush=True,
         )
     try:
-        with watch, bad_input:
+        with watch, bad_input, stopped:
             try:
                 run_agent(agent_args, rank_argv)
             except SignalException:
                 if bad_input.fired:  # the ranks said what was wrong; no restart repeats it
                     return 2
+                note = stopped.read()
+                if note is not None and not note.get("signalled_here"):
+                    print(stopped.describe(note), file=sys.stderr)
+                    return PREEMPTED_EXIT
                 raise
     except ChildFailedError as e:
         return 2 if bad_input.fired else failed(e.failures)

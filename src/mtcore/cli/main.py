@@ -29,6 +29,7 @@ COMMANDS = (
     "data",
     "plan",
     "sweep",
+    "trace",
     "generate",
     "convert",
     "new-plugin",

@@ -28,6 +28,7 @@ import sys
 HELP = "predict per-rank memory and step time of a layout; search or compare layouts"
 _VALUED = (
     "--gpus",
+    "--trace",
     "--hardware",
     "--backend",
     "--top",
@@ -63,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(auto: the one mtcore train selects); --hardware gives the rest",
     )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="also write the planned step as a Chrome trace (.json or .json.gz), in the "
+        "format and categories of logging.profile's, and print its summary per stage",
+    )
     parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
     parser.add_argument("--top", metavar="K", default="5", help="--search: how many (default 5)")
     parser.add_argument(
@@ -259,7 +266,27 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(describe(result))
+    if args.trace:
+        _write_trace(result, args.trace, quiet=args.json)
     return 0
+
+
+def _write_trace(result, path: str, quiet: bool) -> None:
+    """The planned step as a trace at ``path``, and (unless ``quiet``: stdout is JSON)
+    the summary ``mtcore trace merge`` prints, per pipeline stage."""
+    import gzip
+
+    from mtcore.plan.trace import planned_trace
+    from mtcore.training.trace_merge import format_summary, summarize
+
+    trace = planned_trace(result)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt") as f:
+        json.dump(trace, f)
+    if not quiet:
+        stages = range(result.layout["pp"])
+        print(f"planned trace: {path} (one row per pipeline stage; ms per step, share of the step)")
+        print(format_summary([summarize(trace, pid=stage) for stage in stages], row="stage"))
 
 
 def _hardware(name: str | None, backend: str | None):

@@ -18,6 +18,7 @@ every node (or `torchrun ... -m mtcore.train CONFIG`; docs/training.md).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import warnings
 
@@ -29,10 +30,16 @@ overrides:
   --section.key VALUE    set one config value, e.g. --parallel.tp 2 --precision.dtype fp32
                          (sections: model parallel precision data optimizer training
                          checkpoint logging; values are YAML: 2, true, null, [a, b])
+profiling (docs/training.md, "Profiling"):
+  --profile [FROM:TO]              trace steps FROM-TO (default 2:3) on every rank:
+                                   logging.profile; then mtcore trace merge runs/<run_name>
 checkpoints (docs/checkpoints.md):
   --checkpoint.resume true         continue from checkpoint.dir's latest save (restarts)
   --checkpoint.load PATH           start from a checkpoint saved under any layout
   --checkpoint.finetune true       with load: the weights only (fresh optimizer, step 0)
+  --checkpoint.overwrite true      start afresh over another run's checkpoints in dir
+                                   (refused otherwise; the same config's unfinished run
+                                   is continued without any flag)
 """
 
 
@@ -95,7 +102,12 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
             parser.print_help()
             parser.exit()
         name = arg.partition("=")[0]
-        if name in ENVIRONMENT:
+        if name == "--profile":  # the shorthand of logging.profile.steps
+            value = arg.partition("=")[2] if "=" in arg else None
+            if value is None and i + 1 < len(argv) and re.fullmatch(r"\d+(:\d+)?", argv[i + 1]):
+                value, i = argv[i + 1], i + 1
+            ns.overrides += ["--logging.profile.steps", _profile_steps(parser, value)]
+        elif name in ENVIRONMENT:
             if "=" not in arg and i + 1 >= len(argv):
                 parser.error(f"{name} needs a value")
             flags[name] = arg.partition("=")[2] if "=" in arg else argv[i + 1]
@@ -117,6 +129,17 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     except LaunchError as e:
         parser.error(str(e))
     return ns
+
+
+def _profile_steps(parser: argparse.ArgumentParser, value: str | None) -> str:
+    """``--profile`` (steps 2-3: the first pays one-time costs), ``--profile N`` or
+    ``--profile FROM:TO`` as the value of ``logging.profile.steps``."""
+    if value is None:
+        return "[2, 3]"
+    if not re.fullmatch(r"\d+(:\d+)?", value):
+        parser.error(f"--profile {value!r}: give steps as N or FROM:TO (e.g. --profile 10:12)")
+    first, _, last = value.partition(":")
+    return f"[{first}, {last or first}]"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             report_to(None)
         check_node_counts(config, prep.model, plan)
-        check_checkpoint_model(config, prep.model)
+        resumes = check_start(config, plan)
+        check_checkpoint_model(config, prep.model, resumes)
         # The fewest nodes an elastic job may run on hold the most per rank.
         sized = config.model_copy(update={"model": prep.model})
         check_memory(sized, min(plan.world_sizes()), plan.nproc, backend)
@@ -218,7 +242,24 @@ def check_node_counts(config, model, plan) -> None:
             ) from None
 
 
-def check_checkpoint_model(config, model) -> None:
+def check_start(config, plan) -> bool:
+    """ConfigError when the run would start afresh over another run's checkpoints in its
+    checkpoint.dir (``lineage.decide``, which every rank applies again): said here, before
+    any rank starts. True when it resumes checkpoint.dir's latest commit."""
+    from mtcore.training.checkpoint import CheckpointError
+    from mtcore.training.checkpoint.lineage import decide, fingerprint, latest_commit
+    from mtcore.training.config import ConfigError
+
+    if config.checkpoint.dir is None:
+        return False
+    try:
+        latest = latest_commit(config.checkpoint.dir)
+        return decide(config, latest, plan.run_id, fingerprint(config)).resume
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_checkpoint_model(config, model, resumes: bool | None = None) -> None:
     """ConfigError when the checkpoint the job will load holds another architecture:
     said here, in one line, instead of by every rank once they have started."""
     from mtcore.training.checkpoint import CheckpointError
@@ -232,7 +273,9 @@ def check_checkpoint_model(config, model) -> None:
 
     ck = config.checkpoint
     path = ck.load
-    if ck.resume and ck.dir is not None and has_checkpoint(ck.dir):
+    if resumes is None:
+        resumes = ck.resume
+    if resumes and ck.dir is not None and has_checkpoint(ck.dir):
         path = ck.dir  # resume wins over load (TrainerCheckpoints.restore)
     if path is None:
         return

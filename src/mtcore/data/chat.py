@@ -17,12 +17,11 @@ turn, a file without conversations.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from mtcore.data.cache import DataError
-from mtcore.data.corpus import JSONL_SUFFIXES, TABLE_SUFFIXES, _utf8
+from mtcore.data.corpus import JSONL_SUFFIXES, TABLE_SUFFIXES, jsonl_records
 
 ROLES = ("system", "user", "assistant")
 Messages = list[dict[str, str]]
@@ -112,16 +111,5 @@ def _records(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
-    try:
-        f = open(path, "rb")  # noqa: SIM115 (closed below; an open failure is named)
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
-    with f:
-        for lineno, raw in enumerate(f, 1):
-            line = _utf8(raw, path, lineno)
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    for lineno, record in jsonl_records(path):
+        yield f"{path}:{lineno}", record

@@ -210,7 +210,9 @@ def _utf8(data: bytes, path: Path, first_line: int = 1) -> str:
         ) from None
 
 
-def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+def jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-blank line of ``path``, or a DataError
+    naming the file and line (unreadable, not UTF-8, not JSON)."""
     try:
         f = open(path, "rb")  # noqa: SIM115 (closed below; an open failure is named)
     except OSError as e:
@@ -221,16 +223,20 @@ def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or text_key not in record:
-                raise DataError(f"{path}:{lineno}: no {text_key!r} field in this record")
-            text = record[text_key]
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{lineno}: field {text_key!r} is not a string")
-            if text:
-                yield text
+
+
+def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+    for lineno, record in jsonl_records(path):
+        if not isinstance(record, dict) or text_key not in record:
+            raise DataError(f"{path}:{lineno}: no {text_key!r} field in this record")
+        text = record[text_key]
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{lineno}: field {text_key!r} is not a string")
+        if text:
+            yield text
 
 
 def batched_documents(

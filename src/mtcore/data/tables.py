@@ -31,21 +31,25 @@ def _pyarrow():
     return pyarrow
 
 
+def _record_batches(pa, path: Path, columns: tuple[str, ...]):
+    """Record batches of a ``save_to_disk`` directory, or of a parquet file reading only
+    those of ``columns`` it has (all of them when it has none: the caller names what is
+    missing)."""
+    if path.is_dir():
+        return _arrow_dir_batches(pa, path)
+    try:
+        table = pa.parquet.ParquetFile(path)
+    except pa.ArrowException as e:
+        raise DataError(f"{path}: not a readable parquet file ({e})") from None
+    present = [c for c in columns if c in table.schema_arrow.names]
+    return table.iter_batches(batch_size=1024, columns=present or None)
+
+
 def table_documents(path: Path, text_key: str = "text") -> Iterator[str]:
     """The non-empty ``text_key`` values of a parquet file or a ``save_to_disk`` directory."""
     pa = _pyarrow()
-    if path.is_dir():
-        batches = _arrow_dir_batches(pa, path)
-    else:
-        try:
-            table = pa.parquet.ParquetFile(path)
-        except pa.ArrowException as e:
-            raise DataError(f"{path}: not a readable parquet file ({e})") from None
-        names = table.schema_arrow.names
-        # Only the text column is read: the others (ids, metadata) can be most of the file.
-        columns = [text_key] if text_key in names else None
-        batches = table.iter_batches(batch_size=1024, columns=columns)
-    for batch in batches:
+    # Only the text column is read: the others (ids, metadata) can be most of the file.
+    for batch in _record_batches(pa, path, (text_key,)):
         if text_key not in batch.schema.names:
             raise DataError(
                 f"{path}: no column {text_key!r} (columns: {', '.join(batch.schema.names)}); "
@@ -63,16 +67,7 @@ def table_rows(path: Path, keys: tuple[str, ...]) -> Iterator[dict]:
     """Each row of a parquet file or a ``save_to_disk`` directory as a dict of those of
     ``keys`` it has (a chat record: ``messages``, or ``prompt``/``completion``)."""
     pa = _pyarrow()
-    if path.is_dir():
-        batches = _arrow_dir_batches(pa, path)
-    else:
-        try:
-            table = pa.parquet.ParquetFile(path)
-        except pa.ArrowException as e:
-            raise DataError(f"{path}: not a readable parquet file ({e})") from None
-        columns = [k for k in keys if k in table.schema_arrow.names]
-        batches = table.iter_batches(batch_size=1024, columns=columns or None)
-    for batch in batches:
+    for batch in _record_batches(pa, path, keys):
         present = [k for k in keys if k in batch.schema.names]
         if not present:
             raise DataError(

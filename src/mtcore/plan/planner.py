@@ -130,6 +130,10 @@ class Plan:
     peak_flops: float
     notes: list[str] = field(default_factory=list)
     assumed: dict[str, str] = field(default_factory=dict)
+    # per pipeline rank, one micro-batch's seconds by cause, and its weight-gradient share:
+    # what the planned trace (mtcore.plan.trace) lays out along the schedule
+    stage_seconds: list[dict] = field(default_factory=list)
+    weight_seconds: list[float] = field(default_factory=list)
 
     @property
     def peak_rank(self) -> RankMemory:
@@ -386,6 +390,8 @@ def _plan(config, spec, m, shape: ModelShape, gpus, hardware, options) -> Plan:
         peak_flops=peak,
         notes=notes,
         assumed=options.assumed(config, hardware) | _stage_layers(counts, pp, vpp),
+        stage_seconds=stage_times,
+        weight_seconds=weight_grads,
     )
 
 

@@ -294,6 +294,11 @@ class CheckpointConfig(Section):
     finetune: bool = Field(
         False, description="take only the model weights from the loaded checkpoint (step 0)"
     )
+    overwrite: bool = Field(
+        False,
+        description="start afresh in a dir holding another run's checkpoints; the first "
+        "commit removes them (otherwise that is refused)",
+    )
 
 
 class FinetuneConfig(Section):
@@ -303,6 +308,27 @@ class FinetuneConfig(Section):
     fine-tuning); a LoRA checkpoint holds the adapters and a reference to that base."""
 
     lora: LoRAConfig | None = Field(None, description="{rank, alpha, dropout, targets}")
+
+
+class ProfileConfig(Section):
+    """``logging.profile``: steps ``[from, to]`` (inclusive) traced with torch.profiler on
+    ``ranks``, one Chrome trace per rank under ``dir`` (default runs/<run_name>/traces);
+    ``memory``: a memory counter over time and the peak per phase (docs/training.md,
+    "Profiling")."""
+
+    steps: tuple[int, int] = Field(description="the first and last step traced")
+    ranks: Literal["all"] | list[int] = Field("all", description="all, or a list of ranks")
+    memory: bool = Field(False, description="memory over time, in the same trace")
+    dir: str | None = Field(None, description="where the traces go (default runs/<run_name>/traces)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ProfileConfig:
+        first, last = self.steps
+        if first < 1 or last < first:
+            raise ValueError(f"logging.profile.steps {list(self.steps)}: needs 1 <= from <= to")
+        if self.ranks != "all" and any(r < 0 for r in self.ranks):
+            raise ValueError(f"logging.profile.ranks {self.ranks}: ranks are >= 0")
+        return self
 
 
 class LoggingConfig(Section):
@@ -321,6 +347,11 @@ class LoggingConfig(Section):
     wandb_project: str = Field("mtcore", min_length=1, description="the W&B project")
     wandb_mode: Literal["online", "offline"] = Field(
         "online", description="offline: write the run under runs/<run_name>/wandb only"
+    )
+    profile: ProfileConfig | None = Field(None, description="{steps, ranks, memory}: traces")
+    straggler_factor: float | None = Field(
+        1.2, gt=1.0, description="name a rank computing this much slower than its stage's "
+        "median at each log line (None: off)",
     )
 
 
@@ -361,6 +392,8 @@ class TrainConfig(BaseModel, extra="forbid"):
             self.checkpoint.dir = f"runs/{name}/checkpoints"
         if "tensorboard_dir" not in self.logging.model_fields_set:
             self.logging.tensorboard_dir = f"runs/{name}/tensorboard"
+        if self.logging.profile is not None and self.logging.profile.dir is None:
+            self.logging.profile.dir = f"runs/{name}/traces"
         return self
 
     @model_validator(mode="after")
@@ -398,6 +431,9 @@ class TrainConfig(BaseModel, extra="forbid"):
         """The resolved layout and micro-batches per step, or a LayoutError/SplitError
         naming the numbers. Runs before any process group exists."""
         spec = self.parallel.layout_spec().resolve(world_size)
+        profiled = self.logging.profile.ranks if self.logging.profile is not None else "all"
+        if profiled != "all" and max(profiled, default=0) >= world_size:
+            raise ValueError(f"logging.profile.ranks {profiled}: the job has {world_size} ranks")
         self.model.check_layout(spec)
         t = self.training
         microbatches = validate_pipeline(

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from mtcore.backend.collective import P2P
+from mtcore.backend.tracing import phase
 from mtcore.distributed import Axis
 from mtcore.models import Batch, FamilyConfig, LoRAConfig, add_lora, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
@@ -214,31 +215,41 @@ class Engine:
         return dataclasses.replace(out, moe=self.moe.finish(stepped=not out.skipped))
 
     def _step(self, batches: list[Batch], stop: bool) -> StepOutcome:
-        self.optimizer.zero_grad()
+        # The phases are the named ranges of a trace (mtcore.backend.tracing); the
+        # pipeline runner names its own actions.
+        with phase("zero grad", "optimizer"):
+            self.optimizer.zero_grad()
         scaler = self.optimizer.loss_scaler
         scale = scaler.scale if scaler is not None else 1.0
-        self._counts, self._terms = self.global_counts(batches), {}
-        self.runner.step(batches)  # each chunk's last backward launches its buckets
-        self.fp8.finish_step()
+        with phase("loss counts", "comm"):
+            self._counts, self._terms = self.global_counts(batches), {}
+        # each chunk's last backward launches its buckets; the stats: the straggler report's
+        self.last_pipeline = self.runner.step(batches)
+        with phase("fp8 amax", "comm"):
+            self.fp8.finish_step()
         if self.tied:
-            allreduce_tied_grads(self.tied, self.groups, self.collective)
-        self.ddp.finish_grad_sync()
-        terms, stop = self._agree_terms(stop)
+            with phase("tied grads", "comm"):
+                allreduce_tied_grads(self.tied, self.groups, self.collective)
+        with phase("dp grad sync", "comm"):
+            self.ddp.finish_grad_sync()
+        with phase("loss agree", "comm"):
+            terms, stop = self._agree_terms(stop)
         loss = sum(terms.values()) if terms else math.nan
         counts = {name: float(count) for name, count in self._counts.items()}
         outcome = functools.partial(StepOutcome, terms=terms, stop=stop, counts=counts)
         if not math.isfinite(loss):
             return outcome(loss, "loss", None, scale if scaler else None)
-        if scaler is not None:
-            result = self.optimizer.step()
-            return outcome(loss, "" if result.stepped else "grad", result.grad_norm, scale)
-        norm = self.optimizer.grad_norm()  # agreed by every rank that holds other gradients
-        if not math.isfinite(norm_value := norm.item()):
-            return outcome(loss, "grad", norm_value, None)
-        if self.max_grad_norm is not None:
-            grads = [segment.grad for segment in self.optimizer.segments]
-            clip_by_total_norm_(grads, self.max_grad_norm, norm)
-        self.optimizer.step()
+        with phase("optimizer", "optimizer"):
+            if scaler is not None:
+                result = self.optimizer.step()
+                return outcome(loss, "" if result.stepped else "grad", result.grad_norm, scale)
+            norm = self.optimizer.grad_norm()  # agreed by every rank that holds other gradients
+            if not math.isfinite(norm_value := norm.item()):
+                return outcome(loss, "grad", norm_value, None)
+            if self.max_grad_norm is not None:
+                grads = [segment.grad for segment in self.optimizer.segments]
+                clip_by_total_norm_(grads, self.max_grad_norm, norm)
+            self.optimizer.step()
         return outcome(loss, "", norm_value, None)
 
     def _agree_terms(self, stop: bool) -> tuple[dict[str, float], bool]:

@@ -70,3 +70,34 @@ class StopSignal:
     def since(self) -> float:
         """Seconds since the signal arrived (0 without one)."""
         return time.monotonic() - self.received_at if self.received_at is not None else 0.0
+
+
+# Set by `mtcore train`'s launcher for its ranks: its pid, and a file a rank writes before
+# signalling it. torch's agent restarts ranks that exit 143 like any failed ones (and
+# counts it against --max-restarts), so a node whose ranks stopped on another node's
+# SIGTERM, or on one rank's, would start a new round instead of ending: local rank 0
+# tells its launcher, which then ends the agent as if it had been signalled itself.
+LAUNCHER_PID_ENV = "MTCORE_LAUNCHER_PID"
+STOPPED_FILE_ENV = "MTCORE_STOPPED_FILE"
+
+
+def tell_launcher_stopped(step: int, signalled_here: bool, environ=None) -> bool:
+    """Local rank 0, once a preemption's checkpoint is committed: write ``step`` (and whether
+    this rank got the signal itself) to the launcher's file, then SIGTERM the launcher. The
+    commit is complete on every rank by then (``Preempted`` comes after it), so the agent
+    stopping the ranks cannot cut a save short. False when no `mtcore train` launcher
+    watches (plain torchrun, one process)."""
+    import json
+    import os
+
+    environ = os.environ if environ is None else environ
+    pid, path = environ.get(LAUNCHER_PID_ENV), environ.get(STOPPED_FILE_ENV)
+    if not pid or not path or environ.get("LOCAL_RANK", "0") != "0":
+        return False
+    try:
+        with open(path, "w") as f:
+            json.dump({"step": step, "signalled_here": signalled_here}, f)
+        os.kill(int(pid), signal.SIGTERM)
+    except (OSError, ValueError):  # the launcher is gone: nothing to tell
+        return False
+    return True

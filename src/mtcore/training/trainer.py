@@ -24,6 +24,7 @@ from typing import NamedTuple, TextIO
 import torch
 import yaml
 
+from mtcore.backend.tracing import phase
 from mtcore.data import DataError
 from mtcore.data.loader import ALONE, SampleGroup
 from mtcore.distributed import Axis, LayoutError, LayoutSpec, ParallelLayout
@@ -31,8 +32,10 @@ from mtcore.models import FamilyConfig, FamilyData, family_of
 from mtcore.parallel.context import check_backend_serves, shard_batch
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
+from mtcore.training import stragglers
 from mtcore.training.backend_check import verify_backend
 from mtcore.training.checkpoint import CheckpointError
+from mtcore.training.checkpoint.lineage import fingerprint
 from mtcore.training.checkpoint.manifest import has_checkpoint, resolve_checkpoint, step_dir_name
 from mtcore.training.checkpoint.owner import claim as claim_checkpoint_dir
 from mtcore.training.checkpoint.trainer_io import TrainerCheckpoints
@@ -49,6 +52,7 @@ from mtcore.training.metrics import (
     perplexity,
 )
 from mtcore.training.preemption import Preempted, StopSignal
+from mtcore.training.profiling import StepProfiler
 from mtcore.training.writable import check_output_dirs
 
 
@@ -177,6 +181,7 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
     """Run the whole job on this rank; returns what rank 0 observed (all ranks agree on losses)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     config = config.model_copy(deep=True)  # the run fills in values (decay_steps): not the caller's
+    run_fingerprint = fingerprint(config)  # as given: `mtcore train` checks the same before ranks
     from mtcore.backend import PluginWarning, select_backend
 
     with warnings.catch_warnings():
@@ -227,8 +232,9 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
                 if owner is not None and owner.notice:
                     say(owner.notice)
                 return _Loop(
-                    config, prep, layout, backend, rank == 0, stream, owner, elastic, stop
-                ).run()
+                    config, prep, layout, backend, rank == 0, stream, owner, elastic, stop,
+                    run_fingerprint,
+                ).run()  # fmt: skip
             finally:
                 if owner is not None:
                     owner.release()
@@ -263,9 +269,11 @@ class _Loop:
         owner=None,
         elastic: ElasticRun | None = None,
         stop: StopSignal | None = None,
+        run_fingerprint: str | None = None,
     ):
         """``owner``: the job's claim on ``checkpoint.dir`` (``owner.claim``); ``elastic``: its
-        run id and restart count; ``stop``: the installed ``StopSignal`` (None: none)."""
+        run id and restart count; ``stop``: the installed ``StopSignal`` (None: none);
+        ``run_fingerprint``: ``lineage.fingerprint`` of the config as given."""
         self.config, self.prep, self.layout, self.backend = config, prep, layout, backend
         self.stop = stop if stop is not None else StopSignal(signals=())
         self.is_main, self.t = is_main, config.training
@@ -312,7 +320,13 @@ class _Loop:
             self.loader_args["group"] = sample_group(layout, backend.collective, self.device)
         self.train_loader = prep.data.loader(prep.data.train, **self.loader_args)
         self.result = TrainResult()
-        self.checkpoints = TrainerCheckpoints(config, self.engine, prep, self.say, owner, elastic)
+        self._hosts: list[str] | None = None  # every rank's host, for the straggler report
+        self.profiler = StepProfiler(
+            config.logging.profile, backend, layout.rank, layout.world_size, self.say
+        )
+        self.checkpoints = TrainerCheckpoints(
+            config, self.engine, prep, self.say, owner, elastic, run_fingerprint
+        )
         self.result.start_step = self.checkpoints.restore(self.train_loader)  # collective
         self.decay_steps = self._schedule_length()
 
@@ -398,6 +412,7 @@ class _Loop:
             self.say(f"fp8 ({fp8.format}): {fp8.describe()} | block linear GEMMs: {paths}")
         with collected_every(self.t.gc_interval):
             self._loop()
+        self.profiler.close()  # when training ended inside the traced steps
         self._save(self.t.steps, final=True)
         self.progress.close()
         self.scalars.close()
@@ -410,16 +425,23 @@ class _Loop:
     def _loop(self) -> None:
         window_t, window_cpu, window_steps = 0.0, 0.0, 0
         window_trained = 0.0  # next-token targets trained (labels != -100)
+        window_busy = window_wait = 0.0  # the pipeline's compute and communication time
         for step in range(self.result.start_step + 1, self.t.steps + 1):
             t0, cpu0 = time.perf_counter(), time.process_time()
             if self.t.gc_interval and step % self.t.gc_interval == 0:
                 gc.collect(1)  # timed with the step: it is the step's cost
-            self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.decay_steps))
-            out = self.engine.train_step(self._batch(self.train_loader), self.stop.requested)
+            with self.profiler.step(step):  # logging.profile: the traced steps
+                self.engine.set_lr(lr := self.config.optimizer.lr_at(step, self.decay_steps))
+                with phase("data", "data"):
+                    batches = self._batch(self.train_loader)
+                out = self.engine.train_step(batches, self.stop.requested)
             window_t += time.perf_counter() - t0
             window_cpu += time.process_time() - cpu0  # every thread of this process
             window_steps += 1
             window_trained += (out.counts or {}).get("lm", 0.0)
+            pipeline = self.engine.last_pipeline  # compute: CPU time on the host (stragglers)
+            window_busy += pipeline.busy_cpu_s if self.device.type == "cpu" else pipeline.busy_s
+            window_wait += pipeline.wait_s
             self.result.losses.append(out.loss)
             if out.moe is not None:
                 self.result.moe.append(out.moe)
@@ -429,9 +451,10 @@ class _Loop:
                 self.say(message)
             first = self.result.start_step + 1  # the first step of this run (resumed or not)
             if step % self.config.logging.interval == 0 or step in (first, self.t.steps):
-                means = (window_t, window_cpu, window_trained)
+                means = (window_t, window_cpu, window_trained, window_busy, window_wait)
                 self._log(step, out, lr, *(total / window_steps for total in means))
                 window_t, window_cpu, window_steps, window_trained = 0.0, 0.0, 0, 0.0
+                window_busy = window_wait = 0.0
             elif self.is_main:
                 self.progress.update(step, f"loss {out.loss:.4f}")
             if self._due(step, self.t.eval_interval):
@@ -467,12 +490,13 @@ class _Loop:
         return [shard_batch(batch, lengths, self.cp, self.cp_rank) for batch in batches]
 
     def _log(
-        self, step: int, out: StepOutcome, lr: float, step_s: float, cpu_s: float, trained=0.0
-    ) -> None:
+        self, step: int, out: StepOutcome, lr: float, step_s: float, cpu_s: float, trained=0.0,
+        busy_s=0.0, wait_s=0.0,
+    ) -> None:  # fmt: skip
         """``step_s``: this rank's mean wall time per step over the interval; ``cpu_s``:
         its CPU time per step (``time.process_time``, all threads), summed over ranks here;
         ``trained``: next-token targets trained per step (labels not -100, all ranks)."""
-        memory, cpu_s = self._over_ranks(cpu_s)
+        memory, cpu_s, per_rank = self._over_ranks(cpu_s, busy_s, wait_s)
         tokens_s = self.t.global_batch_size * self.model_config.seq_len / step_s
         tflops = self.flops / step_s / self.layout.world_size / 1e12
         norm = f"{out.grad_norm:.3f}" if out.grad_norm is not None else "n/a"
@@ -503,22 +527,46 @@ class _Loop:
             "train/loss_scale": out.loss_scale if fp16 else None,
             **{f"train/{name}": value for name, value in terms.items()},
         }
+        scalars.update(self._stragglers(step, *per_rank))
         if out.moe is not None:
             self.say(f"step {step}/{self.t.steps} | {format_moe(out.moe)}")
             scalars.update({f"moe/{key}": value for key, value in out.moe.items()})
         self.scalars.add(step, scalars)
 
-    def _over_ranks(self, cpu_s: float) -> tuple[int, float]:
-        """(the largest peak memory of any rank, the sum of the ranks' ``cpu_s``) in one
-        all-reduce: each rank writes its two figures into its own column, zeros elsewhere,
-        so the max over ranks holds every rank's figures."""
+    def _over_ranks(self, cpu_s: float, busy_s: float = 0.0, wait_s: float = 0.0):
+        """(the largest peak memory of any rank, the sum of the ranks' ``cpu_s``, every
+        rank's (compute, wait, stage) for the straggler report) in one all-reduce: each
+        rank writes its figures into its own column, zeros elsewhere, so the max over
+        ranks holds every rank's figures."""
         n, rank = self.layout.world_size, self.layout.rank
-        t = torch.zeros(2, n, device=self.device)
+        t = torch.zeros(5, n, device=self.device)
         t[0, rank] = float(self.backend.device.max_memory_allocated())
         t[1, rank] = cpu_s
+        t[2, rank], t[3, rank] = busy_s, wait_s
+        t[4, rank] = self.layout.coordinate(Axis.PP)
         if n > 1:
             self.backend.collective.all_reduce(t, op="max")
-        return int(t[0].max().item()), float(t[1].sum().item())
+        rows = t[2:].tolist()
+        per_rank = (rows[0], rows[1], [int(s) for s in rows[2]])
+        return int(t[0].max().item()), float(t[1].sum().item()), per_rank
+
+    def _stragglers(self, step: int, compute, wait, stages) -> dict[str, float]:
+        """Name each rank computing slower than ``logging.straggler_factor`` times its
+        stage's median (mtcore.training.stragglers); TensorBoard gets the slowest ratio."""
+        factor = self.config.logging.straggler_factor
+        if factor is None or self.layout.world_size == 1:
+            return {}
+        if self._hosts is None:  # collective, at every rank's first log line
+            self._hosts = stragglers.host_names(
+                self.backend.collective, self.layout.world_size, self.device
+            )
+        found = stragglers.find(compute, wait, stages, self._hosts, factor)
+        for straggler in found:
+            self.say(straggler.line(step))
+        return {
+            "stragglers/count": float(len(found)),
+            "stragglers/slowest_ratio": max((s.ratio for s in found), default=None),
+        }
 
     def _evaluate(self, step: int) -> None:
         if self.prep.data.valid is None:

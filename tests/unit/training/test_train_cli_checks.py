@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from mtcore.cli.main import main
+from mtcore.training.checkpoint import CheckpointError
 from mtcore.training.config import ConfigError, TrainConfig
 from mtcore.training.overrides import load_config
 from mtcore.training.trainer import train
@@ -57,7 +58,10 @@ def test_a_run_does_not_write_into_another_runs_checkpoints(tiny, tmp_path):
     with pytest.raises(ConfigError, match=r"holds the checkpoints of run 'first' \(latest "
                        r"step_000001\); this run is 'second'"):  # fmt: skip
         train(job("second"), stream=io.StringIO())
-    train(job("first"), stream=io.StringIO())  # the same run again: its own directory
+    # The same run again over its finished steps: refused too (issue 48 §2), unless asked.
+    with pytest.raises(CheckpointError, match=r"holds this config's finished run \(step 1 of 1\)"):
+        train(job("first"), stream=io.StringIO())
+    train(job("first", overwrite=True), stream=io.StringIO())
     resumed = job("second", resume=True)  # resuming it is allowed (nothing left to train)
     assert train(resumed, stream=io.StringIO()).start_step == 1
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mtcore.backend import tracing
 from mtcore.backend.collective import P2P
 from mtcore.ops import merge_attention
 from mtcore.parallel.context.documents import DocumentIds, kernel_documents
@@ -90,8 +91,9 @@ def _rotate(cp: CPGroup, tensor: Tensor) -> tuple[Tensor, list]:
 def _wait(cp: CPGroup, posted: tuple[Tensor, list], what: str, step: int) -> Tensor:
     """Wait for a ``_rotate`` and return the tensor it received."""
     recv, handles = posted
-    for handle in handles:
-        handle.wait()
+    with tracing.phase(f"cp ring {what}", "comm", ring_step=step):
+        for handle in handles:
+            handle.wait()
     _note(cp, what, step)
     return recv
 

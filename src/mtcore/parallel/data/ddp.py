@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtcore.backend import tracing
 from mtcore.distributed import Axis
 from mtcore.parallel.clip import is_expert_parallel
 from mtcore.parallel.data.buffer import Bucket, GradBuffer
@@ -171,6 +172,7 @@ class DataParallel(torch.nn.Module):
         self._seen: list[set[int]] = [set() for _ in self._chunk_params]
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._handles: dict[int, object] = {}
+        self._in_trace: dict[int, object] = {}  # bucket index -> its reduction's trace range
         self._in_flight: list[Bucket] = []  # ZeRO-2 buckets whose whole gradient is alive
         self._reduced: set[int] = set()  # ZeRO-2 buckets reduced at least once this step
         self.launch_log: list[LaunchRecord] = []
@@ -230,6 +232,13 @@ class DataParallel(torch.nn.Module):
         )
         handle = None
         group, size, rank = self.reduction_of(bucket)
+        scatter = bucket.buffer.shard is not None or self.config.shard_optimizer
+        how = "reduce-scatter" if scatter else "all-reduce"
+        # A trace shows each reduction from its launch to its completion, beside the
+        # backward it may overlap (its exposed part is the wait in finish_grad_sync).
+        self._in_trace[bucket.index] = tracing.begin(
+            f"dp {how} bucket {bucket.index}", "comm", bucket=bucket.index, chunk=bucket.buffer.chunk
+        )
         if bucket.buffer.shard is not None:
             handle = self._reduce_into_shard(bucket, group, size, rank)
         elif size > 1:
@@ -266,6 +275,7 @@ class DataParallel(torch.nn.Module):
         handle = self._handles.pop(bucket.index, None)
         if handle is not None:
             handle.wait()
+        tracing.end(self._in_trace.pop(bucket.index, None))
         bucket.buffer.close_bucket(bucket)
         if bucket in self._in_flight:
             self._in_flight.remove(bucket)
@@ -289,9 +299,10 @@ class DataParallel(torch.nn.Module):
                     continue
                 bucket.buffer.open_bucket(bucket)  # no gradient this step: reduce zeros
             self._launch(bucket, 0, from_backward=False)
-        for handle in self._handles.values():
+        for index, handle in self._handles.items():
             if handle is not None:
                 handle.wait()
+            tracing.end(self._in_trace.pop(index, None))
         self._handles.clear()
         for bucket in list(self._in_flight):
             self._settle(bucket)

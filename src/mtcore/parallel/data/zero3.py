@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from mtcore.backend import tracing
 from mtcore.parallel.data.buffer import Bucket
 
 
@@ -86,7 +87,8 @@ class ShardedParams:
     def _wait(self, bucket: Bucket) -> None:
         handle = self._handles.pop(bucket.index, None)
         if handle is not None:
-            handle.wait()
+            with tracing.phase("zero3 gather", "comm", bucket=bucket.index):
+                handle.wait()
 
     def _near(self, u: int, v: int) -> bool:
         """Whether unit ``v`` exists and sits in unit ``u``'s model chunk."""

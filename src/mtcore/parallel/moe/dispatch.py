@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mtcore.backend import tracing
 from mtcore.parallel.tensor.mappings import TPGroup, gather_rows, reduce_scatter_rows
 
 
@@ -38,13 +39,18 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_to_all(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+        back = _all_to_all(grad, ctx.group, ctx.in_splits, ctx.out_splits, "moe all-to-all back")
+        return back, None, None, None
 
 
-def _all_to_all(x: Tensor, group: TPGroup, out_splits: list[int], in_splits: list[int]) -> Tensor:
+def _all_to_all(
+    x: Tensor, group: TPGroup, out_splits: list[int], in_splits: list[int], what="moe all-to-all"
+) -> Tensor:
+    """The one place MoE's tokens cross ranks (dispatch, then combine; a trace names it)."""
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    group.collective.all_to_all(out, x, out_splits, in_splits, group=group.group)
+    with tracing.phase(what, "comm", rows=x.shape[0]):
+        group.collective.all_to_all(out, x, out_splits, in_splits, group=group.group)
     return out
 
 

@@ -31,7 +31,11 @@ see in an unsplit backward, only later.
 
 Per step the runner records compute time (busy) and time in communication
 calls (wait: posting batches, waiting for receives and, at the end, sends);
-the rest of the step (bookkeeping) is neither. For a bubble measurement, synchronise the ranks before and after
+the rest of the step (bookkeeping) is neither. The same places are the named ranges of a
+trace (``mtcore.backend.tracing``): each compute action (``forward``/``backward``/``weight``,
+with its micro-batch and chunk; from its receive's arrival to its end), each posted batch
+of transfers, and each wait: for a receive (the ``bubble``: this rank idles on its peer
+stage) or for a send. For a bubble measurement, synchronise the ranks before and after
 ``step`` and use ``1 - busy / window`` (see benchmarks/bench_pipeline.py).
 """
 
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from mtcore.backend import tracing
 from mtcore.backend.collective import P2P
 from mtcore.parallel.pipeline.groups import PipelineGroups
 from mtcore.parallel.pipeline.schedules import (
@@ -91,6 +96,7 @@ class StepStats:
     peak_in_flight: int
     trace: list[tuple[Action, float, float]] = field(default_factory=list)
     peak_undelivered: int = 0  # the most sends whose tensors this rank held at once
+    busy_cpu_s: float = 0.0  # this thread's CPU time in the compute (waits in it cost none)
 
     @property
     def idle_share(self) -> float:
@@ -172,7 +178,7 @@ class PipelineRunner:
         self._sends: dict[Action, tuple[dict[str, Tensor], list, bool]] = {}
         self._most_sends = 0
         self._losses: list[Tensor] = []
-        self._busy = self._wait = 0.0
+        self._busy = self._wait = self._busy_cpu = 0.0
         self._peak = 0
         self._trace: list[tuple[Action, float, float]] = []
         self._t0 = time.perf_counter()
@@ -187,8 +193,9 @@ class PipelineRunner:
                 j += 1
             self._post(actions[i:j])
             i = j
-        for _, handles, _ in self._sends.values():
-            self._wait_all(handles)
+        with tracing.phase("wait sends", "comm"):
+            for _, handles, _ in self._sends.values():
+                self._wait_all(handles)
         self._sends = {}  # delivered: keep no sent tensor through the optimizer step
         total = time.perf_counter() - self._t0
         if self._saved or self._outgoing or self._recv or self._weights_due:
@@ -197,7 +204,8 @@ class PipelineRunner:
             )
         loss = torch.stack(self._losses).sum().item() if self._losses else None
         return StepStats(
-            loss, self._busy, self._wait, total, self._peak, self._trace, self._most_sends
+            loss, self._busy, self._wait, total, self._peak, self._trace, self._most_sends,
+            self._busy_cpu,
         )
 
     def _forward(self, c: int, inputs: dict[str, Tensor], batch) -> dict[str, Tensor] | Tensor:
@@ -215,6 +223,10 @@ class PipelineRunner:
 
     # -- transfers -----------------------------------------------------------------------
     def _post(self, batch: Sequence[Action]) -> None:
+        with tracing.phase("p2p post", "comm", actions=batch):
+            self._post_batch(batch)
+
+    def _post_batch(self, batch: Sequence[Action]) -> None:
         start = time.perf_counter()
         self._drop_delivered()
         ops, kept = [], []
@@ -272,7 +284,8 @@ class PipelineRunner:
     def _received(self, kind: str, mb: int, chunk: int) -> dict[str, Tensor]:
         action = Action(kind, mb, chunk)
         tensors, handles = self._recv.pop(action)
-        self._wait_all(handles)
+        with tracing.phase(kind, "bubble", microbatch=mb, chunk=chunk):
+            self._wait_all(handles)
         self._drop_delivered(action)
         return tensors
 
@@ -313,7 +326,9 @@ class PipelineRunner:
                 for tensor in inputs.values():
                     if tensor.dtype.is_floating_point:
                         tensor.requires_grad_()
+            span = self._span(a)
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             store = WeightGradStore() if self.split else None
             with deferring_weight_grads(store):
                 out = self._forward(c, inputs, self._inputs[mb] if self.named or first else None)
@@ -327,7 +342,9 @@ class PipelineRunner:
         elif a.kind == BACKWARD:
             inputs, out, store = self._saved.pop((mb, c))
             grads = None if last else self._received(RECV_BWD, mb, c)
+            span = self._span(a)
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             if last:
                 roots, root_grads = [out], None
             else:  # a message computed from the batch alone carries no gradient
@@ -345,7 +362,9 @@ class PipelineRunner:
                 back = {n: torch.zeros_like(t) if back[n] is None else back[n] for n, t in floats.items()}
                 self._to_send(Action(SEND_BWD, mb, c), back)
         else:
+            span = self._span(a)
             start = time.perf_counter()
+            cpu_start = time.thread_time()
             store, own = self._weights_due.pop((mb, c))
             params = [p for p, _ in own] + store.weights()
 
@@ -360,10 +379,20 @@ class PipelineRunner:
         if self.timing:
             self._sync()
         end = time.perf_counter()
+        span.__exit__(None, None, None)
         self._busy += end - start
+        self._busy_cpu += time.thread_time() - cpu_start
         if self.trace:
             self._trace.append((a, start - self._t0, end - self._t0))
 
+
+    @staticmethod
+    def _span(a: Action):
+        """The compute action's trace range (opened after its receive: the wait for that
+        is a range of its own, the bubble), closed by ``_compute`` as it ends."""
+        span = tracing.phase(a.kind, "compute", microbatch=a.microbatch, chunk=a.chunk)
+        span.__enter__()
+        return span
 
     def _sync_context(self, c: int, index: int):
         """``no_sync`` of the chunk's data-parallel wrapper but where its gradients

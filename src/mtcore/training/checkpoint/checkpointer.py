@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.checkpoint.compat import check_model_matches
 from mtcore.training.checkpoint.engine_state import EngineState
+from mtcore.training.checkpoint.lineage import check_commit, latest_commit, remove_other_lineages
 from mtcore.training.checkpoint.lora_base import init_reference, lora_part
 from mtcore.training.checkpoint.safe_reader import dcp_load, dcp_save, tensor_shapes
 
@@ -110,6 +111,11 @@ class Checkpointer:
         commit); ``run_id``: the elastic job's id, recorded in every manifest."""
         self.engine, self.layout = engine, engine.layout
         self.owner, self.run_id = owner, run_id
+        # The run this one continues or starts (``lineage``), set once it has started;
+        # ``overwrite``: its first commit removes the other runs' steps (rank 0).
+        self.lineage: dict | None = None
+        self.overwrite = False
+        self.removed_others: list[int] = []
         self.backend, self.collective = engine.backend, engine.collective
         self.rank, self.world = self.layout.rank, self.layout.world_size
         self.state = EngineState(engine)
@@ -174,6 +180,8 @@ class Checkpointer:
             "sections": sections,
             "run": {"id": self.run_id, "incarnation": incarnation},
         }
+        if self.lineage is not None:
+            header["lineage"] = self.lineage
         if self.lora is not None:
             header["lora"] = {"config": self.lora.model_dump(mode="json"), "base": self.base}
         if self.async_save:
@@ -255,7 +263,12 @@ class Checkpointer:
                     time.sleep(delay)
                 if self.owner is not None and (left_behind := self.owner.fence()):
                     raise mf.CheckpointError(f"not committing step {header['step']}: {left_behind}")
+                root, lineage = staging.parent, header.get("lineage")
+                check_commit(root, header["step"], lineage, self.overwrite)
                 done = mf.commit(staging, header, self.keep_last)
+                if self.overwrite and lineage is not None:  # once: only this run's are left
+                    self.removed_others = remove_other_lineages(root, lineage)
+                    self.overwrite = False
             except Exception as e:
                 error = self._disk_full_error(e, staging, header["step"]) or e
         if collective:
@@ -353,20 +366,11 @@ class Checkpointer:
         )
 
     def latest_commit(self, root: str | Path) -> dict | None:
-        """``{"step": N, "run_id": ID or None}`` of ``root``'s latest committed checkpoint as
+        """``lineage.latest_commit`` (step, run id, kind, lineage) of ``root`` as
         rank 0 sees it, on every rank (collective; None: it holds none): ranks that judged it
         from their own view of a shared file system could split between resuming and
         starting fresh, and hang in different collectives."""
-        found = {}
-        if self.is_main:
-            found = {"latest": None}
-            if mf.has_checkpoint(root):
-                try:
-                    manifest = mf.read_manifest(mf.resolve_checkpoint(root))
-                    run = manifest.get("run") if isinstance(manifest.get("run"), dict) else {}
-                    found = {"latest": {"step": manifest["step"], "run_id": run.get("id")}}
-                except mf.CheckpointError:  # loading it reports the problem
-                    found = {"latest": {"step": None, "run_id": None}}
+        found = {"latest": latest_commit(root)} if self.is_main else {}
         return gather_json(found, self.collective, self.world, self.engine.ddp.device)["latest"]
 
     def _resolve_on_rank0(self, path: str | Path) -> Path:

@@ -21,8 +21,8 @@ from mtcore.models import FamilyConfig, LoRAConfig, add_lora, family_of, is_adap
 from mtcore.training.checkpoint import manifest as mf
 from mtcore.training.checkpoint.compat import saved_model_config
 from mtcore.training.checkpoint.lora_base import base_directory
-from mtcore.training.checkpoint.safe_reader import dcp_load, dcp_save, tensor_shapes
-from mtcore.training.checkpoint.weights import read_model_weights
+from mtcore.training.checkpoint.safe_reader import dcp_load, tensor_shapes
+from mtcore.training.checkpoint.weights import commit_weights, read_model_weights
 
 
 def lora_manifest(path: str | Path) -> tuple[Path, dict | None]:
@@ -131,17 +131,5 @@ def write_lora_weights(
 ) -> Path:
     """Commit ``<root>/step_<step>/`` holding only ``adapters`` (full tensors), a
     weights-only LoRA checkpoint whose base is ``base`` (``lora_base``'s record)."""
-    tensors = {
-        f"model.{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in adapters.items()
-    }
-    staging = mf.begin(Path(root).expanduser(), step)
-    dcp_save(tensors, staging, world=1)
-    header = {
-        "step": step,
-        "kind": "weights",
-        "layout": None,
-        "model_config": model_config.model_dump(mode="json"),
-        "sections": {},
-        "lora": {"config": lora.model_dump(mode="json"), "base": base},
-    }
-    return mf.commit(staging, header)
+    record = {"config": lora.model_dump(mode="json"), "base": base}
+    return commit_weights(root, adapters, model_config, step=step, lora=record)

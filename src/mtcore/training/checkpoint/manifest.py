@@ -4,8 +4,10 @@ A save writes into ``<root>/step_<N>.partial/``; once every file is on disk,
 rank 0 writes ``manifest.json`` (format, step, the layout that saved it, the
 model config, and every file with its size and sha256), then renames the
 directory to ``<root>/step_<N>/`` and points ``<root>/latest`` at it (write
-aside + ``os.replace``). A rename is atomic on a POSIX file system, so a kill
-at any moment leaves either the old set of checkpoints or the new one: a
+aside + ``os.replace``). The first rename is the commit: a kill before ``latest``
+moves leaves it one commit behind, and resolving the root still finds ``step_N``
+(the newest commit of ``latest``'s lineage). A rename is atomic on a POSIX file
+system, so a kill at any moment leaves either the old set of checkpoints or the new one: a
 ``.partial`` directory (or a step directory without a manifest) is never
 loaded, and ``resolve_checkpoint`` names it in a warning.
 
@@ -253,9 +255,10 @@ def committed_steps(root: Path) -> list[tuple[int, Path]]:
     return sorted({**aside, **out}.items())
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, report: bool = True) -> Path:
     """A committed step directory from a step directory, its manifest, or a checkpoint root
-    (``latest``, else the newest committed step). Uncommitted saves are reported, never used."""
+    (``latest``, else the newest committed step). Uncommitted saves are reported (unless
+    ``report`` is false: a save in flight looks the same), never used."""
     path = Path(path).expanduser()
     if path.is_file():
         path = path.parent
@@ -269,12 +272,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path} is not a committed checkpoint ({MANIFEST} is missing)")
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path}")
-    report_partials(path)
+    if report:
+        report_partials(path)
     latest = path / LATEST
     if latest.is_file():
         target = path / read_latest(latest)
         if (target / MANIFEST).is_file():
-            return target
+            return _newest_of_lineage(path, target)
         if _STEP_DIR.match(target.name):  # killed while committing the same step again
             step = int(_STEP_DIR.match(target.name).group(1))
             aside = [p for s, p in committed_steps(path) if s == step]
@@ -285,6 +289,27 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not steps:
         raise CheckpointError(f"no committed checkpoint under {path} (no step_N/{MANIFEST})")
     return steps[-1][1]
+
+
+def _newest_of_lineage(root: Path, target: Path) -> Path:
+    """``target`` (what ``latest`` names), or the newest later commit of its lineage
+    (``lineage``): the rename of ``step_N`` is the commit and ``latest`` moves after it, so
+    a kill between the two leaves ``latest`` one commit behind, never another run's."""
+    try:
+        lineage = (json.loads((target / MANIFEST).read_bytes()).get("lineage") or {}).get("id")
+        step = int(_STEP_OF_DIR.match(target.name).group(1))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return target  # loading it says what is wrong
+    for later, directory in reversed(committed_steps(root)) if lineage else ():
+        if later <= step:
+            break
+        try:
+            theirs = read_manifest(directory).get("lineage")
+        except CheckpointError:
+            continue
+        if isinstance(theirs, dict) and theirs.get("id") == lineage:
+            return directory
+    return target
 
 
 def read_latest(latest: Path) -> str:

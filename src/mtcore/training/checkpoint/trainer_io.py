@@ -22,6 +22,7 @@ import yaml
 
 from mtcore.data import DataError
 from mtcore.training.checkpoint.checkpointer import Checkpointer
+from mtcore.training.checkpoint.lineage import decide, fingerprint
 from mtcore.training.checkpoint.manifest import MANIFEST, CheckpointError, partial_dirs
 from mtcore.training.elastic import ElasticRun
 
@@ -29,8 +30,18 @@ from mtcore.training.elastic import ElasticRun
 class TrainerCheckpoints:
     """Save/restore for ``trainer._Loop``: every rank makes the same calls."""
 
-    def __init__(self, config, engine, prep, say, owner=None, elastic: ElasticRun | None = None):
+    def __init__(
+        self,
+        config,
+        engine,
+        prep,
+        say,
+        owner=None,
+        elastic: ElasticRun | None = None,
+        run_fingerprint: str | None = None,
+    ):
         self.config, self.ck, self.say = config, config.checkpoint, say
+        self.fingerprint = run_fingerprint or fingerprint(config)
         self.tokenizer, self.model_config = prep.data.tokenizer, prep.model
         self.elastic = elastic or ElasticRun()
         self.checkpointer = None
@@ -57,8 +68,14 @@ class TrainerCheckpoints:
             root = Path(self.ck.dir).expanduser()
             latest = self.checkpointer.latest_commit(root)  # collective: rank 0 decides
             ours = latest is not None and self._our_run(latest)
-            self._say_restart(latest, ours)
-            if self.ck.resume or ours:
+            # Every rank decides alike (rank 0's view of the root), refusal included.
+            start = decide(self.config, latest, self.elastic.run_id, self.fingerprint)
+            self.checkpointer.lineage = start.lineage
+            self.checkpointer.overwrite = self.ck.overwrite and not start.resume
+            self._say_restart(latest, ours, start.resume)
+            if start.note:
+                self.say(start.note)
+            if start.resume or self.ck.resume:
                 self._report_partials(root)
                 if latest is not None:
                     path, finetune = str(root), False
@@ -91,12 +108,12 @@ class TrainerCheckpoints:
         run_id = self.elastic.run_id
         return run_id is not None and latest.get("run_id") == run_id
 
-    def _say_restart(self, latest: dict | None, ours: bool) -> None:
+    def _say_restart(self, latest: dict | None, ours: bool, resume: bool) -> None:
         """One line when the agent restarted this rank, or when a new agent (a replacement
         node, a requeued job) finds its own run's commit."""
         run = self.elastic
         what = "resuming from checkpoint.dir's latest commit"
-        if not (ours or self.ck.resume):
+        if not resume:
             what = "no commit of this run yet: starting at step 0"
         if run.restart > 0:
             most = run.max_restarts if run.max_restarts is not None else "?"
@@ -123,17 +140,22 @@ class TrainerCheckpoints:
         done = self.checkpointer.save(self.ck.dir, step, state, files, self.model_config)
         if final:
             done = self.checkpointer.wait() or done
+        self._say_done(done)
+        return done
+
+    def _say_done(self, done: Path | None) -> None:
         if done is not None:
             self.say(f"checkpoint: {done}")
-        return done
+        if removed := self.checkpointer.removed_others:  # rank 0, after --checkpoint.overwrite
+            self.say(f"checkpoint: removed the earlier run's steps {_spans(removed)} (--checkpoint.overwrite)")
+            self.checkpointer.removed_others = []
 
     def poll(self) -> Path | None:
         """Commit a finished asynchronous save (call once per step)."""
         if self.checkpointer is None:
             return None
         done = self.checkpointer.poll()
-        if done is not None:
-            self.say(f"checkpoint: {done}")
+        self._say_done(done)
         return done
 
     def _report_partials(self, root: Path) -> None:
@@ -142,3 +164,10 @@ class TrainerCheckpoints:
                 self.say(
                     f"checkpoint: ignoring incomplete checkpoint {path} (the save never committed)"
                 )
+
+
+def _spans(steps: list[int]) -> str:
+    """``1-3, 7`` for [1, 2, 3, 7]."""
+    from mtcore.training.elastic import _spans as spans
+
+    return spans(steps)

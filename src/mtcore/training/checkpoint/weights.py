@@ -132,22 +132,33 @@ def write_model_weights(
     the family's one-process model); returns the directory. ``tokenizer``: an mtcore
     tokenizer (written as ``tokenizer.json``) or None."""
     sections = model_sections(model_config, weights)
-    tensors = {
-        f"model.{k}": v.detach().to("cpu", torch.float32).contiguous()
-        for k, v in split_full(weights, sections).items()
-    }
+    return commit_weights(
+        root, split_full(weights, sections), model_config, step=step, tokenizer=tokenizer,
+        sections=sections,
+    )  # fmt: skip
+
+
+def commit_weights(
+    root: str | Path, tensors: dict[str, Tensor], model_config: FamilyConfig, *, step: int,
+    tokenizer=None, sections: dict | None = None, **header,
+) -> Path:  # fmt: skip
+    """Commit ``<root>/step_<step>/``: a weights-only checkpoint of ``tensors`` (float32,
+    whole; named as the model's), ``header`` added to its manifest (a LoRA
+    checkpoint's ``lora`` record)."""
+    saved = {f"model.{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
     staging = mf.begin(Path(root).expanduser(), step)
     if tokenizer is not None:
         (staging / "tokenizer.json").write_text(tokenizer.hf.to_str())
-    dcp_save(tensors, staging, world=1)
-    header = {
+    dcp_save(saved, staging, world=1)
+    manifest = {
         "step": step,
         "kind": "weights",
         "layout": None,
         "model_config": model_config.model_dump(mode="json"),
-        "sections": sections,
+        "sections": sections or {},
+        **header,
     }
-    return mf.commit(staging, header)
+    return mf.commit(staging, manifest)
 
 
 def model_sections(config: FamilyConfig, names) -> dict[str, dict]:
