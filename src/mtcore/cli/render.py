@@ -175,9 +175,11 @@ def _self_checks(checks: list[dict]) -> list[str]:
         return [*lines, "  none yet: the first job on a backend runs one before step 1", ""]
     for c in checks:
         state = "passed" if not c["failures"] else f"FAILED: {'; '.join(c['failures'])}"
-        lines.append(
-            f"  {c['backend']} {c['dtype']} at {c['when']}: {len(c['checked'])} kernel(s), {state}"
-        )
+        if c.get("kind") == "collectives":  # one line per group: what was sent, how large
+            what = f"collectives of {len(c['checked'])} group(s) ({'; '.join(c['checked'])})"
+        else:
+            what = f"{len(c['checked'])} kernel(s)"
+        lines.append(f"  {c['backend']} {c['dtype']} at {c['when']}: {what}, {state}")
     return [*lines, ""]
 
 

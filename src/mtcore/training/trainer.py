@@ -219,8 +219,7 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
             for line in describe_nodes(backend, rank, world, backend.torch_device()):
                 say(f"mtcore train: {line}")
         if config.training.self_check:
-            param_dtype = config.precision.mixed_precision().param_dtype
-            verify_backend(backend, param_dtype, rank, world, say)
+            verify_backend(backend, config, layout, rank, world, say)
         with StopSignal() as stop:  # a SIGTERM from here on ends in a checkpoint
             # Before anything reads or writes the checkpoint root (resume included). An
             # earlier incarnation of this job still holding it gets half the collective

@@ -60,3 +60,23 @@ def test_an_entry_edited_by_hand_is_not_trusted(tmp_path):
     rerun, cached = cached_check(backend, torch.float16, tmp_path)
     assert not cached and rerun.checked == fresh.checked  # checked again, and saved again
     assert [r.checked for r in last_results(tmp_path)] == [fresh.checked]
+
+
+def test_collective_results_are_saved_sealed_and_doctor_shows_them(tmp_path):
+    from mtcore.backend.checks.selfcheck import SelfCheck, save
+    from mtcore.cli.render import _self_checks
+
+    checked = ["world: all_reduce, broadcast up to 16385 elements"]
+    failure = "collectives on rank 1: all_gather (rank order) of 16385 float32 on tp (size 2): x"
+    result = SelfCheck("k1", "cpu", "float32", checked, [failure], 0.2, "now", "collectives")
+    save(result, tmp_path)
+    save(SelfCheck("k2", "cpu", "float32", ["rms_norm (torch-fused, plugin mtcore)"]), tmp_path)
+    [path] = tmp_path.glob("cpu-collectives-*.json")
+    lines = _self_checks([r.__dict__ for r in last_results(tmp_path)])
+    shown = [ln for ln in lines if "collectives of 1 group(s)" in ln]
+    assert len(shown) == 1 and f"FAILED: {failure}" in shown[0], lines
+    assert any("1 kernel(s), passed" in ln for ln in lines), lines
+    saved = json.loads(path.read_text())
+    saved["failures"] = []  # a forged "passed"
+    path.write_text(json.dumps(saved))
+    assert [r.kind for r in last_results(tmp_path)] == ["kernels"]

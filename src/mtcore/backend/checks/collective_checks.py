@@ -211,6 +211,28 @@ for _dtype in (torch.float32, torch.bfloat16):
     check(f"all_gather-large-odd-{_short(_dtype)}", dtype=_dtype)(_all_gather_large)
 
 
+def _reduce_scatter_large(ctx, shared, dtype):
+    """A large shard of an odd size (65,537 elements: a backend may switch algorithms
+    above some size; one returning the unsummed shard above 4,096 passed 3-row cases):
+    every element the sum of every rank's, small integers so bfloat16 sums are exact."""
+    support = _needs(ctx, "reduce_scatter", dtype)
+    device, ws, n = _device(ctx), ctx.world_size, 65_537
+
+    def block(rank: int, shard: int) -> torch.Tensor:
+        return (torch.arange(n) * 7 + rank * 3 + shard * 5) % 9 - 4.0
+
+    inp = torch.cat([block(ctx.rank, j) for j in range(ws)]).to(dtype).to(device)
+    out = torch.empty(n, dtype=dtype, device=device)
+    ctx.backend.collective.reduce_scatter(out, inp)
+    want = sum(block(r, ctx.rank) for r in range(ws)).to(dtype).to(device)
+    _same(out, want, f"reduce_scatter sum of {n} elements: shard of rank {ctx.rank}")
+    return f"path={support.value}"
+
+
+for _dtype in (torch.float32, torch.bfloat16):
+    check(f"reduce_scatter-large-odd-{_short(_dtype)}", dtype=_dtype)(_reduce_scatter_large)
+
+
 def _broadcast(ctx, shared, dtype, async_op=False):
     support = _needs(ctx, "broadcast", dtype)
     device, src = _device(ctx), ctx.world_size - 1

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtcore.ops import REFERENCE_OPS, rope_tables
+from mtcore.ops import FP8_MAX, REFERENCE_OPS, rope_tables
 from mtcore.ops.attention_dropout import head_seeds
 
 
@@ -260,7 +260,21 @@ def _cases_attention() -> list[Case]:
             {"window": 3, "key_padding_mask": Fixed(first_masked_long)},
         ),
         *_cases_attention_documents(),
+        # Sequences as long as jobs use (a kernel may switch paths above some query
+        # count: one that dropped the causal mask above 64 queries passed cases of 17).
+        Case("causal-long-1x2x129x16", _attn(66, 1, 2, 2, 129, 129, 16), {"causal": True}),
+        Case("causal-long-gqa-1x2/1x130x8", _attn(68, 1, 2, 1, 130, 130, 8), {"causal": True}),
     ]
+
+
+def job_attention_case(seq_len: int, heads: int = 2, kv_heads: int = 1, head_dim: int = 8) -> Case:
+    """A causal attention case at a job's sequence length (the trainer's self-check adds it
+    to the kit's cases for ``attention`` and ``attention_lse``)."""
+    return Case(
+        f"causal-job-1x{heads}/{kv_heads}x{seq_len}x{head_dim}",
+        _attn(70, 1, heads, kv_heads, seq_len, seq_len, head_dim),
+        {"causal": True},
+    )
 
 
 def _documents(*lengths_per_row: tuple[int, ...]) -> torch.Tensor:
@@ -286,15 +300,17 @@ def _cases_attention_documents() -> list[Case]:
         Case(
             "noncausal-documents-padding-1x2x9x8",
             _attn(62, 1, 2, 2, 9, 9, 8),
-            {"causal": False, "key_padding_mask": Fixed(_first_keys(9, 7)),
-             "query_documents": Fixed(_documents((2, 5, 2))),
-             "key_documents": Fixed(_documents((2, 5, 2)))},
+            {
+                "causal": False,
+                "key_padding_mask": Fixed(_first_keys(9, 7)),
+                "query_documents": Fixed(_documents((2, 5, 2))),
+                "key_documents": Fixed(_documents((2, 5, 2))),
+            },
         ),
         Case(
             "causal-documents-window4-1x2x5/11x8",
             _attn(64, 1, 2, 2, 5, 11, 8),
-            {"window": 4, "query_documents": Fixed(decode[:, -5:]),
-             "key_documents": Fixed(decode)},
+            {"window": 4, "query_documents": Fixed(decode[:, -5:]), "key_documents": Fixed(decode)},
         ),
     ]
 
@@ -456,15 +472,18 @@ def _outputs(result, where: str) -> list[torch.Tensor]:
     return results
 
 
-def check_op(op: str, fn: Callable, guard: Callable | None, dtype, device) -> list[str]:
+def check_op(
+    op: str, fn: Callable, guard: Callable | None, dtype, device, extra: list[Case] = ()
+) -> list[str]:
     """Forward (and backward where differentiable) of ``fn`` vs the float64 reference.
 
     Returns the names of the cases run; raises AssertionError on the first mismatch.
     Cases that the implementation's ``fallback_ok`` guard declines are not its to serve.
+    ``extra``: cases after the kit's (the trainer's, at the job's sizes).
     """
     reference = REFERENCE_OPS[op]
     ran = []
-    for case in CASES[op]():
+    for case in [*CASES[op](), *extra]:
         args, kwargs = materialize(case, dtype, device)
         if guard is not None and not guard(*args, **kwargs):
             continue
@@ -553,6 +572,12 @@ def fp8_quantize_cases() -> list[tuple[str, torch.Tensor, torch.dtype, str, floa
             for gran in ("tensor", "row", "1x128", "128x128"):
                 cases.append((f"{label}-{short}-{gran}", x, fmt, gran, None))
         cases.append((f"37x300-{short}-tensor-given-scale", inputs[0][1], fmt, "tensor", 7.5))
+        # Delayed scaling near the format's max: the scale puts max|x| at 1.25x FP8_MAX,
+        # so the top values saturate at the max and those below keep theirs (a kernel
+        # saturating e4m3 at 240 instead of 448 passed a case that peaked near 92).
+        x = inputs[0][1]
+        at_max = 1.25 * FP8_MAX[fmt] / x.abs().max().item()
+        cases.append((f"37x300-{short}-tensor-given-scale-at-max", x, fmt, "tensor", at_max))
     return cases
 
 

@@ -182,7 +182,9 @@ def kit_backend(config: pytest.Config):
         except BackendError as exc:  # a vendor debugging a plugin wants the frames too
             state.error = str(exc)
             details = f"\n{exc.tracebacks}" if exc.tracebacks else ""
-            pytest.exit(f"mtcore conformance: {exc}{details}", returncode=pytest.ExitCode.USAGE_ERROR)
+            pytest.exit(
+                f"mtcore conformance: {exc}{details}", returncode=pytest.ExitCode.USAGE_ERROR
+            )
     return state.backend
 
 

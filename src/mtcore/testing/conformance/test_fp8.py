@@ -51,6 +51,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "pair" in metafunc.fixturenames:
         pairs = matmul_pairs(kit_backend(metafunc.config).fp8)
         metafunc.parametrize("pair", pairs, ids=[_pair_id(p) for p in pairs])
+    if "native_pair" in metafunc.fixturenames:  # only the pairs that take torch._scaled_mm
+        pairs = sorted(kit_backend(metafunc.config).fp8.native_granularities)
+        metafunc.parametrize("native_pair", pairs, ids=[_pair_id(p) for p in pairs])
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +87,15 @@ def test_quantize_round_trip(backend, device, granularity, fmt):
         )
         assert torch.equal(q.amax.float().cpu(), ref_amax), (
             f"{where}: amax differs from max |x| per scaling unit"
+        )
+        # Scales are float32 and the reference's: a path rounding them (to bfloat16, say)
+        # round-trips within its own scales but multiplies every GEMM by the rounding.
+        assert q.scale_inv.dtype == torch.float32 and q.amax.dtype == torch.float32, (
+            f"{where}: scale_inv {q.scale_inv.dtype}, amax {q.amax.dtype}; both must be float32"
+        )
+        rel = (q.scale_inv.cpu() - ref_scale_inv).abs() / ref_scale_inv.abs().clamp_min(1e-30)
+        assert rel.max().item() <= 2.4e-7, (
+            f"{where}: scale_inv off the reference's by {rel.max().item():.3g} (relative)"
         )
         y = q.dequantize(torch.float32).cpu()
         xs = x.float().cpu()
@@ -174,4 +186,59 @@ def test_scaled_matmul_into_low_precision(backend, device, pair, out_dtype):
     assert err <= LOW_PRECISION_OUT[out_dtype], (
         f"{where}: relative error {err:.3g} against the dequantized product "
         f"(bound {LOW_PRECISION_OUT[out_dtype]:.3g}): scales applied wrongly, or lost"
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_with_a_scale_at_the_formats_max(backend, device, fmt):
+    """Delayed scaling with a scale that puts max|x| at 1.25x the format's max: the top
+    values saturate at the max (448 for e4m3, 57344 for e5m2), the rest keep their
+    values within half an FP8 step (one saturating at 240 passed a case peaking near 92)."""
+    dtype = FORMATS[fmt]
+    x = _randn(520, 64, 96, device=device)
+    fmax = backend.fp8.max_value(dtype)
+    scale = torch.tensor(1.25 * fmax / x.abs().max().item())
+    q = backend.fp8.quantize(x, dtype, "tensor", scale.to(device))
+    want, _, _ = fp8_quantize(x.cpu(), dtype, "tensor", scale)
+    got, ref = q.data.float().cpu(), want.float()
+    assert got.abs().max().item() == fmax, (
+        f"{fmt}: saturated values are {got.abs().max().item():g}, expected the format's max {fmax:g}"
+    )
+    step = ref.abs() * 2.0 ** -_MANTISSA[dtype] + _MIN_SUBNORMAL[dtype]
+    bad = (got - ref).abs() > step
+    assert not bad.any(), (
+        f"{fmt}: {int(bad.sum())} of {ref.numel()} values more than one FP8 step from the "
+        f"reference's near the max; worst got {got[bad].flatten()[0].item():g}, reference "
+        f"{ref[bad].flatten()[0].item():g}"
+    )
+
+
+def test_native_matmul_speed(backend, device, native_pair):
+    """A pair taken natively must not be far slower than the fallback matmul on the same
+    operands (``kernel_timing``: 10x and 50 ms): a declared-native path at 300 s a step
+    passed every numerical check."""
+    from mtcore.backend.checks import kernel_timing
+    from mtcore.backend.fp8 import fallback_scaled_matmul
+
+    fp8, pair = backend.fp8, native_pair
+    qa = fp8.quantize(_randn(600, M, K, device=device), FORMATS["e4m3"], pair[0])
+    qb = fp8.quantize(_randn(601, N, K, device=device), FORMATS["e4m3"], pair[1])
+    if not fp8.takes_natively(qa, qb):
+        pytest.skip(f"{CAPABILITY} {_pair_id(pair)} takes the fallback for the kit's shapes")
+    try:
+        fp8.scaled_matmul(qa, qb, out_dtype=torch.float32)
+    except Exception as exc:  # test_scaled_matmul fails it and says why
+        pytest.skip(f"the native path raises ({type(exc).__name__}): see test_scaled_matmul")
+    calls = {
+        "reference": lambda: fallback_scaled_matmul(qa, qb, torch.float32),
+        "kernel": lambda: fp8.scaled_matmul(qa, qb, out_dtype=torch.float32),
+    }
+    slow = kernel_timing.too_slow(
+        calls, backend.device.synchronize, kernel_timing.NATIVE_MATMUL_SLACK_S
+    )
+    assert slow is None, (
+        f"scaled_matmul {_pair_id(pair)} (native path): {slow[0] * 1e3:.3g} ms against the "
+        f"fallback matmul's {slow[1] * 1e3:.3g} ms on the same operands (the bound is "
+        f"{kernel_timing.SLOWER_BOUND:g}x + {kernel_timing.NATIVE_MATMUL_SLACK_S * 1e3:g} ms): "
+        "declare native only the pairs the device runs fast (or pass FP8 a choose)"
     )
