@@ -11,6 +11,7 @@ Importing the seam does not import torch (``mtcore plan`` and the CLI's parser r
 families, configs and shapes without it); a family's models load when it builds them.
 """
 
+from mtcore.models.adapters import HFAdapter, MegatronAdapter, imported_on_call
 from mtcore.models.common.lora import LoRAConfig, add_lora, check_targets, is_adapter
 from mtcore.models.family import (
     Batch,
@@ -19,14 +20,11 @@ from mtcore.models.family import (
     FamilyConfig,
     FamilyData,
     FamilyError,
-    HFAdapter,
     Loader,
-    MegatronAdapter,
     MessageSpecs,
     ModelFamily,
     PipelineStage,
     check_family,
-    imported_on_call,
 )
 from mtcore.models.registry import (
     BUILTIN as BUILTIN_FAMILIES,

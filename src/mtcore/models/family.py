@@ -25,7 +25,6 @@ names the family and the member:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from pydantic import Field
 
 from mtcore.distributed.settings import Settings
+from mtcore.models.adapters import HFAdapter, MegatronAdapter, adapter_problem
 from mtcore.models.shape import ModelShape, NotModelled
 
 # The seam describes models without building one: `mtcore plan` and the CLI's parser read
@@ -233,66 +233,6 @@ class FamilyData:
     loader_takes_group: bool = False
 
 
-class imported_on_call:  # lower case: it stands in for a function
-    """``module.name`` as a function that imports ``module`` when it is first called: a
-    family names its adapters' functions (HF, Megatron) without loading them, and torch,
-    whenever the registry hands out the family (``mtcore plan``, a config's checks).
-    ``inspect.signature`` sees the function's own signature (it imports the module)."""
-
-    def __init__(self, module: str, name: str):
-        self.module, self.name = module, name
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        return getattr(importlib.import_module(self.module), self.name)
-
-    def __call__(self, *args, **kwargs):
-        return self.__wrapped__(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"imported_on_call({self.module!r}, {self.name!r})"
-
-
-@dataclass(frozen=True)
-class HFAdapter:
-    """A family's HuggingFace interop. ``model_types``: the ``model_type`` values of a
-    transformers ``config.json`` it imports. ``import_dir(path, seq_len) -> (config,
-    full weights)``; ``export_dir(config, weights, out_dir, dtype, tokenizer_json)``
-    returns the directory it wrote. ``tokenizer_tokens``: special tokens an imported
-    ``tokenizer.json`` must hold for the family's data pipeline (BERT's ``[CLS]``...).
-    ``export_adapter(config, lora, adapters, out_dir, dtype)`` and
-    ``import_adapter(adapter_dir, config) -> (lora, adapters)``: LoRA adapters in PEFT's
-    format (None: the family maps none)."""
-
-    model_types: tuple[str, ...]
-    import_dir: Callable[..., tuple[FamilyConfig, dict[str, Tensor]]]
-    export_dir: Callable[..., Any]
-    tokenizer_tokens: tuple[str, ...] = ()
-    export_adapter: Callable[..., Any] | None = None
-    import_adapter: Callable[..., tuple[Any, dict[str, Tensor]]] | None = None
-
-
-@dataclass(frozen=True)
-class MegatronAdapter:
-    """A family's Megatron-LM / Megatron-Core interop (``mtcore convert from-megatron``):
-    ``config_from_args(args, vocab_size)`` (Megatron-LM's argument names);
-    ``args_for(config, tp, pp)``, the arguments that load an export; ``from_dist(config,
-    stacked)``, a torch_dist checkpoint's tensors, and ``from_ranks(config, args,
-    ranks)``, legacy per-rank state dicts (``{(tp, pp, ep): [chunk state dicts]}``), as
-    full weights; ``to_ranks(config, weights, tp, pp)`` the reverse of ``from_ranks``.
-    ``model_arguments``: the argument names ``config_from_args`` reads. ``to_dist(config,
-    weights)``: ``(tensors, extra_state_keys)`` of a torch_dist checkpoint (None: the
-    family exports only the legacy format)."""
-
-    config_from_args: Callable[..., FamilyConfig]
-    args_for: Callable[..., dict]
-    from_dist: Callable[..., dict[str, Tensor]]
-    from_ranks: Callable[..., dict[str, Tensor]]
-    to_ranks: Callable[..., dict]
-    model_arguments: tuple[str, ...] = ()
-    to_dist: Callable[..., tuple] | None = None
-
-
 @dataclass(frozen=True)
 class Capabilities:
     """What varies by family, declared (never probed from code):
@@ -319,7 +259,8 @@ class ModelFamily(ABC):
     config: its ``FamilyConfig`` subclass (``family: Literal[name]``).
     capabilities: what it can do (``Capabilities``).
     checkpoint_aliases: a tied copy's name -> the name of the twin it loads from.
-    hf: its HuggingFace adapter, or None; megatron: its Megatron adapter, or None.
+    hf: its HuggingFace adapter (an ``HFAdapter`` subclass), or None; megatron: its
+    Megatron adapter (a ``MegatronAdapter`` subclass), or None.
     description: one line for ``mtcore doctor``.
     """
 
@@ -327,8 +268,8 @@ class ModelFamily(ABC):
     config: ClassVar[type[FamilyConfig]]
     capabilities: ClassVar[Capabilities] = Capabilities()
     checkpoint_aliases: ClassVar[Mapping[str, str]] = MappingProxyType({})
-    hf: ClassVar[HFAdapter | None] = None
-    megatron: ClassVar[MegatronAdapter | None] = None
+    hf: ClassVar[type[HFAdapter] | None] = None
+    megatron: ClassVar[type[MegatronAdapter] | None] = None
     description: ClassVar[str] = ""
 
     # -- what a family implements ------------------------------------------------------
@@ -443,8 +384,10 @@ def check_family(family: object, source: str = "") -> ModelFamily:
             f"{caps.reads_images}) but the family {'defines' if overrides_generate else 'lacks'} "
             "generate(...)"
         )
-    if family.hf is not None and not isinstance(family.hf, HFAdapter):
-        raise FamilyError(f"{label}: hf must be a mtcore.models.HFAdapter or None")
+    for adapter, kind in ((family.hf, HFAdapter), (family.megatron, MegatronAdapter)):
+        problem = adapter_problem(adapter, kind)
+        if problem:
+            raise FamilyError(f"{label}: {problem}")
     for member, (args, kwargs) in _CALLS.items():
         try:
             inspect.signature(getattr(family, member)).bind(*args, **kwargs)

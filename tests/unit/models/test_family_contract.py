@@ -16,6 +16,8 @@ from mtcore.models import (
     Capabilities,
     FamilyConfig,
     FamilyError,
+    HFAdapter,
+    MegatronAdapter,
     ModelFamily,
     check_family,
     family_names,
@@ -145,3 +147,36 @@ def test_declared_capabilities_are_what_the_family_does(name):
     if not caps.generates:
         with pytest.raises(FamilyError, match=f"the {name} family does not generate text"):
             family.generate(None, None, "", 1)
+
+
+def test_a_family_whose_adapter_leaves_a_method_out_is_refused_in_one_line():
+    class HalfHF(HFAdapter):
+        model_types = ("tiny",)
+
+        @staticmethod
+        def import_dir(path, seq_len): ...
+
+    class HalfMegatron(get_family("gpt").megatron):
+        to_ranks = MegatronAdapter.to_ranks  # the abstract method, left undefined
+
+    class WrongArguments(HFAdapter):
+        model_types = ("tiny",)
+
+        @staticmethod
+        def import_dir(path): ...
+
+        @staticmethod
+        def export_dir(config, weights, out_dir, dtype, tokenizer_json=None): ...
+
+    for change, expected in [
+        (dict(hf=HalfHF), "hf (HalfHF) does not define export_dir (mtcore.models.HFAdapter)"),
+        (dict(megatron=HalfMegatron), "megatron (HalfMegatron) does not define to_ranks"),
+        (dict(hf=WrongArguments), "hf.import_dir(...) breaks the contract"),
+        (dict(hf=HalfHF.__mro__[1]), "hf (HFAdapter) does not define export_dir, import_dir"),
+        (dict(megatron=object), "megatron must be a subclass of mtcore.models.MegatronAdapter"),
+    ]:
+        broken = type("Broken", (_Tiny,), change)()
+        with pytest.raises(FamilyError) as e:
+            check_family(broken, "plugin p")
+        message = _one_line(e)
+        assert message.startswith(f"model family 'tiny' (plugin p): {expected}"), message

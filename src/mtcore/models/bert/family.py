@@ -10,16 +10,11 @@ import functools
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from mtcore.models.adapters import HFAdapter, imported_on_call
 from mtcore.models.bert.config import BertConfig
 from mtcore.models.bert.names import BERT_SPECIAL_TOKENS, DECODER_COPY, WORD_EMBEDDING
 from mtcore.models.bert.shape import bert_shape
-from mtcore.models.family import (
-    Capabilities,
-    FamilyData,
-    HFAdapter,
-    ModelFamily,
-    imported_on_call,
-)
+from mtcore.models.family import Capabilities, FamilyData, ModelFamily
 
 if TYPE_CHECKING:
     import torch
@@ -30,17 +25,19 @@ if TYPE_CHECKING:
 HF = "mtcore.models.bert.hf"
 
 
+class BertHF(HFAdapter):
+    model_types = ("bert",)
+    tokenizer_tokens = BERT_SPECIAL_TOKENS
+    import_dir = imported_on_call(HF, "import_bert")
+    export_dir = imported_on_call(HF, "export_bert")
+
+
 class BertFamily(ModelFamily):
     name = "bert"
     config = BertConfig
     capabilities = Capabilities(context_parallel=True)
     checkpoint_aliases = MappingProxyType({DECODER_COPY: WORD_EMBEDDING})
-    hf = HFAdapter(
-        ("bert",),
-        imported_on_call(HF, "import_bert"),
-        imported_on_call(HF, "export_bert"),
-        tokenizer_tokens=BERT_SPECIAL_TOKENS,
-    )
+    hf = BertHF
     description = "bidirectional encoder: masked LM with next-sentence or sentence-order head"
 
     def build_chunks(self, config: BertConfig, layout, backend, seed: int = 0, fp8=None):

@@ -9,16 +9,10 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from mtcore.models.adapters import HFAdapter, MegatronAdapter, imported_on_call
 from mtcore.models.common.decoder.hf_architectures import MODEL_TYPES
 from mtcore.models.common.decoder.shape import decoder_shape
-from mtcore.models.family import (
-    Capabilities,
-    FamilyData,
-    HFAdapter,
-    MegatronAdapter,
-    ModelFamily,
-    imported_on_call,
-)
+from mtcore.models.family import Capabilities, FamilyData, ModelFamily
 from mtcore.models.gpt.config import GPTConfig
 from mtcore.models.gpt.megatron.args import (
     MODEL_ARGUMENTS,
@@ -37,6 +31,28 @@ HF_LORA = "mtcore.models.common.decoder.hf_lora"
 MEGATRON = "mtcore.models.gpt.megatron.ranks"
 
 
+class GPTHF(HFAdapter):
+    """Llama, Mistral, Qwen2, Mixtral, DeepSeek and GPT-2 checkpoints; LoRA in PEFT's format."""
+
+    model_types = MODEL_TYPES
+    import_dir = imported_on_call(HF, "import_hf")
+    export_dir = imported_on_call(HF, "export_hf")
+    export_adapter = imported_on_call(HF_LORA, "export_peft")
+    import_adapter = imported_on_call(HF_LORA, "import_peft")
+
+
+class GPTMegatron(MegatronAdapter):
+    """Megatron-LM's GPT (``pretrain_gpt.py``): legacy per-rank and torch_dist checkpoints."""
+
+    model_arguments = MODEL_ARGUMENTS
+    config_from_args = staticmethod(model_config_from_megatron)
+    args_for = staticmethod(megatron_args)
+    from_dist = imported_on_call(MEGATRON, "from_dist")
+    from_ranks = imported_on_call(MEGATRON, "from_ranks")
+    to_ranks = imported_on_call(MEGATRON, "to_ranks")
+    to_dist = imported_on_call("mtcore.models.gpt.megatron.dist", "to_dist")
+
+
 class GPTFamily(ModelFamily):
     name = "gpt"
     config = GPTConfig
@@ -44,22 +60,8 @@ class GPTFamily(ModelFamily):
     checkpoint_aliases = MappingProxyType(
         {"output.weight": "embed.tok.weight", "mtp_embed.tok.weight": "embed.tok.weight"}
     )
-    hf = HFAdapter(
-        MODEL_TYPES,
-        imported_on_call(HF, "import_hf"),
-        imported_on_call(HF, "export_hf"),
-        export_adapter=imported_on_call(HF_LORA, "export_peft"),
-        import_adapter=imported_on_call(HF_LORA, "import_peft"),
-    )
-    megatron = MegatronAdapter(
-        model_config_from_megatron,
-        megatron_args,
-        imported_on_call(MEGATRON, "from_dist"),
-        imported_on_call(MEGATRON, "from_ranks"),
-        imported_on_call(MEGATRON, "to_ranks"),
-        MODEL_ARGUMENTS,
-        imported_on_call("mtcore.models.gpt.megatron.dist", "to_dist"),
-    )
+    hf = GPTHF
+    megatron = GPTMegatron
     description = "decoder-only transformer: Llama and GPT-2 styles, GQA, mixture of experts"
 
     def build_chunks(self, config: GPTConfig, layout, backend, seed: int = 0, fp8=None):

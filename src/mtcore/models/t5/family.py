@@ -10,13 +10,8 @@ import functools
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from mtcore.models.family import (
-    Capabilities,
-    FamilyData,
-    HFAdapter,
-    ModelFamily,
-    imported_on_call,
-)
+from mtcore.models.adapters import HFAdapter, imported_on_call
+from mtcore.models.family import Capabilities, FamilyData, ModelFamily
 from mtcore.models.t5.config import T5Config
 from mtcore.models.t5.names import EMBEDDING, LM_HEAD, T5_SPECIAL_TOKENS
 from mtcore.models.t5.shape import t5_shape
@@ -30,17 +25,19 @@ if TYPE_CHECKING:
 HF = "mtcore.models.t5.hf"
 
 
+class T5HF(HFAdapter):
+    model_types = ("t5",)
+    tokenizer_tokens = T5_SPECIAL_TOKENS
+    import_dir = imported_on_call(HF, "import_t5")
+    export_dir = imported_on_call(HF, "export_t5")
+
+
 class T5Family(ModelFamily):
     name = "t5"
     config = T5Config
     capabilities = Capabilities(generates=True, context_parallel=True)
     checkpoint_aliases = MappingProxyType({LM_HEAD: EMBEDDING})
-    hf = HFAdapter(
-        ("t5",),
-        imported_on_call(HF, "import_t5"),
-        imported_on_call(HF, "export_t5"),
-        tokenizer_tokens=T5_SPECIAL_TOKENS,
-    )
+    hf = T5HF
     description = "encoder-decoder (T5 v1.1) trained on span corruption"
 
     def build_chunks(self, config: T5Config, layout, backend, seed: int = 0, fp8=None):

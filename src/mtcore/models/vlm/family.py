@@ -9,13 +9,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from mtcore.models.family import (
-    Capabilities,
-    FamilyData,
-    HFAdapter,
-    ModelFamily,
-    imported_on_call,
-)
+from mtcore.models.adapters import HFAdapter, imported_on_call
+from mtcore.models.family import Capabilities, FamilyData, ModelFamily
 from mtcore.models.vlm.config import LlavaConfig
 from mtcore.models.vlm.image_samples import IMAGE_TOKEN
 from mtcore.models.vlm.shape import llava_shape
@@ -29,6 +24,13 @@ if TYPE_CHECKING:
 HF = "mtcore.models.vlm.hf"
 
 
+class LlavaHF(HFAdapter):
+    model_types = ("llava",)
+    tokenizer_tokens = (IMAGE_TOKEN,)
+    import_dir = imported_on_call(HF, "import_llava")
+    export_dir = imported_on_call(HF, "export_llava")
+
+
 class LlavaFamily(ModelFamily):
     name = "llava"
     config = LlavaConfig
@@ -36,12 +38,7 @@ class LlavaFamily(ModelFamily):
         generates=True, reads_images=True, mixture_of_experts=True, context_parallel=True
     )
     checkpoint_aliases = MappingProxyType({"output.weight": "embed.tok.weight"})
-    hf = HFAdapter(
-        ("llava",),
-        imported_on_call(HF, "import_llava"),
-        imported_on_call(HF, "export_llava"),
-        tokenizer_tokens=(IMAGE_TOKEN,),
-    )
+    hf = LlavaHF
     description = "vision-language: a ViT and a projector in front of a GPT (LLaVA)"
 
     def build_chunks(self, config: LlavaConfig, layout, backend, seed: int = 0, fp8=None):

@@ -38,7 +38,7 @@ CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 FAMILY = "gpt"  # Megatron-LM's pretrain_gpt.py models
 
 
-def _adapter() -> MegatronAdapter:
+def _adapter() -> type[MegatronAdapter]:
     return get_family(FAMILY).megatron
 
 
