@@ -19,11 +19,11 @@ embedding from ``tok.vocab_size``: a trained BPE can come out smaller than asked
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
+from mtcore import lazy_exports
 from mtcore.data.cache import DataError
 from mtcore.data.config import DataConfig, default_cache_dir
 from mtcore.data.corpus import DEFAULT_CORPUS_BYTES
@@ -36,25 +36,22 @@ if TYPE_CHECKING:
 # The settings above load with the package (a config is read, e.g. by ``mtcore plan``,
 # without numpy, tokenizers or torch); what reads and serves the data on first use.
 _ON_USE = {
-    "BlendedDataset": "blend",
-    "blending_indices": "blend",
-    "IndexedDataset": "indexed",
-    "EpochSampler": "loader",
-    "LMLoader": "loader",
-    "TokenLoader": "loader",
-    "check_batch_sizes": "loader",
-    "lm_batches": "loader",
-    "SequenceDataset": "samples",
-    "EOD_TOKEN": "tokenizer",
-    "Tokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
+    "BlendedDataset": ".blend",
+    "blending_indices": ".blend",
+    "IndexedDataset": ".indexed",
+    "EpochSampler": ".loader",
+    "LMLoader": ".loader",
+    "TokenLoader": ".loader",
+    "check_batch_sizes": ".loader",
+    "lm_batches": ".loader",
+    "SequenceDataset": ".samples",
+    "EOD_TOKEN": ".tokenizer",
+    "Tokenizer": ".tokenizer",
+    "load_tokenizer": ".tokenizer",
 }
 
 
-def __getattr__(name: str):
-    if name in _ON_USE:
-        return getattr(importlib.import_module(f"{__name__}.{_ON_USE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _ON_USE)
 
 
 __all__ = [

@@ -11,6 +11,7 @@ Importing the seam does not import torch (``mtcore plan`` and the CLI's parser r
 families, configs and shapes without it); a family's models load when it builds them.
 """
 
+from mtcore import lazy_exports
 from mtcore.models.adapters import HFAdapter, MegatronAdapter, imported_on_call
 from mtcore.models.common.lora import LoRAConfig, add_lora, check_targets, is_adapter
 from mtcore.models.family import (
@@ -73,10 +74,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # TensorSpec is the pipeline runner's (torch); families that send tensors import it.
-    if name == "TensorSpec":
-        from mtcore.parallel.pipeline import TensorSpec
-
-        return TensorSpec
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# TensorSpec is the pipeline runner's (torch); families that send tensors import it.
+__getattr__ = lazy_exports(__name__, {"TensorSpec": "mtcore.parallel.pipeline"})

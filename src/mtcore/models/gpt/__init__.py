@@ -4,8 +4,7 @@ The model is the shared decoder (``mtcore.models.common.decoder``); this folder 
 what makes it a family: its config class, its data pipeline, its HF adapter and the
 ``ModelFamily`` subclass. The names below are the decoder's, as GPT users import them."""
 
-import importlib
-
+from mtcore import lazy_exports
 from mtcore.models.common.decoder.config import STYLES
 from mtcore.models.gpt.config import GPTConfig
 from mtcore.models.gpt.family import FAMILY
@@ -24,10 +23,7 @@ _MODEL = {
 }
 
 
-def __getattr__(name: str):
-    if name in _MODEL:
-        return getattr(importlib.import_module(_MODEL[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _MODEL)
 
 
 __all__ = [

@@ -4,22 +4,18 @@ The settings (``config``) load with the package; the buffers and the ``DataParal
 wrapper (torch) on first use.
 """
 
-import importlib
-
+from mtcore import lazy_exports
 from mtcore.parallel.data.config import DEFAULT_BUCKET_SIZE, DataParallelConfig
 
 _WITH_TORCH = {
-    "Bucket": "buffer",
-    "GradBuffer": "buffer",
-    "DataParallel": "ddp",
-    "LaunchRecord": "ddp",
+    "Bucket": ".buffer",
+    "GradBuffer": ".buffer",
+    "DataParallel": ".ddp",
+    "LaunchRecord": ".ddp",
 }
 
 
-def __getattr__(name: str):
-    if name in _WITH_TORCH:
-        return getattr(importlib.import_module(f"{__name__}.{_WITH_TORCH[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _WITH_TORCH)
 
 
 __all__ = [

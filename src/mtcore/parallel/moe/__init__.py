@@ -3,38 +3,34 @@
 See docs/moe.md. The layer: ``MoELayer(hidden, MoESpec(...), tp=..., layout=..., ...)``.
 """
 
-import importlib
-
+from mtcore import lazy_exports
 from mtcore.parallel.moe.spec import MoESpec, expert_capacity
 
 # The settings load with the package (a model config holds them without torch); the
 # layer, router, dispatchers and experts on first use.
 _WITH_TORCH = {
-    "AllGatherDispatcher": "dispatch",
-    "AllToAllDispatcher": "dispatch",
-    "DedupAllToAllDispatcher": "dispatch_dedup",
-    "GroupedExperts": "experts",
-    "full_expert_tensor": "experts",
-    "is_expert_parameter": "experts",
-    "mark_expert_parallel": "experts",
-    "named_expert_parameters": "experts",
-    "DISPATCHERS": "layer",
-    "MoELayer": "layer",
-    "MoEStats": "layer",
-    "ep_group": "layer",
-    "capacity_keep_mask": "router",
-    "load_balancing_loss": "router",
-    "route": "router",
-    "sequence_load_balancing_loss": "router",
-    "update_bias": "router",
-    "z_loss": "router",
+    "AllGatherDispatcher": ".dispatch",
+    "AllToAllDispatcher": ".dispatch",
+    "DedupAllToAllDispatcher": ".dispatch_dedup",
+    "GroupedExperts": ".experts",
+    "full_expert_tensor": ".experts",
+    "is_expert_parameter": ".experts",
+    "mark_expert_parallel": ".experts",
+    "named_expert_parameters": ".experts",
+    "DISPATCHERS": ".layer",
+    "MoELayer": ".layer",
+    "MoEStats": ".layer",
+    "ep_group": ".layer",
+    "capacity_keep_mask": ".router",
+    "load_balancing_loss": ".router",
+    "route": ".router",
+    "sequence_load_balancing_loss": ".router",
+    "update_bias": ".router",
+    "z_loss": ".router",
 }
 
 
-def __getattr__(name: str):
-    if name in _WITH_TORCH:
-        return getattr(importlib.import_module(f"{__name__}.{_WITH_TORCH[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _WITH_TORCH)
 
 
 __all__ = [

@@ -11,8 +11,7 @@ planner and config checks use them without torch); the runner, the groups and
 ``StageModule`` move tensors and are imported on first use.
 """
 
-import importlib
-
+from mtcore import lazy_exports
 from mtcore.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -38,21 +37,17 @@ from mtcore.parallel.pipeline.split import (
 )
 
 _WITH_TORCH = {
-    "PipelineGroups": "groups",
-    "allreduce_tied_grads": "groups",
-    "sync_tied_weights": "groups",
-    "PipelineRunner": "runner",
-    "StepStats": "runner",
-    "TensorSpec": "runner",
-    "StageModule": "stage_module",
+    "PipelineGroups": ".groups",
+    "allreduce_tied_grads": ".groups",
+    "sync_tied_weights": ".groups",
+    "PipelineRunner": ".runner",
+    "StepStats": ".runner",
+    "TensorSpec": ".runner",
+    "StageModule": ".stage_module",
 }
 
 
-def __getattr__(name: str):
-    if name in _WITH_TORCH:
-        module = importlib.import_module(f"{__name__}.{_WITH_TORCH[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _WITH_TORCH)
 
 
 __all__ = [

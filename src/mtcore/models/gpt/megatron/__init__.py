@@ -14,8 +14,7 @@ with the package (the GPT family names ``MODEL_ARGUMENTS`` without torch); the t
 modules on first use.
 """
 
-import importlib
-
+from mtcore import lazy_exports
 from mtcore.models.gpt.megatron.args import (
     MEGATRON_DEFAULTS,
     MODEL_ARGUMENTS,
@@ -25,21 +24,18 @@ from mtcore.models.gpt.megatron.args import (
 )
 
 _TENSORS = {
-    "from_dist": "ranks",
-    "from_ranks": "ranks",
-    "to_ranks": "ranks",
-    "to_dist": "dist",
-    "from_megatron_tensors": "weights",
-    "merge_tp_shards": "weights",
-    "split_tp_shards": "weights",
-    "to_megatron_tensors": "weights",
+    "from_dist": ".ranks",
+    "from_ranks": ".ranks",
+    "to_ranks": ".ranks",
+    "to_dist": ".dist",
+    "from_megatron_tensors": ".weights",
+    "merge_tp_shards": ".weights",
+    "split_tp_shards": ".weights",
+    "to_megatron_tensors": ".weights",
 }
 
 
-def __getattr__(name: str):
-    if name in _TENSORS:
-        return getattr(importlib.import_module(f"{__name__}.{_TENSORS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _TENSORS)
 
 
 __all__ = [
