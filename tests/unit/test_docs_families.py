@@ -82,3 +82,19 @@ def test_doctor_lists_the_registry():
         caps = get_family(entry["name"]).capabilities
         assert entry["generates"] is caps.generates
         assert entry["capabilities"]["context_parallel"] is caps.context_parallel
+
+
+# A choice list of `family` values in a doc, e.g. "`family` (gpt \| bert \| a plugin's)".
+FAMILY_CHOICES = re.compile(r"`(?:model\.)?family` \(([^)]*\\\|[^)]*)\)")
+
+
+def test_every_family_choice_list_in_the_docs_is_the_registry():
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for match in FAMILY_CHOICES.finditer(path.read_text()):
+            choices = [c.strip(" `") for c in match.group(1).split(";")[0].split("\\|")]
+            named = [c for c in choices if "plugin" not in c]
+            found.append((path.relative_to(ROOT), named))
+    assert found, "no `family` choice list in the docs (docs/training.md's config table has one)"
+    for where, named in found:
+        assert sorted(named) == sorted(BUILTIN_FAMILIES), f"{where} lists the families {named}"

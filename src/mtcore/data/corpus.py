@@ -128,7 +128,8 @@ def data_sources(
 ) -> list[Source]:
     """One source per data path, or the default corpus for ``None``.
 
-    Shared by the GPT and the BERT pipelines, so both read the same documents.
+    Shared by the text families' pipelines (GPT, BERT, T5, a plugin's through
+    ``build_datasets``), so all of them read the same documents.
     """
     if paths is None:
         return [Source("stdlib", stdlib_files(default_corpus_bytes, default_corpus_files))]

@@ -1,10 +1,11 @@
-"""Train and validation datasets of every data path, blended: what the GPT and the BERT
-pipelines share.
+"""Train and validation datasets of every data path, blended: what the text families'
+pipelines share (GPT's and a plugin's through ``build_datasets``, BERT's, T5's).
 
-Both read the same sources (``data_sources``), index each with their tokenizer, split
-it by document (``split_documents``) and blend several paths by ``config.weights``
+Each reads the same sources (``data_sources``), indexes each with its tokenizer, splits
+it by document (``split_documents``) and blends several paths by ``config.weights``
 (default: in proportion to their sizes). Only how a split's documents become samples
-differs, packed sequences or sentence pairs, so each pipeline passes that in.
+differs, packed sequences, sentence pairs or corrupted spans, so each pipeline passes that
+in.
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ def _plan(config, spec, m, shape: ModelShape, gpus, hardware, options) -> Plan:
     products = timing.Products(hardware, dtype, block_dtype)
     notes.append(products.note())
     if zero >= 2:
-        notes.append(f"ZeRO-{zero}: a planner assumption; mtcore trains with ZeRO-0 or 1")
+        notes.append(f"ZeRO-{zero}: gradients{' and parameters' * (zero == 3)} sharded over dp x cp")
     grad_bytes = options.grad_bytes
     per_byte = state_bytes_per_param(dtype, zero, dp * cp, grad_bytes)
     lora = config.finetune.lora

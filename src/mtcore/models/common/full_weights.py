@@ -4,7 +4,8 @@
 whole model's names (each family's ``weights.py`` says which names and shapes).
 Comparing a set of them with the shapes a config implies, and copying a rank's
 shard of them into one of its pipeline chunks, do not depend on the family, so
-both families do it here and their errors read alike.
+every family that uses mtcore's layers (GPT, BERT, T5, LLaVA) does it here and their
+errors read alike.
 """
 
 from __future__ import annotations
