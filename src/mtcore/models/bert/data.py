@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +40,7 @@ from mtcore.data.splits import config_sources, train_and_valid
 from mtcore.data.tokenizer import Tokenizer, get_tokenizer
 from mtcore.models.bert.names import BERT_SPECIAL_TOKENS
 from mtcore.models.bert.pair_loader import PairLoader, mask_sequence
+from mtcore.models.bert.vocab import PairVocab
 
 __all__ = [
     "BERT_SPECIAL_TOKENS",
@@ -75,30 +75,6 @@ def check_pair_args(seq_len: int, pair_task: str) -> None:
             f"seq_len={seq_len} is too short for {layout}: pair_task={pair_task!r} needs "
             f"seq_len >= {min_seq_len(pair_task)}"
         )
-
-
-@dataclass(frozen=True)
-class PairVocab:
-    """What the pair data needs to know of a tokenizer, computed once per job."""
-
-    cls_id: int
-    sep_id: int
-    mask_id: int
-    pad_id: int
-    special_ids: np.ndarray  # sorted; never masked
-    replacement_ids: np.ndarray  # sorted non-special ids a masked token may become
-    ends_line: np.ndarray  # bool per id: the token's text holds a newline
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer: Tokenizer) -> PairVocab:
-        cls_id, sep_id, mask_id, pad_id = (tokenizer.token_id(t) for t in BERT_SPECIAL_TOKENS)
-        special = np.array(sorted(tokenizer.special_ids | {cls_id, sep_id, mask_id, pad_id}))
-        ids = np.array(sorted(set(tokenizer.hf.get_vocab(with_added_tokens=True).values())))
-        ends_line = np.zeros(tokenizer.vocab_size, dtype=bool)
-        texts = tokenizer.hf.decode_batch([[int(i)] for i in ids], skip_special_tokens=False)
-        ends_line[ids] = ["\n" in text for text in texts]
-        ends_line[special] = False
-        return cls(cls_id, sep_id, mask_id, pad_id, special, np.setdiff1d(ids, special), ends_line)
 
 
 class PairSample(NamedTuple):

@@ -15,16 +15,14 @@ targets; of those, 80% become ``[MASK]``, 10% a random non-special id and 10% st
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from mtcore.data.cache import DataError
 from mtcore.data.loader import TokenLoader
-
-if TYPE_CHECKING:  # pairs.py re-exports PairLoader, so it cannot be imported here at run time
-    from mtcore.models.bert.data import PairVocab
+from mtcore.models.bert.vocab import PairVocab
 
 IGNORE_INDEX = -100  # torch's cross_entropy default: positions that are not MLM targets
 _MASK_SALT = 0x3A5C_0DE5  # keeps mask draws apart from the sampler's (seed, epoch) stream
