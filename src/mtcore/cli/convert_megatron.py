@@ -68,7 +68,7 @@ def megatron_args(args: argparse.Namespace) -> str:
 
 
 def from_megatron(args: argparse.Namespace) -> Path:
-    from mtcore.cli.convert import check_finite, training_hint
+    from mtcore.cli.converted import check_finite, training_hint
     from mtcore.training.checkpoint import has_checkpoint, write_model_weights
     from mtcore.training.checkpoint.megatron import read_megatron
     from mtcore.training.writable import check_writable
@@ -101,7 +101,7 @@ def to_megatron(args: argparse.Namespace) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory; choose a new one")
     check_writable("OUT_DIR", out)
-    from mtcore.cli.convert import step_to_read
+    from mtcore.cli.converted import step_to_read
 
     source, said = step_to_read("convert to-megatron", args.checkpoint)
     config, weights, step = read_model_weights(source)

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtcore generate: error: {problem}", file=sys.stderr)
         return 2
     try:
-        from mtcore.cli.convert import step_to_read
+        from mtcore.cli.converted import step_to_read
 
         directory, said = step_to_read("generate", args.checkpoint)  # one directory, said
         model, _step, directory = load_model(directory, backend)
