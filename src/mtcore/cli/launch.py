@@ -3,7 +3,7 @@
 `mtcore train` runs torch's elastic agent (``torch.distributed.run``, the launcher
 behind ``torchrun``) in its own process, with the options ``torchrun`` takes; the
 agent forks the ranks from a server that loaded torch and mtcore once
-(``mtcore.rank_server``) instead of starting an interpreter for each. Alone, the
+(``mtcore.training.rank_server``) instead of starting an interpreter for each. Alone, the
 agent's rendezvous is local (``--standalone``); with ``--nnodes`` or
 ``--rdzv-endpoint`` it is the c10d rendezvous every node's agent joins, as
 ``torchrun`` does on a cluster, and the same environment variables set the same
@@ -296,7 +296,7 @@ class RendezvousWatch:
 
 class BadInputWatch:
     """Ends the agent's restarts when a rank stopped on bad input (exit 2): the ranks create
-    a file this launcher watches (``mtcore.train.BAD_INPUT_FILE_ENV``), and the launcher
+    a file this launcher watches (``mtcore.training.rank.BAD_INPUT_FILE_ENV``), and the launcher
     then signals itself, so the agent stops its ranks and returns (``SignalException``)
     instead of restarting ranks that would find the same problem."""
 
@@ -304,7 +304,7 @@ class BadInputWatch:
         import tempfile
         import threading
 
-        from mtcore.train import BAD_INPUT_FILE_ENV
+        from mtcore.training.rank import BAD_INPUT_FILE_ENV
 
         handle, path = tempfile.mkstemp(prefix="mtcore-bad-input-")
         os.close(handle)
@@ -337,7 +337,7 @@ class BadInputWatch:
 def launch(
     plan: Launch, config: str | None, overrides: list[str], unreachable_s: float = 600.0
 ) -> int:
-    """Start this node's ranks (``mtcore.train.forked_rank``, forked from the rank server)
+    """Start this node's ranks (``mtcore.training.rank.forked_rank``, forked from the rank server)
     through the elastic agent; when one dies, it restarts all of them up to
     ``max_restarts`` times (they resume). A multi-node launch ends when the rendezvous
     stays unreachable for ``unreachable_s`` (``RendezvousWatch``)."""
@@ -414,7 +414,7 @@ def launch(
 
 
 def start_rank_server() -> Callable[[], None]:
-    """Start the fork server the ranks come from (``mtcore.rank_server``), in the
+    """Start the fork server the ranks come from (``mtcore.training.rank_server``), in the
     background, and return what ends it. Call it from the main thread (the server ends
     when the thread that started it does), once the environment the ranks need is set:
     a rank gets the server's environment, which is this process's now, and on top of it
@@ -440,21 +440,21 @@ def start_rank_server() -> Callable[[], None]:
         multiprocessing.set_forkserver_preload(preload)
 
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    multiprocessing.set_forkserver_preload(["mtcore.rank_server"])
+    multiprocessing.set_forkserver_preload(["mtcore.training.rank_server"])
     forkserver.ensure_running()
     return stop
 
 
 def run_agent(args, rank_argv: list[str]) -> None:
     """What ``torchrun`` does with ``args`` (``torch.distributed.run.run``), except that
-    each rank is ``mtcore.train.forked_rank(*rank_argv)`` forked from the rank server
+    each rank is ``mtcore.training.rank.forked_rank(*rank_argv)`` forked from the rank server
     rather than a new ``python -m mtcore.train`` process."""
     import uuid
 
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
-    from mtcore.train import forked_rank
+    from mtcore.training.rank import forked_rank
 
     if args.standalone:  # as torchrun: a local c10d rendezvous on a free port
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 2
     if plan.in_process:  # restarts and other nodes need the elastic agent
-        from mtcore.train import run_rank
+        from mtcore.training.rank import run_rank
 
         return run_rank(lambda: config)  # the same exit statuses and messages as a rank's
     from mtcore.cli.launch import launch

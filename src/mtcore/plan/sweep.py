@@ -300,8 +300,8 @@ def live_peak(events: list[tuple[int, int]]) -> int:
 
 
 def rank_main(argv: list[str]) -> int:
-    """One rank of ``mtcore.train`` (same arguments), its tensor peak said at the end."""
-    from mtcore.train import main
+    """One rank of ``mtcore.training.rank`` (same arguments), its tensor peak said at the end."""
+    from mtcore.training.rank import main
 
     with tensor_peak() as peak:
         code = main(argv)

@@ -1,5 +1,5 @@
 """`mtcore train`'s ranks among the running processes, found in Linux's ``/proc`` by
-the name each rank gives itself (``mtcore.train.name_this_rank``): tests stop, kill
+the name each rank gives itself (``mtcore.training.rank.name_this_rank``): tests stop, kill
 or count them as an operator would find them with ``ps``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from mtcore.train import RANK_PROCESS_NAME
+from mtcore.training.rank import RANK_PROCESS_NAME
 
 _RANK_NAME = re.compile(re.escape(RANK_PROCESS_NAME).replace(r"\{rank\}", r"([0-9]+)") + "$")
 

@@ -14,7 +14,7 @@ and importing it changes the process:
 * the server ignores SIGTERM: a scheduler that stops a job signals every process of
   it (Slurm's ``scancel``, a time limit), and the ranks must outlive the signal long
   enough to commit their checkpoint (``mtcore.training.preemption``). Each rank puts
-  SIGTERM back to its default first (``mtcore.train.forked_rank``).
+  SIGTERM back to its default first (``mtcore.training.rank.forked_rank``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import importlib
 import os
 import signal
 
-from mtcore.train import end_with_parent
+from mtcore.training.rank import end_with_parent
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 # A launcher that died before this line closed the server's pipe, which ends the server too.
@@ -37,7 +37,7 @@ PRELOAD = (
     "torch.distributed",
     "torch.utils.tensorboard",
     "tokenizers",
-    "mtcore.train",
+    "mtcore.training.rank",
     "mtcore.training.trainer",
     "mtcore.models.common.decoder.model",
     "mtcore.data.tokenizer",
