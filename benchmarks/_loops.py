@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from mtcore.backend import KernelImpl, select_backend
 from mtcore.backend.spec import Backend
-from mtcore.distributed import ParallelLayout
 from mtcore.ops.torch_native import fused_adamw_step, fused_rms_norm, sdpa_attention
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.engine import Engine
 

@@ -43,9 +43,9 @@ import yaml
 from _timing import load_average
 
 from mtcore.backend.collective import Collective
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
 from mtcore.parallel.context import METHODS, shard_batch
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.engine import Engine

@@ -26,8 +26,8 @@ import time
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe
 from mtcore.training.config import OptimizerConfig

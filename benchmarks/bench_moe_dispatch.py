@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from mtcore.distributed.layout import LayoutSpec, ParallelLayout
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.moe import DISPATCHERS, MoESpec, ep_group, route
 from mtcore.testing.distributed import run_ranks
 

@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from mtcore.distributed.layout import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.parallel.data import DataParallel, DataParallelConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.optimizer import AdamW, OneBitAdam
 from mtcore.testing.distributed import run_ranks
 

@@ -34,7 +34,7 @@ import time
 import torch
 from torch import nn
 
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 from mtcore.testing.distributed import run_ranks
 
 
@@ -87,7 +87,7 @@ def _rank(ctx, cfg):
         ScheduleInterleavedZeroBubble,
     )
 
-    from mtcore.distributed import LayoutSpec, ParallelLayout
+    from mtcore.parallel.layout import LayoutSpec, ParallelLayout
     from mtcore.parallel.pipeline import PipelineGroups, PipelineRunner, build_schedule, stage_plans
     from mtcore.parallel.tensor import TPGroup
 

@@ -22,8 +22,8 @@ import torch
 from _timing import load_average
 
 from mtcore.data import lm_batches
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig
 from mtcore.training.engine import Engine

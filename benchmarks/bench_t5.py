@@ -346,7 +346,7 @@ def _pipeline_rank(ctx, config: T5Config, micro: int, ms: list[int], reps: int) 
     """Per m: each rep's (window, busy, [(action, seconds)]) of the runner's step. The
     m values take turns step by step (the order reversed every other step), so that
     background load falls on all of them alike; the first step of each is warm-up."""
-    from mtcore.distributed import LayoutSpec, ParallelLayout
+    from mtcore.parallel.layout import LayoutSpec, ParallelLayout
     from mtcore.training.engine import Engine
 
     torch.set_num_threads(1)

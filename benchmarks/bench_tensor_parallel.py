@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig, build_gpt
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 
 CONFIG = GPTConfig(

@@ -88,7 +88,7 @@ class MtcoreSide:
 
     def __init__(self, ctx, cfg: BenchConfig, overlap: str | None = None, shm: str = "1"):
         from mtcore.backend.collective import SHARED_MEMORY_ENV
-        from mtcore.distributed import LayoutSpec, ParallelLayout
+        from mtcore.parallel.layout import LayoutSpec, ParallelLayout
         from mtcore.training.config import OptimizerConfig
         from mtcore.training.engine import Engine
 

@@ -58,7 +58,7 @@ def _cross_entropy_times(ctx, reps: int) -> dict:
     """Both vocab-parallel cross entropies on the same logit shard, alternating."""
     from megatron.core import tensor_parallel
 
-    from mtcore.distributed import LayoutSpec, ParallelLayout
+    from mtcore.parallel.layout import LayoutSpec, ParallelLayout
     from mtcore.parallel.tensor import TPGroup, vocab_parallel_cross_entropy
 
     layout = ParallelLayout.build(

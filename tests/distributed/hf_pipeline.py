@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 
 
 def forward_logits(chunks, layout, collective, tokens: torch.Tensor):

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models import get_family
 from mtcore.models.bert import Bert, BertConfig
 from mtcore.models.common.layers import single_context
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.tensor import (
     allreduce_sequence_parallel_grads,
     full_tensors,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mtcore.distributed import ParallelLayout
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.overrides import validate
 from mtcore.training.trainer import _Loop, prepare, train

@@ -36,8 +36,8 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
 from mtcore.models.gpt import GPT, single_context
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.checkpoint import read_model_weights, write_model_weights
 from mtcore.training.checkpoint.safe_reader import dcp_load, tensor_shapes

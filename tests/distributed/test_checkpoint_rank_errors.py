@@ -23,8 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.checkpoint import Checkpointer
 from mtcore.training.checkpoint import manifest as mf

@@ -28,7 +28,6 @@ import types
 import pytest
 import torch
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.bert import BertConfig
 from mtcore.models.gpt import GPTConfig
 from mtcore.ops import attention
@@ -40,6 +39,7 @@ from mtcore.parallel.context import (
     ring_attention,
     shard_batch,
 )
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.testing.compare import rel_error
 from mtcore.testing.equivalence import Case, Runs, Setup, assert_matches, spawn, token_batches
 from mtcore.training.config import OptimizerConfig

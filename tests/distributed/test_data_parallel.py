@@ -13,9 +13,9 @@ import contextlib
 import pytest
 import torch
 
-from mtcore.distributed.layout import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.parallel.data import DataParallel, DataParallelConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW
 from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks

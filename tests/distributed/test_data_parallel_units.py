@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from mtcore.backend import select_backend
-from mtcore.distributed.layout import ParallelLayout
 from mtcore.parallel.data import DataParallel, DataParallelConfig, GradBuffer
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW
 from mtcore.precision import DynamicLossScaler
 

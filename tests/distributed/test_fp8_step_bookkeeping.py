@@ -19,8 +19,8 @@ import torch
 from counting import CountingCollective
 
 from mtcore.data import lm_batches
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe, FP8StepBookkeeping
 from mtcore.testing.distributed import run_ranks

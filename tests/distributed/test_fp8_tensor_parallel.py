@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from mtcore.data import lm_batches
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe
 from mtcore.testing.compare import rel_error

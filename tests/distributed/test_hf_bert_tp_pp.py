@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.bert.family import FAMILY
 from mtcore.models.bert.weights import load_full_weights
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 
 VOCAB, SEQ, LAYERS = 96, 16, 4

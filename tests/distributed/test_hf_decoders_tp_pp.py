@@ -20,10 +20,10 @@ import pytest
 import torch
 from hf_pipeline import forward_logits
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.common.decoder.weights import load_full_weights
 from mtcore.models.gpt import build_gpt
 from mtcore.models.gpt.hf import import_hf
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 
 VOCAB, SEQ, PROMPT = 256, 16, 4

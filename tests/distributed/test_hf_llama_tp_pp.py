@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.common.decoder.weights import load_full_weights
 from mtcore.models.gpt import build_gpt
 from mtcore.models.gpt.hf import import_llama
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")

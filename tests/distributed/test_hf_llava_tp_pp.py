@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.vlm import build
 from mtcore.models.vlm.hf import import_llava
 from mtcore.models.vlm.weights import load_full_weights
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 
 # The tiny LLaVA of the unit tests (tests/unit/models/tiny_llava.py).

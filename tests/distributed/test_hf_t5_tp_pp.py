@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from mtcore.backend.collective import P2P
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.t5.family import FAMILY
 from mtcore.models.t5.weights import load_full_weights
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 
 VOCAB, SEQ, DEC = 96, 16, 8

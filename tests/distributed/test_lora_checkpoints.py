@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
 from mtcore.models import LoRAConfig, is_adapter
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.checkpoint import Checkpointer, CheckpointError, read_model_weights
 from mtcore.training.checkpoint.lora_weights import read_lora_weights

@@ -26,8 +26,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (the
 from hf_pipeline import forward_logits as mtcore_logits
 from megatron_side import build, forward_logits, load_legacy, megatron_on_cpu, save_both
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import build_gpt, load_full_weights
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 
 VOCAB, SEQ = 256, 16

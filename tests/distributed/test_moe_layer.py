@@ -30,7 +30,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.parallel.moe import (
     MoELayer,
     MoESpec,

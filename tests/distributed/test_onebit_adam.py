@@ -18,9 +18,9 @@ import torch
 from counting import CountingCollective
 from torch import nn
 
-from mtcore.distributed.layout import LayoutSpec, ParallelLayout
 from mtcore.ops.optim import adamw_step
 from mtcore.parallel.data import DataParallel, DataParallelConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.optimizer import OneBitAdam
 from mtcore.testing.distributed import run_ranks
 

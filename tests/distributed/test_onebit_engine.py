@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mtcore.data import lm_batches
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.testing.distributed import run_ranks
 from mtcore.training.config import OptimizerConfig, TrainConfig
 from mtcore.training.engine import Engine

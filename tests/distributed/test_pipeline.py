@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig, build_gpt
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.pipeline import (
     PipelineGroups,
     PipelineRunner,

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.pipeline import PipelineGroups, PipelineRunner, TensorSpec, build_schedule
 from mtcore.testing.compare import rel_error
 from mtcore.testing.distributed import run_ranks

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig, build_gpt
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.tensor import TPGroup, column_parallel_matmul
 from mtcore.parallel.tensor.linear import OVERLAP_ENV, overlaps_backward_collectives
 from mtcore.testing.distributed import run_ranks

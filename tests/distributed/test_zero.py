@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from mtcore.distributed.layout import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.parallel.clip import clip_grad_norm_
 from mtcore.parallel.data import DataParallel, DataParallelConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.optimizer import DistributedAdamW
 from mtcore.parallel.tensor import full_tensors
 from mtcore.precision import DynamicLossScaler

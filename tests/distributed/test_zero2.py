@@ -32,10 +32,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.bert import BertConfig
 from mtcore.models.gpt import GPTConfig
 from mtcore.parallel.data import DataParallelConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.precision import MixedPrecision
 from mtcore.testing.compare import rel_error
 from mtcore.testing.equivalence import (

@@ -27,8 +27,8 @@ import math
 import pytest
 import torch
 
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.parallel.data import DataParallelConfig, GradBuffer
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.precision import MixedPrecision
 from mtcore.precision.fp8 import FP8Recipe
 from mtcore.testing.compare import rel_error

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from mtcore.distributed.layout import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig, build_gpt
 from mtcore.parallel.data import DataParallel, DataParallelConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW
 from mtcore.precision import DynamicLossScaler, found_non_finite
 from mtcore.testing.compare import rel_error

@@ -19,7 +19,7 @@ from against_megatron import configs
 from against_megatron.cpu_shims import _CpuTorch, _split_sizes_on_host
 from against_megatron.mtcore_side import family_config
 
-from mtcore.distributed import LayoutSpec
+from mtcore.parallel.layout import LayoutSpec
 
 NEW = ("pp2", "pp2-tp2", "moe-ep2", "bert-tp2", "t5-tp2", "dp2-distopt")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from mtcore.distributed import Axis, LayoutError, LayoutSpec, ParallelLayout
-from mtcore.distributed.layout import _all_groups
+from mtcore.parallel.layout import Axis, LayoutError, LayoutSpec, ParallelLayout, _all_groups
 
 
 def groups(spec: LayoutSpec, world: int) -> dict[str, list[list[int]]]:

@@ -205,7 +205,7 @@ def check_layouts(config, plan) -> None:
     """ConfigError unless the config's layout divides every world size ``plan`` allows,
     checked on the config alone (no torch): a wrong ``--nproc`` is said in a second, not
     after the data is prepared. ``check_node_counts`` checks again with the data's model."""
-    from mtcore.distributed import LayoutError
+    from mtcore.parallel.layout import LayoutError
     from mtcore.parallel.pipeline import SplitError
     from mtcore.training.config import ConfigError
 
@@ -226,7 +226,7 @@ def check_layouts(config, plan) -> None:
 def check_node_counts(config, model, plan) -> None:
     """ConfigError unless the job can run at every world size ``plan`` allows (an elastic
     job that loses a node continues with fewer ranks: dp shrinks, tp/pp/cp stay)."""
-    from mtcore.distributed import LayoutError
+    from mtcore.parallel.layout import LayoutError
     from mtcore.parallel.pipeline import SplitError
     from mtcore.training.config import ConfigError
 

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import Field
 
-from mtcore.distributed.settings import Settings
 from mtcore.models.adapters import HFAdapter, MegatronAdapter, adapter_problem
 from mtcore.models.shape import ModelShape, NotModelled
+from mtcore.parallel.settings import Settings
 
 # The seam describes models without building one: `mtcore plan` and the CLI's parser read
 # families, configs and shapes in a process that never imports torch. Tensors and modules

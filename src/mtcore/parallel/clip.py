@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 

@@ -1,7 +1,7 @@
 """Collectives priced on the network hierarchy: within a node, across nodes, across pods.
 
 A group of ``ranks`` ranks placed ``stride`` apart (the layout's order, tp fastest:
-``mtcore.distributed.layout``) is priced by the slowest level any such group crosses:
+``mtcore.parallel.layout``) is priced by the slowest level any such group crosses:
 
 * it lies in one node when its span (``ranks * stride``) divides ``gpus_per_node``
   (every group then starts on a node's boundary); otherwise some group spans nodes

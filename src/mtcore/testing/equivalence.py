@@ -185,7 +185,7 @@ def _batches_of(batches: Batches, model: str) -> Sequence[Batch]:
 
 
 def _rank_main(ctx: RankContext, setup: Setup, cases: Mapping[str, Case], batches: Batches):
-    from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
+    from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 
     results = {}
     for name, case in cases.items():
@@ -205,7 +205,7 @@ def _rank_main(ctx: RankContext, setup: Setup, cases: Mapping[str, Case], batche
 def reference(setup: Setup, model: str, batches: Sequence[Batch]) -> dict:
     """The one-process run of ``model`` on the whole batches (one CPU thread)."""
     from mtcore.backend import select_backend
-    from mtcore.distributed import ParallelLayout
+    from mtcore.parallel.layout import ParallelLayout
 
     size = setup.reference_micro_batch_size or setup.batch_size
     threads = torch.get_num_threads()

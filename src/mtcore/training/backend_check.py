@@ -21,7 +21,7 @@ import time
 import torch
 
 from mtcore.backend import BackendError
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 
 
 def kernel_use(config):

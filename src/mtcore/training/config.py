@@ -23,11 +23,11 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from mtcore.data import DataConfig
-from mtcore.distributed.layout import LayoutSpec
-from mtcore.distributed.settings import reject_bool_numbers
 from mtcore.models import FamilyConfig, FamilyError, LoRAConfig, check_targets, parse_model_config
 from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
+from mtcore.parallel.layout import LayoutSpec
 from mtcore.parallel.pipeline import validate_pipeline
+from mtcore.parallel.settings import reject_bool_numbers
 from mtcore.training.schedules import Schedule, lr_at
 
 # A config is read and checked without torch (`mtcore plan`); the precision objects it

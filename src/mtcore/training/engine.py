@@ -51,10 +51,10 @@ from torch import Tensor, nn
 
 from mtcore.backend.collective import P2P
 from mtcore.backend.tracing import phase
-from mtcore.distributed import Axis
 from mtcore.models import Batch, FamilyConfig, LoRAConfig, add_lora, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
 from mtcore.parallel.data import DataParallel, DataParallelConfig
+from mtcore.parallel.layout import Axis
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW, OneBitAdam
 from mtcore.parallel.pipeline import (
     PipelineGroups,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 from mtcore.parallel.moe import MoELayer, named_expert_parameters
 
 

@@ -27,9 +27,9 @@ import yaml
 from mtcore.backend.tracing import phase
 from mtcore.data import DataError
 from mtcore.data.loader import ALONE, SampleGroup
-from mtcore.distributed import Axis, LayoutError, LayoutSpec, ParallelLayout
 from mtcore.models import FamilyConfig, FamilyData, family_of
 from mtcore.parallel.context import check_backend_serves, shard_batch
+from mtcore.parallel.layout import Axis, LayoutError, LayoutSpec, ParallelLayout
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
 from mtcore.training import stragglers

@@ -7,10 +7,10 @@ import torch
 from pydantic import ValidationError
 
 from mtcore.backend import select_backend
-from mtcore.distributed import LayoutError, LayoutSpec
 from mtcore.models import FamilyError, family_of, parse_model_config
 from mtcore.models.bert import Bert, BertConfig, full_weight_shapes, load_full_weights
 from mtcore.models.common.layers import single_context
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, seq_len=16, dropout=0.0)
 
@@ -196,7 +196,7 @@ def test_recompute_gives_the_same_gradients():
 
 
 def test_messages_are_the_hidden_states():
-    from mtcore.distributed import ParallelLayout
+    from mtcore.parallel.layout import ParallelLayout
 
     config = _config()
     specs = family_of(config).messages(config, ParallelLayout.single(), 2, torch.bfloat16)

@@ -10,7 +10,6 @@ from typing import Literal
 import pytest
 from torch import nn
 
-from mtcore.distributed import LayoutError, LayoutSpec, ParallelLayout
 from mtcore.models import (
     BuiltModel,
     Capabilities,
@@ -26,6 +25,7 @@ from mtcore.models import (
 from mtcore.models.gpt import GPTConfig
 from mtcore.models.gpt.family import GPTFamily
 from mtcore.parallel.context import METHODS
+from mtcore.parallel.layout import LayoutError, LayoutSpec, ParallelLayout
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, seq_len=16)
 

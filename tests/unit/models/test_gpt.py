@@ -10,8 +10,8 @@ import torch
 from pydantic import ValidationError
 
 from mtcore.backend import select_backend
-from mtcore.distributed import LayoutError, LayoutSpec
 from mtcore.models.gpt import GPT, GPTConfig, single_context
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16)
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_trainer.py"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.distributed.layout import LayoutError, LayoutSpec
 from mtcore.models.gpt import FAMILY, GPT, GPTConfig, single_context
 from mtcore.models.gpt.hf import HFInteropError, export_hf
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -10,7 +10,6 @@ import warnings
 import pytest
 import torch
 
-from mtcore.distributed import LayoutError, LayoutSpec
 from mtcore.models.registry import BUILTIN, FamilyError, parse_model_config
 from mtcore.models.t5 import T5, T5Config
 from mtcore.models.t5.blocks import relative_position_bucket
@@ -20,6 +19,7 @@ from mtcore.models.t5.weights import (
     load_full_weights,
     to_hf_tensors,
 )
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 
 
 def paper_bucket(

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from mtcore.backend import select_backend
-from mtcore.distributed import LayoutError, LayoutSpec
 from mtcore.models import FamilyError, family_names, get_family, parse_model_config
 from mtcore.models.common.layers import single_context
 from mtcore.models.vlm import Llava, LlavaConfig, place_images
 from mtcore.models.vlm.vision import quick_gelu
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
 from mtcore.models import parse_model_config
 from mtcore.models.vlm.model import build
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from mtcore.precision.fp8 import FP8Recipe
 from mtcore.testing.compare import rel_error

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from mtcore.distributed.layout import ParallelLayout
 from mtcore.parallel.clip import (
     clip_by_total_norm_,
     clip_grad_norm_,
@@ -15,6 +14,7 @@ from mtcore.parallel.clip import (
     global_norm,
     is_tensor_parallel,
 )
+from mtcore.parallel.layout import ParallelLayout
 
 
 def _params(seed: int = 0, scale: float = 1.0):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from mtcore.backend.collective import Collective, CollectiveCapabilities, Support
-from mtcore.distributed import LayoutError, LayoutSpec
 from mtcore.parallel.context import (
     check_backend_serves,
     cp_order,
@@ -19,6 +18,7 @@ from mtcore.parallel.context import (
     local_positions,
     shard_batch,
 )
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 from mtcore.training.overrides import load_config
 
 GPT = ["--model.hidden_size", "32", "--model.num_heads", "4", "--model.num_kv_heads", "2"]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.parallel.moe import MoELayer, MoESpec, load_balancing_loss, route, z_loss
 from mtcore.parallel.tensor import TPGroup
 

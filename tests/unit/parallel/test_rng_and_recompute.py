@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
 from mtcore.models.gpt import GPTConfig, build_gpt
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.parallel.recompute import checkpoint
 from mtcore.parallel.tensor import TP_STREAM, RNGTracker, model_parallel_seed
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
 from mtcore.models.gpt import GPT, Context, GPTConfig, build_gpt
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.parallel.pipeline import PipelineGroups, PipelineRunner, build_schedule, zb_h1
 from mtcore.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPGroup
 from mtcore.parallel.tensor.weight_grad import WeightGradStore, deferring_weight_grads

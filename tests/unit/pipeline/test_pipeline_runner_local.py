@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtcore.backend import select_backend
-from mtcore.distributed import ParallelLayout
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.parallel.pipeline import (
     PipelineGroups,
     PipelineRunner,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from mtcore.distributed import Axis, LayoutSpec, ParallelLayout
+from mtcore.parallel.layout import Axis, LayoutSpec, ParallelLayout
 from mtcore.parallel.pipeline import (
     PipelineGroups,
     SplitError,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from mtcore.backend import select_backend
-from mtcore.distributed.layout import LayoutSpec
 from mtcore.models.common.decoder.model import Block
 from mtcore.models.common.decoder.rope import gpt_rope_tables
 from mtcore.models.gpt import GPT, GPTConfig, single_context
+from mtcore.parallel.layout import LayoutSpec
 from mtcore.plan import load_hardware
 from mtcore.plan.memory import kv_cache_bytes_per_token, layer_activation_bytes
 from mtcore.plan.shapes import model_shape, stage_params

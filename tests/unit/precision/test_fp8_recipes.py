@@ -238,8 +238,8 @@ def test_doctor_says_which_recipe_gemms_fall_back(monkeypatch):
 
 
 def test_gpt_runs_fp8_in_the_middle_blocks_only():
-    from mtcore.distributed import ParallelLayout
     from mtcore.models.gpt import GPT, GPTConfig, make_context
+    from mtcore.parallel.layout import ParallelLayout
 
     config = GPTConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, seq_len=16)
     recipe = FP8Recipe(first_last_high_precision=1)
@@ -274,8 +274,8 @@ def test_checkpoints_load_across_the_fp8_boundary():
 
 
 def test_engine_keeps_bf16_params_fp32_masters_and_fp32_fp8_state():
-    from mtcore.distributed import ParallelLayout
     from mtcore.models.gpt import GPTConfig
+    from mtcore.parallel.layout import ParallelLayout
     from mtcore.training.engine import Engine
 
     config = GPTConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, seq_len=16)

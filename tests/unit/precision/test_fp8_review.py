@@ -26,8 +26,8 @@ def test_delayed_scale_stays_finite_for_a_tiny_amax():
 
 
 def _train(recompute: str, moe: dict | None, steps: int = 2) -> list[tuple[float, float]]:
-    from mtcore.distributed import ParallelLayout
     from mtcore.models.gpt import GPTConfig
+    from mtcore.parallel.layout import ParallelLayout
     from mtcore.precision import MixedPrecision
     from mtcore.training.config import OptimizerConfig
     from mtcore.training.engine import Engine

@@ -10,8 +10,8 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.data import lm_batches
-from mtcore.distributed import ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.precision import DynamicLossScaler, LossScaler
 from mtcore.training import trainer as trainer_module
 from mtcore.training.config import OptimizerConfig

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from mtcore.backend import select_backend
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.training.checkpoint import (
     Checkpointer,
     CheckpointWriteError,

@@ -164,7 +164,7 @@ def test_a_read_only_mount_is_refused_although_root_passes_os_access(tmp_path):
 _EARLIER_INCARNATION = """
 import sys
 from mtcore.backend import select_backend
-from mtcore.distributed import LayoutSpec, ParallelLayout
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
 from mtcore.training.checkpoint import CheckpointError, Checkpointer
 from mtcore.training.checkpoint import owner

@@ -6,8 +6,8 @@ reaches the trainer unexpanded. Saving must expand ``~`` as resuming does
 from __future__ import annotations
 
 from mtcore.backend import select_backend
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.training.checkpoint import Checkpointer, has_checkpoint, resolve_checkpoint
 from mtcore.training.engine import Engine
 

@@ -12,8 +12,8 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.data import lm_batches
-from mtcore.distributed import LayoutSpec, ParallelLayout
 from mtcore.models.gpt import GPTConfig
+from mtcore.parallel.layout import LayoutSpec, ParallelLayout
 from mtcore.precision import MixedPrecision
 from mtcore.training.checkpoint import Checkpointer, read_model_weights
 from mtcore.training.engine import Engine

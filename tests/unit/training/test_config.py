@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from mtcore.cli.main import build_parser
-from mtcore.distributed import LayoutError
+from mtcore.parallel.layout import LayoutError
 from mtcore.parallel.pipeline import SplitError
 from mtcore.training.config import ConfigError, OptimizerConfig, TrainConfig
 from mtcore.training.overrides import load_config, parse_overrides, read_file, validate
@@ -143,8 +143,8 @@ def test_a_boolean_is_not_a_size_or_count(key):
 
 
 def test_model_sizes_and_the_layout_reject_booleans_outside_the_config_too():
-    from mtcore.distributed import LayoutSpec
     from mtcore.models.gpt import GPTConfig
+    from mtcore.parallel.layout import LayoutSpec
     from mtcore.parallel.moe import MoESpec
 
     with pytest.raises(ConfigError, match=r"model\.num_layers: must be an integer"):
@@ -267,8 +267,8 @@ def test_every_settings_model_of_a_config_is_strict():
 
     from pydantic import BaseModel
 
-    from mtcore.distributed.settings import Settings
     from mtcore.models import family_names, get_family
+    from mtcore.parallel.settings import Settings
     from mtcore.training.config import DataSection, Section
 
     seen, todo = set(), [TrainConfig, *(get_family(name).config for name in family_names())]

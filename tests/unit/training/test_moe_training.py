@@ -24,8 +24,8 @@ import torch
 
 from mtcore.backend import select_backend
 from mtcore.data import lm_batches
-from mtcore.distributed import ParallelLayout
 from mtcore.models.gpt import GPT, GPTConfig
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.precision import MixedPrecision
 from mtcore.testing.compare import rel_error
 from mtcore.training.config import ConfigError, OptimizerConfig

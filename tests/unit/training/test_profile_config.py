@@ -101,8 +101,8 @@ def test_a_bucket_reduction_overlaps_the_backward_only_with_overlap_on(overlap):
     import torch
     from torch import nn
 
-    from mtcore.distributed.layout import ParallelLayout
     from mtcore.parallel.data import DataParallel, DataParallelConfig
+    from mtcore.parallel.layout import ParallelLayout
 
     backend = select_backend("cpu")
     torch.manual_seed(0)

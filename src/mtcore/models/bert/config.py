@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from mtcore.distributed.layout import LayoutError, LayoutSpec
 from mtcore.models.common.layout_checks import check_block_split
 from mtcore.models.family import FamilyConfig
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 
 # Fields that decide which parameters exist and their shapes (the load-time check).
 _STRUCTURE = (

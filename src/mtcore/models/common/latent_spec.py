@@ -7,7 +7,7 @@ import math
 
 from pydantic import Field
 
-from mtcore.distributed.settings import Settings
+from mtcore.parallel.settings import Settings
 
 
 class MLASpec(Settings):

@@ -66,7 +66,7 @@ class Context:
     device: torch.device
     seed: int
     fp8: FP8Recipe | None = None  # the block linears run FP8 under this recipe
-    layout: object = None  # mtcore.distributed.ParallelLayout (MoE layers need its ep group)
+    layout: object = None  # mtcore.parallel.layout.ParallelLayout (MoE layers need its ep group)
     cp: CPGroup | None = None  # context parallelism (None: cp = 1)
 
     def for_block(self, index: int) -> Context:
@@ -353,6 +353,6 @@ def single_context(config, backend=None, seed: int = 0) -> Context:
         from mtcore.backend import select_backend
 
         backend = select_backend()
-    from mtcore.distributed import ParallelLayout
+    from mtcore.parallel.layout import ParallelLayout
 
     return make_context(config, ParallelLayout.single(), backend, seed)

@@ -8,7 +8,7 @@ pipeline ranks the layer counts the layout gives them, ``split.uneven_counts``).
 
 from __future__ import annotations
 
-from mtcore.distributed.layout import LayoutError, LayoutSpec
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 from mtcore.parallel.pipeline import SplitError, layer_counts
 
 

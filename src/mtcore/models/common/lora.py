@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from mtcore.distributed.settings import Settings
+from mtcore.parallel.settings import Settings
 
 ATTENTION_TARGETS = ("q", "k", "v", "o")
 LATENT_TARGETS = ("q", "q_up", "kv_up", "o")

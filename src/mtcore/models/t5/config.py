@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from mtcore.distributed.layout import LayoutError, LayoutSpec
 from mtcore.models.family import FamilyConfig
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 from mtcore.parallel.pipeline.split import SplitError, encoder_decoder_counts
 
 _STRUCTURE = (

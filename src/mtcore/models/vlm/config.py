@@ -28,10 +28,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from mtcore.distributed.layout import LayoutError, LayoutSpec
-from mtcore.distributed.settings import Settings
 from mtcore.models.common.decoder.config import DecoderConfig
 from mtcore.models.vlm.image_samples import ImageDataConfig
+from mtcore.parallel.layout import LayoutError, LayoutSpec
+from mtcore.parallel.settings import Settings
 
 PARTS = ("vision", "projector", "language")
 _VISION_STRUCTURE = (

@@ -12,8 +12,8 @@ from pydantic import Field, field_validator
 
 from mtcore.data.cache import DataError
 from mtcore.data.tokenizer import Tokenizer
-from mtcore.distributed.settings import Settings
 from mtcore.models.vlm.images import CLIP_MEAN, CLIP_STD, to_pixels
+from mtcore.parallel.settings import Settings
 
 IMAGE_TOKEN = "<image>"
 IGNORE_INDEX = -100

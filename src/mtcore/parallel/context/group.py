@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from mtcore.backend.collective import Support
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 
 METHODS = ("ring", "allgather", "a2a")
 # What each method moves K/V (and their gradients) with.

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 
 
 @dataclass

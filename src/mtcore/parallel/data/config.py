@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from mtcore.distributed.settings import Settings
+from mtcore.parallel.settings import Settings
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-Core's default
 

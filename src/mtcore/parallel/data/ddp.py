@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 
 from mtcore.backend import tracing
-from mtcore.distributed import Axis
 from mtcore.parallel.clip import is_expert_parallel
 from mtcore.parallel.data.buffer import Bucket, GradBuffer
 from mtcore.parallel.data.config import DataParallelConfig
 from mtcore.parallel.data.zero3 import ShardedParams
+from mtcore.parallel.layout import Axis
 
 
 @dataclass(frozen=True)

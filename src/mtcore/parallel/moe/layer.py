@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 from mtcore.parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from mtcore.parallel.moe.dispatch_dedup import DedupAllToAllDispatcher
 from mtcore.parallel.moe.experts import GroupedExperts

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtcore.distributed import Axis
 from mtcore.parallel.clip import clip_by_total_norm_, global_norm
+from mtcore.parallel.layout import Axis
 from mtcore.parallel.optimizer.segments import (
     Segment,
     allocate_state,

@@ -38,8 +38,8 @@ import math
 import torch
 from torch import Tensor
 
-from mtcore.distributed import Axis
 from mtcore.parallel.clip import global_norm
+from mtcore.parallel.layout import Axis
 from mtcore.parallel.optimizer.adamw import AdamW
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)

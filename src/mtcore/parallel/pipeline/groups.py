@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 
 
 @dataclass

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 
 SEQ_DIM = 1
 

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mtcore.distributed import Axis
+from mtcore.parallel.layout import Axis
 from mtcore.parallel.moe import named_expert_parameters
 from mtcore.parallel.tensor import named_tp_parameters
 from mtcore.training.checkpoint.logical import (

@@ -64,7 +64,7 @@ def read_lora_weights(
 def initial_weights(config: FamilyConfig, seed: int) -> dict[str, Tensor]:
     """The one-process model's weights as ``training.seed`` initialises them."""
     from mtcore.backend import select_backend
-    from mtcore.distributed import ParallelLayout
+    from mtcore.parallel.layout import ParallelLayout
 
     host = torch.get_rng_state()
     try:

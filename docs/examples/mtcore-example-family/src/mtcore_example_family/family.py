@@ -13,8 +13,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from mtcore.distributed import LayoutError
 from mtcore.models import Capabilities, FamilyConfig, FamilyData, ModelFamily, TensorSpec
+from mtcore.parallel.layout import LayoutError
 
 IGNORE_INDEX = -100  # label of a position without a next token (none in packed data)
 

@@ -45,13 +45,13 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from mtcore.distributed.layout import LayoutError, LayoutSpec
-from mtcore.distributed.settings import Settings
 from mtcore.models.common.decoder.mtp_spec import MTPSpec
 from mtcore.models.common.latent_spec import MLASpec
 from mtcore.models.common.layout_checks import check_block_split
 from mtcore.models.family import FamilyConfig
+from mtcore.parallel.layout import LayoutError, LayoutSpec
 from mtcore.parallel.moe import MoESpec
+from mtcore.parallel.settings import Settings
 
 STYLES: dict[str, dict[str, Any]] = {
     "llama": dict(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from mtcore.distributed.settings import Settings
+from mtcore.parallel.settings import Settings
 
 
 class MTPSpec(Settings):

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor
 
-from mtcore.distributed import Axis
 from mtcore.models.common.decoder.config import DecoderConfig
 from mtcore.models.common.full_weights import check_weight_shapes, load_chunk_weights
+from mtcore.parallel.layout import Axis
 from mtcore.parallel.moe import named_expert_parameters
 
 

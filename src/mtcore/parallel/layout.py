@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from mtcore.distributed.settings import Settings
+from mtcore.parallel.settings import Settings
 
 
 class Axis(str, enum.Enum):
