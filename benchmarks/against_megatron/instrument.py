@@ -118,7 +118,8 @@ def instrument() -> None:
 
     for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         setattr(SharedMemoryChannel, name, _timed_collective(getattr(SharedMemoryChannel, name)))
-    SharedMemoryChannel.all_reduce_start = _timed_start(SharedMemoryChannel.all_reduce_start)
+    if hasattr(SharedMemoryChannel, "all_reduce_start"):  # split-phase (this branch on)
+        SharedMemoryChannel.all_reduce_start = _timed_start(SharedMemoryChannel.all_reduce_start)
 
 
 def timed_phases(step, batch) -> dict[str, float]:
