@@ -13,6 +13,7 @@ from .instrument import instrument, timed_phases
 from .mtcore_side import MtcoreSide, ffn_size
 from .op_profile import gemm_floor, op_table, op_times, profile_side
 
+
 def weight_flops_per_rank(cfg) -> float:
     """FLOPs of one step's weight products on one tp rank of a dense GPT (forward + 2
     backward): ``6 x tokens x weights / tp``, the embedding's lookup excluded."""
