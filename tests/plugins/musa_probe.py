@@ -187,6 +187,7 @@ def probe() -> dict:
 
     import musa_standin as st
     from musa_probe_attention import probe_attention, probe_hybrid
+    from musa_probe_loss import probe_cross_entropy
 
     from mtcore.backend import KernelQuery, plugin_registry, select_backend
     from mtcore_musa import kernels
@@ -242,6 +243,7 @@ def probe() -> dict:
     probe_fp8(out, standin)
     probe_hybrid(out, standin)
     probe_attention(out, standin)
+    probe_cross_entropy(out, standin)
 
     # -- AdamW: torch_musa's op, once registered --------------------------------------
     seen: list[float] = []

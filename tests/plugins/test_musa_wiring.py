@@ -321,3 +321,26 @@ def test_doctor_shows_the_variables_mt_megatronlm_s_scripts_export(monkeypatch):
     assert facts["env MUSA_KERNEL_TIMEOUT"].startswith("unset here; MT-MegatronLM's scripts: 3200000")
     assert "MUSA_DEVICE_MAX_CONNECTIONS" in facts["env CUDA_DEVICE_MAX_CONNECTIONS"]
     assert "triton backend for musa" in facts
+
+
+def test_cross_entropy_takes_mudnns_fused_loss_from_arch_3_0(facts):
+    """torch_musa's F.cross_entropy runs muDNN's fused loss when its op exists and the
+    device's major arch is >= 3 (Loss.cpp:557); otherwise the reference serves. The
+    adapter passes float32 logits, reduction='none' and ignore_index, and at tp 1 the
+    vocab-parallel loss equals the reference's, losses and gradients (on the stand-in,
+    whose F.cross_entropy is torch's: the call is checked, not muDNN)."""
+    ce = facts["cross_entropy"]
+    assert ce["without_op_31"] == ["reference"]
+    assert ce["with_op_31"] == {
+        "torch.float32": ["F.cross_entropy"],
+        "torch.bfloat16": ["F.cross_entropy"],
+    }
+    assert ce["with_op_30"] == ["F.cross_entropy"]
+    assert ce["with_op_22"] == ["reference"]
+    assert ce["calls"] == [
+        {"dtype": "torch.float32", "dim": 2, "ignore_index": -100, "reduction": "none"}
+    ] * 2
+    for dtype, diff in ce["vs_reference"].items():
+        assert diff["loss"] <= 1e-6 and diff["grad"] <= 1e-6, (dtype, diff)
+        assert diff["loss_dtype"] == "torch.float32"
+        assert diff["ignored"] == [0.0, 0.0] and diff["ignored_grad_zero"]
