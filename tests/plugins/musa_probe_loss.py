@@ -20,8 +20,7 @@ def _table(backend, dtype) -> list[str]:
 def probe_cross_entropy(out: dict, standin) -> None:
     import musa_standin as st
 
-    from mtcore.backend import plugin_registry, select_backend
-    from mtcore.backend import KernelQuery
+    from mtcore.backend import KernelQuery, plugin_registry, select_backend
     from mtcore.ops import cross_entropy
 
     facts: dict = {}
