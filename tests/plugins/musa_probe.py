@@ -10,6 +10,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import json
+import os
 import sys
 
 import torch
@@ -220,6 +221,16 @@ def probe() -> dict:
         "fp8_all_gather": backend.collective.support("all_gather", torch.float8_e4m3fn).value,
         "bf16_all_reduce": backend.collective.support("all_reduce", torch.bfloat16).value,
         "avg": backend.collective.capabilities.avg_supported,
+    }
+    from mtcore_musa.environment import launch_environment
+
+    out["environment"] = {
+        "set": os.environ.get("MCCL_CHECK_POINTERS"),
+        "doctor": launch_environment()["env MCCL_CHECK_POINTERS"],
+        "doctor_unset": launch_environment({})["env MCCL_CHECK_POINTERS"],
+        "doctor_user": launch_environment({"MCCL_CHECK_POINTERS": "1"})["env MCCL_CHECK_POINTERS"],
+        "others": {n: os.environ.get(n) for n in ("MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS",
+                                                  "CUDA_DEVICE_MAX_CONNECTIONS")},  # fmt: skip
     }
     chain = backend.kernels["attention"].select(KernelQuery("musa", torch.bfloat16))
     served = {}

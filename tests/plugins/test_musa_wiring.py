@@ -43,7 +43,8 @@ def facts():
         pytest.fail(
             "mtcore-musa is not installed: pip install -e plugins/mtcore_musa --no-deps --no-build-isolation"
         )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_")}
+    launch = ("MCCL_CHECK_POINTERS", "MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS", "CUDA_DEVICE_MAX_CONNECTIONS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_") and k not in launch}
     run = subprocess.run(
         [sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=180
     )
@@ -319,7 +320,8 @@ def test_doctor_shows_the_variables_mt_megatronlm_s_scripts_export(monkeypatch):
                                           "MCCL_CHECK_POINTERS", "CUDA_DEVICE_MAX_CONNECTIONS"}  # fmt: skip
     assert facts["env MCCL_PROTOS"].startswith("'0' here; MT-MegatronLM's scripts: 2 (")
     assert facts["env MUSA_KERNEL_TIMEOUT"].startswith("unset here; MT-MegatronLM's scripts: 3200000")
-    assert "MUSA_DEVICE_MAX_CONNECTIONS" in facts["env CUDA_DEVICE_MAX_CONNECTIONS"]
+    assert "trade-off; not set by mtcore" in facts["env CUDA_DEVICE_MAX_CONNECTIONS"]
+    assert facts["env MCCL_CHECK_POINTERS"].startswith("unset (mtcore-musa sets '0' when")
     assert "triton backend for musa" in facts
 
 
@@ -344,3 +346,17 @@ def test_cross_entropy_takes_mudnns_fused_loss_from_arch_3_0(facts):
         assert diff["loss"] <= 1e-6 and diff["grad"] <= 1e-6, (dtype, diff)
         assert diff["loss_dtype"] == "torch.float32"
         assert diff["ignored"] == [0.0, 0.0] and diff["ignored_grad_zero"]
+
+
+def test_building_musa_sets_mccl_check_pointers_only_where_unset(facts):
+    """The plugin's mtcore_environment hook: MCCL_CHECK_POINTERS=0 (MCCL's debugging checks,
+    0 in every MUSA script read) when unset; the user's value is kept and doctor says who
+    set it; the three tuning/trade-off variables are left alone."""
+    env = facts["environment"]
+    assert env["set"] == "0"
+    assert env["doctor"].startswith("'0' (set by mtcore-musa: it was unset) here")
+    assert env["doctor_unset"].startswith("unset (mtcore-musa sets '0' when the backend is built)")
+    assert env["doctor_user"].startswith("'1' here;")
+    assert env["others"] == dict.fromkeys(
+        ("MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS", "CUDA_DEVICE_MAX_CONNECTIONS")
+    )

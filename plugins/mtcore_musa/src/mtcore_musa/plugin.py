@@ -23,7 +23,7 @@ from mtcore_musa.devices import (
     float8_on_device,
     mixed_formats_on_device,
 )
-from mtcore_musa.environment import launch_environment
+from mtcore_musa.environment import MUSA_ENVIRONMENT, launch_environment
 from mtcore_musa.kernels import musa_kernels
 
 BACKEND = "musa"
@@ -139,3 +139,9 @@ def mtcore_kernels(backend: str, device_type: str):
     if backend != BACKEND:
         return []
     return musa_kernels(_DEVICE)
+
+
+@hookimpl
+def mtcore_environment(backend: str):
+    # MCCL_CHECK_POINTERS=0 only (mtcore_musa.environment says why the others are not set).
+    return dict(MUSA_ENVIRONMENT) if backend == BACKEND else {}
