@@ -229,8 +229,10 @@ def probe() -> dict:
         "doctor": launch_environment()["env MCCL_CHECK_POINTERS"],
         "doctor_unset": launch_environment({})["env MCCL_CHECK_POINTERS"],
         "doctor_user": launch_environment({"MCCL_CHECK_POINTERS": "1"})["env MCCL_CHECK_POINTERS"],
-        "others": {n: os.environ.get(n) for n in ("MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS",
-                                                  "CUDA_DEVICE_MAX_CONNECTIONS")},  # fmt: skip
+        "others": {
+            name: os.environ.get(name)
+            for name in ("MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS", "CUDA_DEVICE_MAX_CONNECTIONS")
+        },
     }
     chain = backend.kernels["attention"].select(KernelQuery("musa", torch.bfloat16))
     served = {}
