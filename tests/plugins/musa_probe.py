@@ -246,6 +246,13 @@ def probe() -> dict:
         kernels.rms_norm_weight_ok(x16, w32),
     ]
 
+    from mtcore.parallel.data import dp_overlap
+
+    out["dp_overlap"] = {"22": list(dp_overlap(backend))}
+    out["dp_overlap_doctor_22"] = backend.spec.diagnostics()["dp gradient reduction (advised)"]
+    standin.capability = (3, 1)
+    out["dp_overlap"]["31"] = list(dp_overlap(backend))
+    standin.capability = (2, 2)
     standin.device_name = "MTT X999 (CPU stand-in)"
     out["peak_unknown"] = dict(backend.device.capabilities().peak_tflops)
     standin.capability = (2, 1)

@@ -180,6 +180,10 @@ def test_notes_say_musa_hardware_was_not_exercised(facts):
 
 def test_notes_state_the_triton_warp_size_below_arch_3_1(facts):
     assert any("warp size 128" in note and "3.1" in note for note in facts["s22"]["notes"])
+    assert any("not offered below 3.1" in note and "loss.py:21" in note
+               for note in facts["s22"]["notes"])  # fmt: skip
+    assert any("Data-parallel overlap" in note and "patch.py:215-219" in note
+               for note in facts["s22"]["notes"])  # fmt: skip
 
 
 def test_torch_version_diagnostic_names_both_versions(facts):
@@ -360,3 +364,14 @@ def test_building_musa_sets_mccl_check_pointers_only_where_unset(facts):
     assert env["others"] == dict.fromkeys(
         ("MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS", "CUDA_DEVICE_MAX_CONNECTIONS")
     )
+
+
+def test_dp_reduction_after_backward_below_arch_3_1_as_torch_musa_runs_fsdp2(facts):
+    """torch_musa turns FSDP2's overlap off below arch 3.1 (fsdp/patch.py:215-219): the
+    musa backend advises reducing dp buckets after backward there, during it from 3.1;
+    doctor says which and that MTCORE_DP_OVERLAP decides instead."""
+    below, above = facts["dp_overlap"]["22"], facts["dp_overlap"]["31"]
+    assert below[0] is False and "patch.py:215-219" in below[1] and "(3, 1)" in below[1]
+    assert above == [True, "backend 'musa': overlap"]
+    assert facts["dp_overlap_doctor_22"].startswith("after backward: torch_musa disables FSDP2")
+    assert "MTCORE_DP_OVERLAP" in facts["dp_overlap_doctor_22"]
