@@ -5,7 +5,7 @@ wrapper (torch) on first use.
 """
 
 from mtcore import lazy_exports
-from mtcore.parallel.data.config import DEFAULT_BUCKET_SIZE, DataParallelConfig
+from mtcore.parallel.data.config import DEFAULT_BUCKET_SIZE, DataParallelConfig, dp_overlap
 
 _WITH_TORCH = {
     "Bucket": ".buffer",
@@ -25,4 +25,5 @@ __all__ = [
     "DataParallelConfig",
     "GradBuffer",
     "LaunchRecord",
+    "dp_overlap",
 ]
