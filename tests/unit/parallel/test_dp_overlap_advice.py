@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from mtcore.backend import Availability, Backend, plugin_registry
-from mtcore.distributed import ParallelLayout
 from mtcore.models.gpt import GPTConfig
 from mtcore.parallel.data import dp_overlap
+from mtcore.parallel.layout import ParallelLayout
 from mtcore.training.engine import Engine
 
 
