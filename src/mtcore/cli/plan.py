@@ -37,6 +37,9 @@ _VALUED = (
     "--flash-attention",
     "--comm-overlap",
     "--grad-reduce-dtype",
+    "--recompute-modules",
+    "--moe-dispatch",
+    "--moe-probs",
 )
 DEFAULT_HARDWARE = "H100-SXM"
 _FLAGS = ("--json", "--search", "--cross-node")
@@ -109,6 +112,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gradient buffers and their reduction: fp32 (mtcore, default), bf16, fp16",
     )
     parser.add_argument(
+        "--recompute-modules",
+        metavar="NAMES",
+        default="none",
+        help="sub-modules rebuilt in backward, Megatron-Core's names: core_attn, layernorm, "
+        "mla_up_proj, moe_act (comma-separated; default none)",
+    )
+    parser.add_argument(
+        "--moe-dispatch",
+        metavar="compute|fp8",
+        default="compute",
+        help="dtype the experts' input is dispatched and kept in (default: the compute dtype)",
+    )
+    parser.add_argument(
+        "--moe-probs",
+        metavar="combine|expert",
+        default="combine",
+        help="where router probabilities weigh the experts' output: combine (mtcore, "
+        "default: the output is kept) or expert (at the activation, as Megatron-Core)",
+    )
+    parser.add_argument(
         "--cross-node",
         action="store_true",
         help="let tp (and ep x tp) groups span nodes, priced on the network",
@@ -178,8 +201,10 @@ def options_from(args: argparse.Namespace):
     from mtcore.plan.layouts import option_value
     from mtcore.plan.options import DP_OVERLAP, GRAD_DTYPES, OptionsError
 
-    for flag, value, choices in (("--dp-overlap", args.dp_overlap, DP_OVERLAP),
-                                 ("--grad-reduce-dtype", args.grad_reduce_dtype, GRAD_DTYPES)):
+    for flag, value, choices in (
+        ("--dp-overlap", args.dp_overlap, DP_OVERLAP),
+        ("--grad-reduce-dtype", args.grad_reduce_dtype, GRAD_DTYPES),
+    ):
         if value not in choices:  # named by the flag, not by the planner's field
             raise OptionsError(f"{flag} needs one of {', '.join(choices)}, got {value!r}")
     fields = {"dp_overlap": args.dp_overlap, "cross_node": args.cross_node}
@@ -189,6 +214,9 @@ def options_from(args: argparse.Namespace):
         fields["zero"] = option_value("zero", args.zero)
     if args.flash_attention is not None:
         fields["fused_attention"] = option_value("flash", args.flash_attention)
+    fields["recompute_modules"] = option_value("recompute_modules", args.recompute_modules)
+    fields["moe_dispatch"] = option_value("moe_dispatch", args.moe_dispatch)
+    fields["moe_probs"] = option_value("moe_probs", args.moe_probs)
     return Options(**fields)
 
 

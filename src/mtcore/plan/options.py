@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtcore.plan.memory import FP8_SCALED_BYTES, RECOMPUTE_MODULES, Kept
+
 DP_OVERLAP = ("mtcore", "none", "full")
 """How the data-parallel gradient reduction meets backward: ``mtcore`` as the trainer
 does it (overlapped with the last micro-batch's backward at pp=1, after the pipeline
@@ -18,6 +20,8 @@ at pp>1), ``none`` (always after backward) or ``full`` (always overlapped)."""
 OVERLAP_AXES = ("tp", "cp", "ep", "pp")
 GRAD_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ZERO_STAGES = (0, 1, 2, 3)
+MOE_DISPATCH = ("compute", "fp8")
+MOE_PROBS = ("combine", "expert")
 
 
 class OptionsError(ValueError):
@@ -44,6 +48,13 @@ class Options:
     all four (``parallel.zero``; its ZeRO-3 keeps params outside the blocks whole).
     cross_node: let a tp group (or an ep x tp block) span nodes; it is priced on the
     network. Off: such a layout is refused.
+    recompute_modules: sub-modules rebuilt in backward (``memory.RECOMPUTE_MODULES``,
+    Megatron-Core's ``--recompute-modules``), beside ``model.recompute``.
+    moe_dispatch: the dtype the experts' input is dispatched and kept in: ``compute``
+    (mtcore) or ``fp8`` (DeepSeek-V3's fp8 dispatch, scales per 1 x 128 tile).
+    moe_probs: where the router's probabilities weigh the experts' output: ``combine``
+    (mtcore: the output is kept for it) or ``expert`` (at the activation, Megatron-Core's
+    ``weighted_bias_swiglu``: nothing of the output kept).
     """
 
     dp_overlap: str = "mtcore"
@@ -52,6 +63,9 @@ class Options:
     overlapped: tuple[str, ...] = ()
     zero: int | None = None
     cross_node: bool = False
+    recompute_modules: tuple[str, ...] = ()
+    moe_dispatch: str = "compute"
+    moe_probs: str = "combine"
 
     def __post_init__(self):
         if self.dp_overlap not in DP_OVERLAP:
@@ -75,10 +89,31 @@ class Options:
             raise OptionsError(f"ZeRO stage must be 0, 1, 2 or 3, not {self.zero!r}")
         if not isinstance(self.cross_node, bool):
             raise OptionsError(f"cross-node groups must be on or off, not {self.cross_node!r}")
+        modules = self.recompute_modules
+        if any(m not in RECOMPUTE_MODULES for m in modules) or len(set(modules)) != len(modules):
+            raise OptionsError(
+                f"recompute modules take distinct names of {', '.join(RECOMPUTE_MODULES)} "
+                f"(or none), not {','.join(modules)!r}"
+            )
+        for name, value, choices in (
+            ("moe dispatch", self.moe_dispatch, MOE_DISPATCH),
+            ("moe probs", self.moe_probs, MOE_PROBS),
+        ):
+            if value not in choices:
+                raise OptionsError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
 
     @property
     def grad_bytes(self) -> int:
         return GRAD_DTYPES[self.grad_reduce_dtype]
+
+    @property
+    def kept(self) -> Kept:
+        """What the software keeps for backward (``memory.Kept``)."""
+        return Kept(
+            modules=frozenset(self.recompute_modules),
+            dispatch_bytes=FP8_SCALED_BYTES if self.moe_dispatch == "fp8" else None,
+            expert_output=self.moe_probs == "combine",
+        )
 
     def zero_stage(self, config) -> int:
         return self.zero if self.zero is not None else config.parallel.zero_stage
@@ -92,6 +127,11 @@ class Options:
         flash += f" ({hardware.name} file)" if self.fused_attention is None else ""
         zero = str(self.zero_stage(config))
         zero += " (parallel.zero)" if self.zero is None else ""
+        stack = {  # the keep-for-backward options, named where they differ from mtcore's
+            "recompute modules": ",".join(self.recompute_modules),
+            "moe dispatch": "" if self.moe_dispatch == "compute" else self.moe_dispatch,
+            "moe probs": "" if self.moe_probs == "combine" else f"in the {self.moe_probs}",
+        }
         return {
             "flash attention": flash,
             "comm overlap": ",".join(self.overlapped) or "none",
@@ -100,4 +140,4 @@ class Options:
             "zero": zero,
             "vpp": str(config.parallel.vpp),
             "cross-node groups": "allowed" if self.cross_node else "refused",
-        }
+        } | {key: value for key, value in stack.items() if value}

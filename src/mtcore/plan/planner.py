@@ -299,7 +299,7 @@ def _plan(config, spec, microbatches, shape: ModelShape, gpus, hardware, options
     time = _step_time(setting, work, stage_seconds)
     global_batch = config.training.global_batch_size
     model_flops = config.model.flops_per_step(global_batch)
-    recomputed = recompute_flops(shape, shape.recompute) * global_batch
+    recomputed = recompute_flops(shape, shape.recompute, options.kept) * global_batch
     return Plan(
         layout=layout_of(config) | {"dp": spec.dp, "zero": setting.zero},
         hardware=hardware.name,
@@ -413,6 +413,7 @@ def _rank_memory(setting: _Setting, stage: Stage, rank: int, largest_unit: float
             shape.recompute,
             setting.fused,
             e,
+            setting.options.kept,
         )
         for bl, n in stage.blocks
         if bl.keeps_activations  # a block run under no_grad keeps nothing
@@ -480,6 +481,7 @@ def _microbatch_seconds(setting: _Setting, stage: Stage) -> dict:
         setting.fused,
         setting.act_bytes,
         setting.products,
+        setting.options.kept,
     )
 
 

@@ -7,10 +7,12 @@ many), ...)``, and whether it holds the embedding (first) and the head (last).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mtcore.plan import network, timing
 from mtcore.plan.memory import (
+    MTCORE_KEPT,
+    Kept,
     backward_transient_bytes,
     head_saved_bytes,
     head_transient_bytes,
@@ -72,15 +74,21 @@ def transient(shape, stage: Stage, b, spec, recompute, fused, e, heads=1) -> flo
     return out
 
 
-def recompute_flops(shape: ModelShape, recompute: str) -> float:
+def recompute_flops(shape: ModelShape, recompute: str, kept: Kept = MTCORE_KEPT) -> float:
     """Extra FLOPs of one sequence that recompute spends (a forward of each block for
-    full; the attention products for selective)."""
+    full; the attention products for selective or the ``core_attn`` module; latent
+    attention's up-projections for ``mla_up_proj``)."""
     blocks = shape.blocks + shape.last_blocks
     if recompute == "full":
         return sum(bl.forward_flops() for bl in blocks)
-    if recompute == "selective":
-        return sum(bl.attention_product_flops() for bl in blocks)
-    return 0.0
+    flops = 0.0
+    if recompute == "selective" or "core_attn" in kept.modules:
+        flops += sum(bl.attention_product_flops() for bl in blocks)
+    if "mla_up_proj" in kept.modules:
+        for bl in blocks:
+            if bl.latent is not None:
+                flops += sum(2.0 * m * k * n for (m, k, n), _ in _up_projections(bl, bl.seq, 1))
+    return flops
 
 
 def weight_products(bl: Block, tokens: float, tp: int, ep: int):
@@ -107,6 +115,12 @@ def weight_products(bl: Block, tokens: float, tp: int, ep: int):
             ((rows, bl.expert_ffn / tp, h), local),
         ]
     return out
+
+
+def _up_projections(bl: Block, tokens: float, tp: int):
+    """Latent attention's query and key/value up-projections (what ``mla_up_proj``
+    recomputes)."""
+    return _latent_products(bl, tokens, tp)[1:3]
 
 
 def _latent_products(bl: Block, tokens: float, tp: int):
@@ -136,7 +150,9 @@ def _forward_seconds(products: timing.Products, items, block: bool) -> float:
     return sum(products.seconds(shape, calls, block) for shape, calls in items)
 
 
-def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, products) -> dict:
+def microbatch_time(
+    shape, stage: Stage, b, spec, hw, recompute, fused, e, products, kept: Kept = MTCORE_KEPT
+) -> dict:
     """Seconds of one micro-batch through ``stage`` by cause: products (forward and the
     backward's passes, ``Block.passes``), recompute, memory-bound work, and tp/cp/ep/pp
     communication as mtcore runs it (exposed)."""
@@ -168,7 +184,11 @@ def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, produ
         flops = 6.0 * b * shape.seq_len / cp * shape.last_stage_params
         compute += products.flops_seconds(flops, flops / 3)
     redo = {"full": live_w + live_s, "selective": live_s}.get(recompute, 0.0)
-    kept = sum(
+    if recompute == "none" and "core_attn" in kept.modules:
+        redo += live_s
+    if recompute != "full":
+        redo += _module_recompute_seconds(stage, b, spec, hw, fused, e, products, kept)
+    kept_bytes = sum(
         n * layer_activation_bytes(bl, b, tp, cp, spec.sequence_parallel, "none", fused, e)
         for bl, n in stage.blocks
     )
@@ -177,13 +197,36 @@ def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, produ
     if stage.last:  # the loss over the vocabulary shard, in fp32 (timing.cross_entropy_bytes)
         loss_traffic = b * shape.head_seq / cp * shape.vocab / tp * timing.cross_entropy_bytes(e)
         loss_traffic *= shape.head_passes
-    memory_bound = timing.memory_bound(hw, passes * kept + loss_traffic)
+    memory_bound = timing.memory_bound(hw, passes * kept_bytes + loss_traffic)
     return {
         "compute": compute,
         "recompute": redo,
         "memory_bound": memory_bound,
-        **_communication(shape, stage, b, spec, hw, recompute, e, tokens),
+        **_communication(shape, stage, b, spec, hw, recompute, e, tokens, kept),
     }
+
+
+def _module_recompute_seconds(stage: Stage, b, spec, hw, fused, e, products, kept: Kept) -> float:
+    """What rebuilding ``kept.modules`` costs one micro-batch's backward: the MLA
+    up-projections' products again (``mla_up_proj``), and for the norms and the experts'
+    activation (``layernorm``, ``moe_act``) memory traffic of twice the bytes they rebuild
+    (reading what they are rebuilt from, writing them)."""
+    tp, cp, sp = spec.tp, spec.cp, spec.sequence_parallel
+    elementwise = kept.modules & {"layernorm", "moe_act"}
+    keeping = replace(kept, modules=kept.modules - elementwise)
+    seconds = rebuilt = 0.0
+    for bl, n in stage.blocks:
+        if not bl.keeps_activations:
+            continue
+        if "mla_up_proj" in kept.modules and bl.latent is not None:
+            rows = b * bl.seq / bl.cp_share(cp)
+            seconds += n * _forward_seconds(products, _up_projections(bl, rows, tp), True)
+        if elementwise:
+            whole = layer_activation_bytes(bl, b, tp, cp, sp, "none", fused, e, keeping)
+            rebuilt += n * (
+                whole - layer_activation_bytes(bl, b, tp, cp, sp, "none", fused, e, kept)
+            )
+    return seconds + timing.memory_bound(hw, 2 * rebuilt)
 
 
 def weight_grad_seconds(shape, stage: Stage, b, spec, products) -> float:
@@ -211,7 +254,7 @@ def _head_seconds(shape, stage: Stage, b, spec, products) -> float:
     return head
 
 
-def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens) -> dict:
+def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens, kept=MTCORE_KEPT):
     tp, cp, ep = spec.tp, spec.cp, spec.ep
     tp_comm = cp_comm = ep_comm = 0.0
     calls = 4 + (2 if recompute == "full" else 0)
@@ -232,14 +275,29 @@ def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens) -> di
                 qkvo = e * b * bl.seq / cp * (2 * bl.q_width + 2 * bl.kv_width) / tp
                 cp_comm += count * sends * network.all_to_all(hw, qkvo, cp, tp)
         if bl.experts and ep > 1:
-            rows = e * b * bl.seq / cp * bl.top_k * bl.hidden
-            ep_comm += count * calls * network.all_to_all(hw, rows, ep, tp)
+            ep_comm += count * _expert_all_to_alls(hw, bl, b, cp, ep, tp, e, calls, kept)
     pp_comm = 0.0
     if spec.pp > 1:
         boundary = e * tokens * shape.hidden / (tp if spec.sequence_parallel else 1)
         sends = 2 * spec.vpp  # every chunk: its activation forward, its gradient back
         pp_comm = sends * network.p2p(hw, boundary, spec.pp, tp * cp * spec.dp)
     return {"tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm}
+
+
+def _expert_all_to_alls(hw, bl: Block, b, cp, ep, tp, e, calls: int, kept: Kept) -> float:
+    """One micro-batch's expert all-to-alls through ``bl``: the dispatch and the combine
+    forward, their gradients backward (and the forward's again under full recompute).
+    The forward dispatch and the backward's gradient dispatch (the combine's backward)
+    move ``kept.dispatch_bytes`` an element (fp8 with its scales under an fp8 dispatch,
+    DeepSeek-V3 sec. 3.3.2), the combines ``e``."""
+    rows = b * bl.seq / cp * bl.top_k * bl.hidden
+    if kept.dispatch_bytes is None:
+        return calls * network.all_to_all(hw, e * rows, ep, tp)
+    narrow = kept.dispatch_bytes
+    dispatches = calls // 2  # fwd dispatch, bwd gradient dispatch (and a recomputed one)
+    return dispatches * network.all_to_all(hw, narrow * rows, ep, tp) + (
+        calls - dispatches
+    ) * network.all_to_all(hw, e * rows, ep, tp)
 
 
 def replicated_grad_seconds(shape, stage: Stage, spec, hw, grad_bytes: int) -> float:
