@@ -40,6 +40,7 @@ _VALUED = (
     "--recompute-modules",
     "--moe-dispatch",
     "--moe-probs",
+    "--rank-order",
 )
 DEFAULT_HARDWARE = "H100-SXM"
 _FLAGS = ("--json", "--search", "--cross-node")
@@ -132,6 +133,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default: the output is kept) or expert (at the activation, as Megatron-Core)",
     )
     parser.add_argument(
+        "--rank-order",
+        metavar="ORDER",
+        default="tp-cp-dp-pp",
+        help="how ranks are numbered, fastest first: tp-cp-dp-pp (mtcore, default) or "
+        "tp-cp-pp-dp (Llama 3's: each pipeline in a pod, dp across them)",
+    )
+    parser.add_argument(
         "--cross-node",
         action="store_true",
         help="let tp (and ep x tp) groups span nodes, priced on the network",
@@ -217,6 +225,7 @@ def options_from(args: argparse.Namespace):
     fields["recompute_modules"] = option_value("recompute_modules", args.recompute_modules)
     fields["moe_dispatch"] = option_value("moe_dispatch", args.moe_dispatch)
     fields["moe_probs"] = option_value("moe_probs", args.moe_probs)
+    fields["rank_order"] = option_value("order", args.rank_order)
     return Options(**fields)
 
 

@@ -56,12 +56,13 @@ def traffic(
     grad_bytes: int,
     bucket_size: int,
     zero: int,
+    order: str = network.RANK_ORDERS[0],
 ) -> DpTraffic:
     """``DpTraffic`` for a rank holding ``params`` dense and ``expert_params`` expert
     parameters; ``largest_unit``: the most parameters one gathered unit (a layer, the
-    embedding or head) holds on it."""
+    embedding or head) holds on it; ``order``: the rank order (``network.RANK_ORDERS``)."""
     d = spec.dp * spec.cp
-    span = spec.tp  # dp x cp peers sit tp ranks apart
+    span = network.dp_stride(spec, order)  # tp ranks apart in mtcore's order
     edp = max(1, d // spec.ep)
 
     def both(collective, per_param: float) -> float:

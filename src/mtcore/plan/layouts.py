@@ -7,12 +7,13 @@ layout is checked by exactly the validators ``mtcore train`` runs. ``mtcore plan
 ``Options`` of ``mtcore.plan.options``), which no training run has: ``zero=3``,
 ``flash=off``, ``overlap=tp+pp``, ``grad_dtype=bf16``, ``dp_overlap=full``,
 ``cross_node``, ``recompute_modules=layernorm+moe_act``, ``moe_dispatch=fp8``,
-``moe_probs=expert``. ``zero`` 0-2 is both: the stage ``mtcore train`` runs
+``moe_probs=expert``, ``order=tp-cp-pp-dp``. ``zero`` 0-2 is both: the stage ``mtcore train`` runs
 (``parallel.zero``) and the planner's assumption for that column.
 """
 
 from __future__ import annotations
 
+from mtcore.plan.network import RANK_ORDERS
 from mtcore.plan.options import DP_OVERLAP, GRAD_DTYPES, MOE_DISPATCH, MOE_PROBS
 
 KEYS = {
@@ -43,6 +44,7 @@ OPTION_KEYS = {
     "recompute_modules": "recompute_modules",
     "moe_dispatch": "moe_dispatch",
     "moe_probs": "moe_probs",
+    "order": "rank_order",
 }
 TRAINED_ZERO = (0, 1, 2)  # the ZeRO stages mtcore train runs (parallel.zero)
 FLAGS = {"sp", "zero1", "cross_node"}  # given bare, they mean true
@@ -52,6 +54,7 @@ _CHOICES = {
     "grad_reduce_dtype": tuple(GRAD_DTYPES),
     "moe_dispatch": MOE_DISPATCH,
     "moe_probs": MOE_PROBS,
+    "rank_order": RANK_ORDERS,
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtcore.plan.memory import FP8_SCALED_BYTES, RECOMPUTE_MODULES, Kept
+from mtcore.plan.network import RANK_ORDERS
 
 DP_OVERLAP = ("mtcore", "none", "full")
 """How the data-parallel gradient reduction meets backward: ``mtcore`` as the trainer
@@ -55,6 +56,9 @@ class Options:
     moe_probs: where the router's probabilities weigh the experts' output: ``combine``
     (mtcore: the output is kept for it) or ``expert`` (at the activation, Megatron-Core's
     ``weighted_bias_swiglu``: nothing of the output kept).
+    rank_order: how ranks are numbered (``network.RANK_ORDERS``): ``tp-cp-dp-pp``
+    (mtcore's) or ``tp-cp-pp-dp`` (Llama 3's; dp is then priced across pipelines'
+    spans; expert parallel is refused with it).
     """
 
     dp_overlap: str = "mtcore"
@@ -66,6 +70,7 @@ class Options:
     recompute_modules: tuple[str, ...] = ()
     moe_dispatch: str = "compute"
     moe_probs: str = "combine"
+    rank_order: str = RANK_ORDERS[0]
 
     def __post_init__(self):
         if self.dp_overlap not in DP_OVERLAP:
@@ -98,6 +103,7 @@ class Options:
         for name, value, choices in (
             ("moe dispatch", self.moe_dispatch, MOE_DISPATCH),
             ("moe probs", self.moe_probs, MOE_PROBS),
+            ("rank order", self.rank_order, RANK_ORDERS),
         ):
             if value not in choices:
                 raise OptionsError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
@@ -131,6 +137,7 @@ class Options:
             "recompute modules": ",".join(self.recompute_modules),
             "moe dispatch": "" if self.moe_dispatch == "compute" else self.moe_dispatch,
             "moe probs": "" if self.moe_probs == "combine" else f"in the {self.moe_probs}",
+            "rank order": "" if self.rank_order == RANK_ORDERS[0] else self.rank_order,
         }
         return {
             "flash attention": flash,

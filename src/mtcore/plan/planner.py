@@ -225,7 +225,14 @@ def with_data_vocab(config):
 
 def check_placement(spec, hardware: Hardware, options: Options) -> None:
     """``PlacementError`` unless every tp group and every ep x tp block lies in one node
-    (``Options.cross_node`` allows it: the group is then priced on the network)."""
+    (``Options.cross_node`` allows it: the group is then priced on the network); and
+    no expert parallel under the ``tp-cp-pp-dp`` rank order (its ep groups are not
+    modelled)."""
+    if spec.ep > 1 and options.rank_order != network.RANK_ORDERS[0]:
+        raise PlacementError(
+            f"rank order {options.rank_order} is planned without expert parallel (ep = "
+            f"{spec.ep}); use {network.RANK_ORDERS[0]} for ep > 1"
+        )
     if options.cross_node:
         return
     nodes = hardware.gpus_per_node
@@ -482,6 +489,7 @@ def _microbatch_seconds(setting: _Setting, stage: Stage) -> dict:
         setting.act_bytes,
         setting.products,
         setting.options.kept,
+        setting.options.rank_order,
     )
 
 
@@ -536,6 +544,7 @@ def _data_parallel(setting: _Setting, slowest: _StageWork, compute: float):
         setting.grad_bytes,
         setting.config.parallel.bucket_size,
         setting.zero,
+        setting.options.rank_order,
     )
     backward, forward = compute * 2 / 3, compute / 3
     exposed = data_parallel.exposed(
@@ -566,9 +575,8 @@ def _tied_embedding_seconds(setting: _Setting) -> float:
     if not (shape.tied and spec.pp > 1):
         return 0.0
     embedding = setting.grad_bytes * shape.vocab * shape.hidden / spec.tp
-    return network.all_reduce(
-        setting.hardware, embedding, 2, (spec.pp - 1) * spec.tp * spec.cp * spec.dp
-    )
+    stride = (spec.pp - 1) * network.pp_stride(spec, setting.options.rank_order)
+    return network.all_reduce(setting.hardware, embedding, 2, stride)
 
 
 def _model_notes(shape: ModelShape, act_bytes: int) -> list[str]:

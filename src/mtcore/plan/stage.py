@@ -151,11 +151,22 @@ def _forward_seconds(products: timing.Products, items, block: bool) -> float:
 
 
 def microbatch_time(
-    shape, stage: Stage, b, spec, hw, recompute, fused, e, products, kept: Kept = MTCORE_KEPT
+    shape,
+    stage: Stage,
+    b,
+    spec,
+    hw,
+    recompute,
+    fused,
+    e,
+    products,
+    kept: Kept = MTCORE_KEPT,
+    order: str = network.RANK_ORDERS[0],
 ) -> dict:
     """Seconds of one micro-batch through ``stage`` by cause: products (forward and the
     backward's passes, ``Block.passes``), recompute, memory-bound work, and tp/cp/ep/pp
-    communication as mtcore runs it (exposed)."""
+    communication as mtcore runs it (exposed); ``order``: the rank order
+    (``network.RANK_ORDERS``), which places the pipeline's sends."""
     tp, cp, ep = spec.tp, spec.cp, spec.ep
     tokens = b * shape.seq_len / cp  # per rank; T5's decoder uses its own length below
     fwd = back = live_w = live_s = kernel_s = 0.0
@@ -202,7 +213,7 @@ def microbatch_time(
         "compute": compute,
         "recompute": redo,
         "memory_bound": memory_bound,
-        **_communication(shape, stage, b, spec, hw, recompute, e, tokens, kept),
+        **_communication(shape, stage, b, spec, hw, recompute, e, tokens, kept, order),
     }
 
 
@@ -254,7 +265,10 @@ def _head_seconds(shape, stage: Stage, b, spec, products) -> float:
     return head
 
 
-def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens, kept=MTCORE_KEPT):
+def _communication(
+    shape, stage: Stage, b, spec, hw, recompute, e, tokens, kept=MTCORE_KEPT, order=None
+) -> dict:
+    order = order or network.RANK_ORDERS[0]
     tp, cp, ep = spec.tp, spec.cp, spec.ep
     tp_comm = cp_comm = ep_comm = 0.0
     calls = 4 + (2 if recompute == "full" else 0)
@@ -280,7 +294,7 @@ def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens, kept=
     if spec.pp > 1:
         boundary = e * tokens * shape.hidden / (tp if spec.sequence_parallel else 1)
         sends = 2 * spec.vpp  # every chunk: its activation forward, its gradient back
-        pp_comm = sends * network.p2p(hw, boundary, spec.pp, tp * cp * spec.dp)
+        pp_comm = sends * network.p2p(hw, boundary, spec.pp, network.pp_stride(spec, order))
     return {"tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm}
 
 

@@ -39,13 +39,16 @@ def test_ring_bandwidth_by_level():
     assert network.ring_bandwidth(A100, 5, 1) == 25e9  # spans nodes through one port
     assert network.ring_bandwidth(A100, 16, 1) == 200e9  # 8 rings over 8 ports
     assert network.ring_bandwidth(PODS, 16, 1) == 200e9  # one pod: no pod layer
-    # 32 ranks over two pods: 8 rings, each crossing the pod layer at 2.5 GB/s
-    assert network.ring_bandwidth(PODS, 32, 1) == pytest.approx(20e9)
+    # 32 ranks over two pods: the rings leave each pod once, sharing the uplink of the
+    # pod's 16 members at 2.5 GB/s each (40 GB/s; a one-port-per-ring count said 20)
+    assert network.ring_bandwidth(PODS, 32, 1) == pytest.approx(40e9)
+    # one rank a node (stride 8) over four pods of 16 ranks: 2 members a pod, 5 GB/s
+    assert network.ring_bandwidth(PODS, 8, 8) == pytest.approx(5e9)
 
 
 def test_each_collective_kind_by_hand():
     size, n = 1e9, 32  # over two pods, 8 a node, 16 a pod
-    ring = size * (n - 1) / n / (20e9 * EFF)
+    ring = size * (n - 1) / n / (40e9 * EFF)
     latency = 20e-6  # the pod layer's
     assert network.all_gather(PODS, size, n, 1) == pytest.approx(ring + (n - 1) * latency)
     assert network.reduce_scatter(PODS, size, n, 1) == network.all_gather(PODS, size, n, 1)
