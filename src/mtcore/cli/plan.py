@@ -41,6 +41,9 @@ _VALUED = (
     "--moe-dispatch",
     "--moe-probs",
     "--rank-order",
+    "--fsdp-reshard",
+    "--fsdp-reduce",
+    "--fsdp-prefetch",
 )
 DEFAULT_HARDWARE = "H100-SXM"
 _FLAGS = ("--json", "--search", "--cross-node")
@@ -140,6 +143,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tp-cp-pp-dp (Llama 3's: each pipeline in a pod, dp across them)",
     )
     parser.add_argument(
+        "--fsdp-reshard",
+        metavar="on|off",
+        default="on",
+        help="ZeRO-3: reshard the parameters after forward (default on: FULL_SHARD)",
+    )
+    parser.add_argument(
+        "--fsdp-reduce",
+        metavar="microbatch|step",
+        default="microbatch",
+        help="ZeRO-3: reduce-scatter the gradients every micro-batch (default) or once a step",
+    )
+    parser.add_argument(
+        "--fsdp-prefetch",
+        metavar="N",
+        default="1",
+        help="ZeRO-3: units gathered ahead of the one in use (default 1; 0: none)",
+    )
+    parser.add_argument(
         "--cross-node",
         action="store_true",
         help="let tp (and ep x tp) groups span nodes, priced on the network",
@@ -226,6 +247,9 @@ def options_from(args: argparse.Namespace):
     fields["moe_dispatch"] = option_value("moe_dispatch", args.moe_dispatch)
     fields["moe_probs"] = option_value("moe_probs", args.moe_probs)
     fields["rank_order"] = option_value("order", args.rank_order)
+    fields["fsdp_reshard"] = option_value("reshard", args.fsdp_reshard)
+    fields["fsdp_reduce"] = option_value("reduce", args.fsdp_reduce)
+    fields["fsdp_prefetch"] = option_value("prefetch", args.fsdp_prefetch)
     return Options(**fields)
 
 

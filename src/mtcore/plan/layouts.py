@@ -7,12 +7,14 @@ layout is checked by exactly the validators ``mtcore train`` runs. ``mtcore plan
 ``Options`` of ``mtcore.plan.options``), which no training run has: ``zero=3``,
 ``flash=off``, ``overlap=tp+pp``, ``grad_dtype=bf16``, ``dp_overlap=full``,
 ``cross_node``, ``recompute_modules=layernorm+moe_act``, ``moe_dispatch=fp8``,
-``moe_probs=expert``, ``order=tp-cp-pp-dp``. ``zero`` 0-2 is both: the stage ``mtcore train`` runs
+``moe_probs=expert``, ``order=tp-cp-pp-dp``, ``reshard=off``, ``reduce=step``,
+``prefetch=2``. ``zero`` 0-2 is both: the stage ``mtcore train`` runs
 (``parallel.zero``) and the planner's assumption for that column.
 """
 
 from __future__ import annotations
 
+from mtcore.plan.data_parallel import FSDP_REDUCE
 from mtcore.plan.network import RANK_ORDERS
 from mtcore.plan.options import DP_OVERLAP, GRAD_DTYPES, MOE_DISPATCH, MOE_PROBS
 
@@ -45,6 +47,9 @@ OPTION_KEYS = {
     "moe_dispatch": "moe_dispatch",
     "moe_probs": "moe_probs",
     "order": "rank_order",
+    "reshard": "fsdp_reshard",
+    "reduce": "fsdp_reduce",
+    "prefetch": "fsdp_prefetch",
 }
 TRAINED_ZERO = (0, 1, 2)  # the ZeRO stages mtcore train runs (parallel.zero)
 FLAGS = {"sp", "zero1", "cross_node"}  # given bare, they mean true
@@ -55,6 +60,7 @@ _CHOICES = {
     "moe_dispatch": MOE_DISPATCH,
     "moe_probs": MOE_PROBS,
     "rank_order": RANK_ORDERS,
+    "fsdp_reduce": FSDP_REDUCE,
 }
 
 
@@ -70,7 +76,11 @@ def option_value(key: str, value: str):
         if not (value.isascii() and value.isdigit()):
             raise LayoutStringError(f"zero={value!r}: give a ZeRO stage 0, 1, 2 or 3")
         return int(value)
-    if field in ("fused_attention", "cross_node"):
+    if field == "fsdp_prefetch":
+        if not (value.isascii() and value.isdigit()):
+            raise LayoutStringError(f"{key}={value!r}: give a whole number >= 0")
+        return int(value)
+    if field in ("fused_attention", "cross_node", "fsdp_reshard"):
         if value.lower() not in _ON:
             raise LayoutStringError(f"{key}={value!r}: give on or off")
         return _ON[value.lower()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtcore.plan.data_parallel import FSDP_REDUCE, Fsdp
 from mtcore.plan.memory import FP8_SCALED_BYTES, RECOMPUTE_MODULES, Kept
 from mtcore.plan.network import RANK_ORDERS
 
@@ -59,6 +60,10 @@ class Options:
     rank_order: how ranks are numbered (``network.RANK_ORDERS``): ``tp-cp-dp-pp``
     (mtcore's) or ``tp-cp-pp-dp`` (Llama 3's; dp is then priced across pipelines'
     spans; expert parallel is refused with it).
+    fsdp_reshard, fsdp_reduce, fsdp_prefetch: FSDP's switches under ZeRO-3
+    (``data_parallel.Fsdp``): reshard after forward (FULL_SHARD) or not
+    (SHARD_GRAD_OP-like), reduce-scatter the gradients every ``microbatch`` or once a
+    ``step`` (unsharded gradients accumulate), units gathered ahead (0: none).
     """
 
     dp_overlap: str = "mtcore"
@@ -71,6 +76,9 @@ class Options:
     moe_dispatch: str = "compute"
     moe_probs: str = "combine"
     rank_order: str = RANK_ORDERS[0]
+    fsdp_reshard: bool = True
+    fsdp_reduce: str = "microbatch"
+    fsdp_prefetch: int = 1
 
     def __post_init__(self):
         if self.dp_overlap not in DP_OVERLAP:
@@ -94,6 +102,11 @@ class Options:
             raise OptionsError(f"ZeRO stage must be 0, 1, 2 or 3, not {self.zero!r}")
         if not isinstance(self.cross_node, bool):
             raise OptionsError(f"cross-node groups must be on or off, not {self.cross_node!r}")
+        if not isinstance(self.fsdp_reshard, bool):
+            raise OptionsError(f"fsdp reshard must be on or off, not {self.fsdp_reshard!r}")
+        prefetch = self.fsdp_prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise OptionsError(f"fsdp prefetch must be a whole number >= 0, not {prefetch!r}")
         modules = self.recompute_modules
         if any(m not in RECOMPUTE_MODULES for m in modules) or len(set(modules)) != len(modules):
             raise OptionsError(
@@ -104,6 +117,7 @@ class Options:
             ("moe dispatch", self.moe_dispatch, MOE_DISPATCH),
             ("moe probs", self.moe_probs, MOE_PROBS),
             ("rank order", self.rank_order, RANK_ORDERS),
+            ("fsdp reduce", self.fsdp_reduce, FSDP_REDUCE),
         ):
             if value not in choices:
                 raise OptionsError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
@@ -113,6 +127,10 @@ class Options:
         return GRAD_DTYPES[self.grad_reduce_dtype]
 
     @property
+    def fsdp(self) -> Fsdp:
+        return Fsdp(self.fsdp_reshard, self.fsdp_reduce, self.fsdp_prefetch)
+
+    @property
     def kept(self) -> Kept:
         """What the software keeps for backward (``memory.Kept``)."""
         return Kept(
@@ -120,6 +138,10 @@ class Options:
             dispatch_bytes=FP8_SCALED_BYTES if self.moe_dispatch == "fp8" else None,
             expert_output=self.moe_probs == "combine",
         )
+
+    def _fsdp_text(self) -> str:
+        reshard = "reshard" if self.fsdp_reshard else "no reshard"
+        return f"{reshard}, reduce once a {self.fsdp_reduce}, prefetch {self.fsdp_prefetch}"
 
     def zero_stage(self, config) -> int:
         return self.zero if self.zero is not None else config.parallel.zero_stage
@@ -138,6 +160,7 @@ class Options:
             "moe dispatch": "" if self.moe_dispatch == "compute" else self.moe_dispatch,
             "moe probs": "" if self.moe_probs == "combine" else f"in the {self.moe_probs}",
             "rank order": "" if self.rank_order == RANK_ORDERS[0] else self.rank_order,
+            "fsdp": "" if self.fsdp == Fsdp() else self._fsdp_text(),
         }
         return {
             "flash attention": flash,

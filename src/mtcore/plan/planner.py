@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from mtcore.plan import data_parallel, network, timing
+from mtcore.plan.data_parallel import Fsdp
 from mtcore.plan.hardware import Hardware
 from mtcore.plan.lora import adapter_params
 from mtcore.plan.memory import (
@@ -337,6 +338,8 @@ def _setting(config, spec, microbatches, shape, hardware, options) -> tuple[_Set
     products = timing.Products(hardware, dtype, block_dtype)
     notes.append(products.note())
     zero = options.zero_stage(config)
+    if zero != 3 and options.fsdp != Fsdp():
+        raise OptionsError(f"the fsdp switches describe ZeRO-3 (--zero 3), not ZeRO-{zero}")
     if zero == 3:
         notes.append(
             "ZeRO-3: every parameter sharded, as FSDP's FULL_SHARD; mtcore's parallel.zero 3 "
@@ -408,6 +411,10 @@ def _rank_memory(setting: _Setting, stage: Stage, rank: int, largest_unit: float
     def state(part: str) -> float:
         return dense * dense_bytes[part] + experts * expert_bytes[part]
 
+    grads = state("grads")
+    if setting.zero == 3 and setting.options.fsdp.reduce == "step":
+        grads = (dense + experts) * setting.grad_bytes  # unsharded until the step's reduction
+
     held = in_flight(setting.schedule, spec.pp, spec.vpp, rank, setting.microbatches)
     per_microbatch = sum(
         n
@@ -430,7 +437,7 @@ def _rank_memory(setting: _Setting, stage: Stage, rank: int, largest_unit: float
         params=round(dense),
         expert_params=round(experts),
         weights=(dense + frozen) * dense_bytes["params"] + experts * expert_bytes["params"],
-        grads=state("grads"),
+        grads=grads,
         master=state("master"),
         optimizer=state("optimizer"),
         activations=per_microbatch * held,
@@ -471,7 +478,10 @@ def _transient(setting: _Setting, stage: Stage, trained: float, largest_unit: fl
     )
     if setting.zero >= 2 and setting.dense_shards > 1:
         extra += setting.grad_bytes * min(setting.config.parallel.bucket_size, trained)
-        extra += 2 * setting.act_bytes * largest_unit if setting.zero == 3 else 0.0
+        if setting.zero == 3:
+            fsdp = setting.options.fsdp
+            gathered = (1 + fsdp.prefetch) * largest_unit if fsdp.reshard else trained
+            extra += setting.act_bytes * gathered
     return extra
 
 
@@ -523,7 +533,7 @@ def _step_time(setting: _Setting, work: list[_StageWork], stage_seconds: list[di
         ep_comm=m * one["ep_comm"],
         pp_comm=m * one["pp_comm"],
         bubble=pipeline_bubble(setting.schedule, per_stage, weight_grads, slow, spec.vpp),
-        dp_comm=dp_traffic.total(m, setting.zero),
+        dp_comm=dp_traffic.total(m, setting.zero, setting.options.fsdp),
         dp_exposed=dp_exposed,
         optimizer=_optimizer_seconds(setting, work[slow].memory),
         tied_comm=_tied_embedding_seconds(setting),
@@ -555,6 +565,7 @@ def _data_parallel(setting: _Setting, slowest: _StageWork, compute: float):
         setting.microbatches,
         forward,
         backward,
+        setting.options.fsdp,
     )
     return traffic, exposed
 
