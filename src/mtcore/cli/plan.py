@@ -46,7 +46,7 @@ _VALUED = (
     "--fsdp-prefetch",
 )
 DEFAULT_HARDWARE = "H100-SXM"
-_FLAGS = ("--json", "--search", "--cross-node")
+_FLAGS = ("--json", "--search", "--cross-node", "--fp8-experts")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +161,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ZeRO-3: units gathered ahead of the one in use (default 1; 0: none)",
     )
     parser.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="under precision.fp8, run the experts' products in FP8 too (DeepSeek-V3's recipe)",
+    )
+    parser.add_argument(
         "--cross-node",
         action="store_true",
         help="let tp (and ep x tp) groups span nodes, priced on the network",
@@ -174,7 +179,7 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     argv = list(sys.argv[2:] if argv is None else argv)
     ns, _ = argparse.ArgumentParser.parse_known_args(parser, ["--gpus", "0"])
     ns.gpus, ns.overrides, ns.compare = None, [], None
-    ns.cross_node = False
+    ns.cross_node = ns.fp8_experts = False
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -237,6 +242,7 @@ def options_from(args: argparse.Namespace):
         if value not in choices:  # named by the flag, not by the planner's field
             raise OptionsError(f"{flag} needs one of {', '.join(choices)}, got {value!r}")
     fields = {"dp_overlap": args.dp_overlap, "cross_node": args.cross_node}
+    fields["fp8_experts"] = args.fp8_experts
     fields["grad_reduce_dtype"] = args.grad_reduce_dtype
     fields["overlapped"] = option_value("overlap", args.comm_overlap)
     if args.zero is not None:

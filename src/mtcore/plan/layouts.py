@@ -50,9 +50,10 @@ OPTION_KEYS = {
     "reshard": "fsdp_reshard",
     "reduce": "fsdp_reduce",
     "prefetch": "fsdp_prefetch",
+    "fp8_experts": "fp8_experts",
 }
 TRAINED_ZERO = (0, 1, 2)  # the ZeRO stages mtcore train runs (parallel.zero)
-FLAGS = {"sp", "zero1", "cross_node"}  # given bare, they mean true
+FLAGS = {"sp", "zero1", "cross_node", "fp8_experts"}  # given bare, they mean true
 _ON = {"on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 _CHOICES = {
     "dp_overlap": DP_OVERLAP,
@@ -80,7 +81,7 @@ def option_value(key: str, value: str):
         if not (value.isascii() and value.isdigit()):
             raise LayoutStringError(f"{key}={value!r}: give a whole number >= 0")
         return int(value)
-    if field in ("fused_attention", "cross_node", "fsdp_reshard"):
+    if field in ("fused_attention", "cross_node", "fsdp_reshard", "fp8_experts"):
         if value.lower() not in _ON:
             raise LayoutStringError(f"{key}={value!r}: give on or off")
         return _ON[value.lower()]

@@ -64,6 +64,8 @@ class Options:
     (``data_parallel.Fsdp``): reshard after forward (FULL_SHARD) or not
     (SHARD_GRAD_OP-like), reduce-scatter the gradients every ``microbatch`` or once a
     ``step`` (unsharded gradients accumulate), units gathered ahead (0: none).
+    fp8_experts: under ``precision.fp8``, the routed and shared experts' products run in
+    FP8 too (DeepSeek-V3's recipe); mtcore keeps them in the model dtype.
     """
 
     dp_overlap: str = "mtcore"
@@ -79,6 +81,7 @@ class Options:
     fsdp_reshard: bool = True
     fsdp_reduce: str = "microbatch"
     fsdp_prefetch: int = 1
+    fp8_experts: bool = False
 
     def __post_init__(self):
         if self.dp_overlap not in DP_OVERLAP:
@@ -102,6 +105,8 @@ class Options:
             raise OptionsError(f"ZeRO stage must be 0, 1, 2 or 3, not {self.zero!r}")
         if not isinstance(self.cross_node, bool):
             raise OptionsError(f"cross-node groups must be on or off, not {self.cross_node!r}")
+        if not isinstance(self.fp8_experts, bool):
+            raise OptionsError(f"fp8 experts must be on or off, not {self.fp8_experts!r}")
         if not isinstance(self.fsdp_reshard, bool):
             raise OptionsError(f"fsdp reshard must be on or off, not {self.fsdp_reshard!r}")
         prefetch = self.fsdp_prefetch
@@ -161,6 +166,7 @@ class Options:
             "moe probs": "" if self.moe_probs == "combine" else f"in the {self.moe_probs}",
             "rank order": "" if self.rank_order == RANK_ORDERS[0] else self.rank_order,
             "fsdp": "" if self.fsdp == Fsdp() else self._fsdp_text(),
+            "fp8 experts": "on" if self.fp8_experts else "",
         }
         return {
             "flash attention": flash,

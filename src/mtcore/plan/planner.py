@@ -335,7 +335,9 @@ def _setting(config, spec, microbatches, shape, hardware, options) -> tuple[_Set
     and LoRA."""
     dtype = config.precision.dtype
     block_dtype, notes = _block_dtype(config, hardware)
-    products = timing.Products(hardware, dtype, block_dtype)
+    products = timing.Products(
+        hardware, dtype, block_dtype, config.precision.fp8_recipe, options.fp8_experts
+    )
     notes.append(products.note())
     zero = options.zero_stage(config)
     if zero != 3 and options.fsdp != Fsdp():
@@ -372,7 +374,11 @@ def _block_dtype(config, hardware: Hardware) -> tuple[str, list[str]]:
     if config.precision.fp8 is None:
         return dtype, []
     if "fp8" in hardware.peak_tflops:
-        return "fp8", ["fp8: the blocks' products run at the fp8 peak"]
+        return "fp8", [
+            "fp8: the blocks' column- and row-parallel linears run at the fp8 peak (the "
+            "experts too under --fp8-experts), with their quantization's memory traffic; "
+            "fp8_first_last_high_precision is not modelled"
+        ]
     return dtype, [f"fp8: {hardware.name} gives no fp8 peak; products at the {dtype} peak"]
 
 

@@ -95,26 +95,54 @@ def weight_products(bl: Block, tokens: float, tp: int, ep: int):
     """``((M, K, N), calls)`` of one block's weight products, forward, on one tp rank for
     ``tokens`` tokens: their FLOPs sum to ``2 tokens active_weights / tp`` (latent
     attention's down-projections whole on each rank, its norms no product)."""
+    return [(shape, calls) for shape, calls, _ in precision_products(bl, tokens, tp, ep)]
+
+
+def precision_products(bl: Block, tokens: float, tp: int, ep: int, fp8_experts: bool = False):
+    """``weight_products`` as ``((M, K, N), calls, fp8)``: ``fp8`` marks the products an
+    FP8 recipe runs in FP8, mtcore's (docs/fp8.md): the blocks' column- and row-parallel
+    linears (attention's, latent attention's up-projections and output, the dense MLP),
+    not latent attention's replicated down-projections, the router, the routed or the
+    shared experts; ``fp8_experts`` puts the experts in FP8 too (DeepSeek-V3's recipe,
+    arXiv 2412.19437 sec. 3.3: every GEMM but the embedding, head, gating, norms and
+    attention)."""
     h, q, kv = bl.hidden, bl.q_width, bl.kv_width
     gate = 2 if bl.gated else 1
     if bl.latent is not None:
-        out = _latent_products(bl, tokens, tp)
+        down, *linears = _latent_products(bl, tokens, tp)
+        out = [(*down, False), *((*item, True) for item in linears)]
     else:
-        out = [((tokens, h, (q + 2 * kv) / tp), 1), ((tokens, q / tp, h), 1)]
+        out = [((tokens, h, (q + 2 * kv) / tp), 1, True), ((tokens, q / tp, h), 1, True)]
     if bl.cross_seq:  # a cross-attention over the encoder tokens, costed at the query count
-        out += [((tokens, h, (q + 2 * kv) / tp), 1), ((tokens, q / tp, h), 1)]
-    for inner in (bl.ffn, bl.shared_ffn):
+        out += [((tokens, h, (q + 2 * kv) / tp), 1, True), ((tokens, q / tp, h), 1, True)]
+    for inner, fp8 in ((bl.ffn, True), (bl.shared_ffn, fp8_experts)):
         if inner:
-            out += [((tokens, h, gate * inner / tp), 1), ((tokens, inner / tp, h), 1)]
+            out += [((tokens, h, gate * inner / tp), 1, fp8), ((tokens, inner / tp, h), 1, fp8)]
     if bl.experts:
-        out.append(((tokens, h, bl.experts / tp), 1))  # the router
+        out.append(((tokens, h, bl.experts / tp), 1, False))  # the router
         local = bl.experts / ep
         rows = tokens * bl.top_k / local  # balanced: every expert gets top_k / E of the rows
         out += [
-            ((rows, h, gate * bl.expert_ffn / tp), local),
-            ((rows, bl.expert_ffn / tp, h), local),
+            ((rows, h, gate * bl.expert_ffn / tp), local, fp8_experts),
+            ((rows, bl.expert_ffn / tp, h), local, fp8_experts),
         ]
     return out
+
+
+def _weight_seconds(products: timing.Products, bl: Block, rows: float, tp: int, ep: int) -> float:
+    """One forward pass of ``bl``'s weight products, each in its precision."""
+    items = precision_products(bl, rows, tp, ep, products.fp8_experts)
+    return sum(products.seconds(shape, calls, fp8) for shape, calls, fp8 in items)
+
+
+def _quantize_seconds(products: timing.Products, bl: Block, rows: float, spec, hw, e) -> float:
+    """The FP8 products' quantization for one micro-batch (``timing.fp8_quantize_bytes``):
+    forward the input and the weight, backward the output's gradient."""
+    if products.block_dtype != "fp8":
+        return 0.0
+    items = precision_products(bl, rows, spec.tp, spec.ep, products.fp8_experts)
+    elements = sum(calls * (m * k + k * n + m * n) for (m, k, n), calls, fp8 in items if fp8)
+    return timing.memory_bound(hw, elements * timing.fp8_quantize_bytes(e, products.fp8_recipe))
 
 
 def _up_projections(bl: Block, tokens: float, tp: int):
@@ -169,10 +197,11 @@ def microbatch_time(
     (``network.RANK_ORDERS``), which places the pipeline's sends."""
     tp, cp, ep = spec.tp, spec.cp, spec.ep
     tokens = b * shape.seq_len / cp  # per rank; T5's decoder uses its own length below
-    fwd = back = live_w = live_s = kernel_s = 0.0
+    fwd = back = live_w = live_s = kernel_s = quantize = 0.0
     for bl, n in stage.blocks:
         rows = b * bl.seq / bl.cp_share(cp)
-        weights = _forward_seconds(products, weight_products(bl, rows, tp, ep), True)
+        weights = _weight_seconds(products, bl, rows, tp, ep)
+        quantize += n * _quantize_seconds(products, bl, rows, spec, hw, e)
         scores = _forward_seconds(products, score_products(bl, b, tp, cp), False)
         fwd += n * (weights + scores)
         # the backward's passes after the forward (Block.passes - 1: 2 with weight
@@ -208,7 +237,7 @@ def microbatch_time(
     if stage.last:  # the loss over the vocabulary shard, in fp32 (timing.cross_entropy_bytes)
         loss_traffic = b * shape.head_seq / cp * shape.vocab / tp * timing.cross_entropy_bytes(e)
         loss_traffic *= shape.head_passes
-    memory_bound = timing.memory_bound(hw, passes * kept_bytes + loss_traffic)
+    memory_bound = timing.memory_bound(hw, passes * kept_bytes + loss_traffic) + quantize
     return {
         "compute": compute,
         "recompute": redo,
@@ -247,8 +276,7 @@ def weight_grad_seconds(shape, stage: Stage, b, spec, products) -> float:
     for bl, n in stage.blocks:
         if bl.passes == 3:  # weights with gradients (Block.passes)
             rows = b * bl.seq / bl.cp_share(spec.cp)
-            products_of = weight_products(bl, rows, spec.tp, spec.ep)
-            seconds += n * _forward_seconds(products, products_of, True)
+            seconds += n * _weight_seconds(products, bl, rows, spec.tp, spec.ep)
     if not shape.embed_frozen:
         seconds += _head_seconds(shape, stage, b, spec, products) * shape.head_passes
     return seconds
