@@ -99,6 +99,9 @@ class StepTime:
     dp_exposed: float
     optimizer: float
     tied_comm: float = 0.0  # the tied embedding's gradient, first and last stage, after backward
+    overhead: float = (
+        0.0  # the software's fixed cost a micro-batch (Hardware.microbatch_overhead_us)
+    )
 
     @property
     def exposed_comm(self) -> float:
@@ -108,7 +111,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        busy = self.compute + self.recompute + self.memory_bound
+        busy = self.compute + self.recompute + self.memory_bound + self.overhead
         return busy + self.exposed_comm + self.bubble + self.optimizer
 
 
@@ -543,6 +546,7 @@ def _step_time(setting: _Setting, work: list[_StageWork], stage_seconds: list[di
         dp_exposed=dp_exposed,
         optimizer=_optimizer_seconds(setting, work[slow].memory),
         tied_comm=_tied_embedding_seconds(setting),
+        overhead=m * one["overhead"],
     )
 
 

@@ -243,6 +243,8 @@ def microbatch_time(
         "recompute": redo,
         "memory_bound": memory_bound,
         **_communication(shape, stage, b, spec, hw, recompute, e, tokens, kept, order),
+        # the software's fixed cost: a forward and a backward through each chunk
+        "overhead": 2 * spec.vpp * hw.microbatch_overhead_us * 1e-6,
     }
 
 
@@ -322,7 +324,8 @@ def _communication(
     if spec.pp > 1:
         boundary = e * tokens * shape.hidden / (tp if spec.sequence_parallel else 1)
         sends = 2 * spec.vpp  # every chunk: its activation forward, its gradient back
-        pp_comm = sends * network.p2p(hw, boundary, spec.pp, network.pp_stride(spec, order))
+        send = network.p2p(hw, boundary, spec.pp, network.pp_stride(spec, order))
+        pp_comm = sends * (send + hw.p2p_overhead_us * 1e-6)
     return {"tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm}
 
 
