@@ -45,6 +45,7 @@ _VALUED = (
     "--fsdp-reshard",
     "--fsdp-reduce",
     "--fsdp-prefetch",
+    "--moe-node-limit",
 )
 DEFAULT_HARDWARE = "H100-SXM"
 DEFAULT_PLOT = "runs/plan/compare.png"
@@ -170,6 +171,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ZeRO-3: units gathered ahead of the one in use (default 1; 0: none)",
     )
     parser.add_argument(
+        "--moe-node-limit",
+        metavar="M",
+        default=None,
+        help="each token's experts on at most M nodes, sent once per node (DeepSeek-V3: 4)",
+    )
+    parser.add_argument(
         "--fp8-experts",
         action="store_true",
         help="under precision.fp8, run the experts' products in FP8 too (DeepSeek-V3's recipe)",
@@ -265,6 +272,8 @@ def options_from(args: argparse.Namespace):
     fields["fsdp_reshard"] = option_value("reshard", args.fsdp_reshard)
     fields["fsdp_reduce"] = option_value("reduce", args.fsdp_reduce)
     fields["fsdp_prefetch"] = option_value("prefetch", args.fsdp_prefetch)
+    if args.moe_node_limit is not None:
+        fields["moe_node_limit"] = option_value("node_limit", args.moe_node_limit)
     return Options(**fields)
 
 

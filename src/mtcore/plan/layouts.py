@@ -51,6 +51,7 @@ OPTION_KEYS = {
     "reduce": "fsdp_reduce",
     "prefetch": "fsdp_prefetch",
     "fp8_experts": "fp8_experts",
+    "node_limit": "moe_node_limit",
 }
 TRAINED_ZERO = (0, 1, 2)  # the ZeRO stages mtcore train runs (parallel.zero)
 FLAGS = {"sp", "zero1", "cross_node", "fp8_experts"}  # given bare, they mean true
@@ -77,7 +78,7 @@ def option_value(key: str, value: str):
         if not (value.isascii() and value.isdigit()):
             raise LayoutStringError(f"zero={value!r}: give a ZeRO stage 0, 1, 2 or 3")
         return int(value)
-    if field == "fsdp_prefetch":
+    if field in ("fsdp_prefetch", "moe_node_limit"):
         if not (value.isascii() and value.isdigit()):
             raise LayoutStringError(f"{key}={value!r}: give a whole number >= 0")
         return int(value)

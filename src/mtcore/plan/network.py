@@ -175,6 +175,37 @@ def all_to_all(hardware: Hardware, size_bytes: float, ranks: int, stride: int) -
     return seconds + (ranks - 1) * _latency(hardware, where.reach)
 
 
+def node_limited_all_to_all(
+    hardware: Hardware,
+    token_bytes: float,
+    tokens: float,
+    top_k: int,
+    node_limit: int,
+    ranks: int,
+    stride: int,
+) -> float:
+    """An expert dispatch (or combine) of ``tokens`` tokens of ``token_bytes`` each, every
+    one routed to ``top_k`` experts on at most ``node_limit`` of the nodes the group spans
+    (DeepSeek-V3's node-limited routing, arXiv 2412.19437 sec. 2.1.2 and 3.2.2): a token
+    crosses the network once per other node it goes to, through its rank's port, and is
+    forwarded to that node's experts over the intra-node link. With the nodes chosen
+    evenly, a token reaches ``min(node_limit, top_k, nodes) (nodes - 1) / nodes`` other
+    nodes; each of its ``top_k`` rows crosses the link ``(per_node - 1) / per_node`` of
+    the time. A group in one node is the plain ``all_to_all``; across pods the network
+    part goes at the pod layer's share."""
+    where = _place(hardware, ranks, stride)
+    if ranks <= 1 or where.reach == 0:
+        return all_to_all(hardware, token_bytes * tokens * top_k, ranks, stride)
+    efficiency = constants.LINK_EFFICIENCY
+    nodes = ranks / where.per_node
+    remote = min(node_limit, top_k, nodes) * (nodes - 1) / nodes
+    port = hardware.inter_node_gbs if where.reach == 1 else hardware.inter_pod_gbs
+    network_s = token_bytes * tokens * remote / (port * 1e9 * efficiency)
+    forwarded = token_bytes * tokens * top_k * (where.per_node - 1) / where.per_node
+    node_s = forwarded / (hardware.intra_node_gbs * 1e9 * efficiency)
+    return max(network_s, node_s) + (ranks - 1) * _latency(hardware, where.reach)
+
+
 def p2p(hardware: Hardware, size_bytes: float, ranks: int, stride: int) -> float:
     """One rank of a group of ``ranks`` ranks ``stride`` apart (a pipeline) sends
     ``size_bytes`` to the next: over one port when the group crosses nodes."""

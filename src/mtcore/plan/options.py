@@ -66,6 +66,9 @@ class Options:
     ``step`` (unsharded gradients accumulate), units gathered ahead (0: none).
     fp8_experts: under ``precision.fp8``, the routed and shared experts' products run in
     FP8 too (DeepSeek-V3's recipe); mtcore keeps them in the model dtype.
+    moe_node_limit: each token's experts on at most this many nodes, a token sent once
+    per node (DeepSeek-V3's node-limited routing, 4; ``network.node_limited_all_to_all``);
+    None: mtcore's routing, every routed row sent to its expert's rank.
     """
 
     dp_overlap: str = "mtcore"
@@ -82,6 +85,7 @@ class Options:
     fsdp_reduce: str = "microbatch"
     fsdp_prefetch: int = 1
     fp8_experts: bool = False
+    moe_node_limit: int | None = None
 
     def __post_init__(self):
         if self.dp_overlap not in DP_OVERLAP:
@@ -105,6 +109,11 @@ class Options:
             raise OptionsError(f"ZeRO stage must be 0, 1, 2 or 3, not {self.zero!r}")
         if not isinstance(self.cross_node, bool):
             raise OptionsError(f"cross-node groups must be on or off, not {self.cross_node!r}")
+        limit = self.moe_node_limit
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise OptionsError(f"moe node limit must be a whole number >= 1, not {limit!r}")
         if not isinstance(self.fp8_experts, bool):
             raise OptionsError(f"fp8 experts must be on or off, not {self.fp8_experts!r}")
         if not isinstance(self.fsdp_reshard, bool):
@@ -167,6 +176,7 @@ class Options:
             "rank order": "" if self.rank_order == RANK_ORDERS[0] else self.rank_order,
             "fsdp": "" if self.fsdp == Fsdp() else self._fsdp_text(),
             "fp8 experts": "on" if self.fp8_experts else "",
+            "moe node limit": str(self.moe_node_limit or ""),
         }
         return {
             "flash attention": flash,

@@ -509,6 +509,7 @@ def _microbatch_seconds(setting: _Setting, stage: Stage) -> dict:
         setting.products,
         setting.options.kept,
         setting.options.rank_order,
+        setting.options.moe_node_limit,
     )
 
 

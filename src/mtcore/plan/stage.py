@@ -190,11 +190,13 @@ def microbatch_time(
     products,
     kept: Kept = MTCORE_KEPT,
     order: str = network.RANK_ORDERS[0],
+    node_limit: int | None = None,
 ) -> dict:
     """Seconds of one micro-batch through ``stage`` by cause: products (forward and the
     backward's passes, ``Block.passes``), recompute, memory-bound work, and tp/cp/ep/pp
     communication as mtcore runs it (exposed); ``order``: the rank order
-    (``network.RANK_ORDERS``), which places the pipeline's sends."""
+    (``network.RANK_ORDERS``), which places the pipeline's sends; ``node_limit``: the
+    most nodes a token's experts lie on (``network.node_limited_all_to_all``)."""
     tp, cp, ep = spec.tp, spec.cp, spec.ep
     tokens = b * shape.seq_len / cp  # per rank; T5's decoder uses its own length below
     fwd = back = live_w = live_s = kernel_s = quantize = 0.0
@@ -242,7 +244,7 @@ def microbatch_time(
         "compute": compute,
         "recompute": redo,
         "memory_bound": memory_bound,
-        **_communication(shape, stage, b, spec, hw, recompute, e, tokens, kept, order),
+        **_communication(shape, stage, b, spec, hw, recompute, e, tokens, kept, order, node_limit),
         # the software's fixed cost: a forward and a backward through each chunk
         "overhead": 2 * spec.vpp * hw.microbatch_overhead_us * 1e-6,
     }
@@ -296,7 +298,17 @@ def _head_seconds(shape, stage: Stage, b, spec, products) -> float:
 
 
 def _communication(
-    shape, stage: Stage, b, spec, hw, recompute, e, tokens, kept=MTCORE_KEPT, order=None
+    shape,
+    stage: Stage,
+    b,
+    spec,
+    hw,
+    recompute,
+    e,
+    tokens,
+    kept=MTCORE_KEPT,
+    order=None,
+    node_limit=None,
 ) -> dict:
     order = order or network.RANK_ORDERS[0]
     tp, cp, ep = spec.tp, spec.cp, spec.ep
@@ -319,7 +331,9 @@ def _communication(
                 qkvo = e * b * bl.seq / cp * (2 * bl.q_width + 2 * bl.kv_width) / tp
                 cp_comm += count * sends * network.all_to_all(hw, qkvo, cp, tp)
         if bl.experts and ep > 1:
-            ep_comm += count * _expert_all_to_alls(hw, bl, b, cp, ep, tp, e, calls, kept)
+            ep_comm += count * _expert_all_to_alls(
+                hw, bl, b, cp, ep, tp, e, calls, kept, node_limit
+            )
     pp_comm = 0.0
     if spec.pp > 1:
         boundary = e * tokens * shape.hidden / (tp if spec.sequence_parallel else 1)
@@ -329,20 +343,27 @@ def _communication(
     return {"tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm}
 
 
-def _expert_all_to_alls(hw, bl: Block, b, cp, ep, tp, e, calls: int, kept: Kept) -> float:
+def _expert_all_to_alls(
+    hw, bl: Block, b, cp, ep, tp, e, calls: int, kept: Kept, node_limit: int | None = None
+) -> float:
     """One micro-batch's expert all-to-alls through ``bl``: the dispatch and the combine
     forward, their gradients backward (and the forward's again under full recompute).
     The forward dispatch and the backward's gradient dispatch (the combine's backward)
     move ``kept.dispatch_bytes`` an element (fp8 with its scales under an fp8 dispatch,
     DeepSeek-V3 sec. 3.3.2), the combines ``e``."""
-    rows = b * bl.seq / cp * bl.top_k * bl.hidden
+    tokens = b * bl.seq / cp
+
+    def one(element_bytes: float) -> float:
+        if node_limit is None:
+            return network.all_to_all(hw, element_bytes * tokens * bl.top_k * bl.hidden, ep, tp)
+        return network.node_limited_all_to_all(
+            hw, element_bytes * bl.hidden, tokens, bl.top_k, node_limit, ep, tp
+        )
+
     if kept.dispatch_bytes is None:
-        return calls * network.all_to_all(hw, e * rows, ep, tp)
-    narrow = kept.dispatch_bytes
+        return calls * one(e)
     dispatches = calls // 2  # fwd dispatch, bwd gradient dispatch (and a recomputed one)
-    return dispatches * network.all_to_all(hw, narrow * rows, ep, tp) + (
-        calls - dispatches
-    ) * network.all_to_all(hw, e * rows, ep, tp)
+    return dispatches * one(kept.dispatch_bytes) + (calls - dispatches) * one(e)
 
 
 def replicated_grad_seconds(shape, stage: Stage, spec, hw, grad_bytes: int) -> float:
