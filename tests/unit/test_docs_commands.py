@@ -765,6 +765,10 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "mtcore plan configs/default.yaml --gpus 992 --hardware A100-80GB --model.style gpt2 \\": (
             CHEAP
         ),
+        "mtcore plan configs/default.yaml --gpus 16384 --hardware docs/examples/hardware/"
+        "h100-meta-roce.toml \\": CHEAP,
+        "mtcore plan configs/deepseek.yaml --gpus 2048 --hardware docs/examples/hardware/"
+        "h800-deepseek.toml \\": CHEAP,
         "mtcore sweep configs/default.yaml --layouts tp=2,pp=1 tp=1,pp=2 tp=1,pp=1 --nproc 2 "
         "--steps 6": ShellRun(slow=True, replace=(("--steps 6", "--steps 2"),)),
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --compare tp=2,pp=2 "

@@ -347,7 +347,7 @@ def _setting(config, spec, microbatches, shape, hardware, options) -> tuple[_Set
         raise OptionsError(f"the fsdp switches describe ZeRO-3 (--zero 3), not ZeRO-{zero}")
     if zero == 3:
         notes.append(
-            "ZeRO-3: every parameter sharded, as FSDP's FULL_SHARD; mtcore's parallel.zero 3 "
+            "ZeRO-3: every parameter sharded, as FSDP shards them; mtcore's parallel.zero 3 "
             "shards the blocks' and keeps the embedding and head whole"
         )
     lora = config.finetune.lora
