@@ -10,6 +10,7 @@ which value it assumed and where that value came from (``Options.assumed``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from mtcore.plan.data_parallel import FSDP_REDUCE, Fsdp
 from mtcore.plan.memory import FP8_SCALED_BYTES, RECOMPUTE_MODULES, Kept
@@ -140,11 +141,11 @@ class Options:
     def grad_bytes(self) -> int:
         return GRAD_DTYPES[self.grad_reduce_dtype]
 
-    @property
+    @cached_property
     def fsdp(self) -> Fsdp:
         return Fsdp(self.fsdp_reshard, self.fsdp_reduce, self.fsdp_prefetch)
 
-    @property
+    @cached_property
     def kept(self) -> Kept:
         """What the software keeps for backward (``memory.Kept``)."""
         return Kept(

@@ -305,7 +305,8 @@ class _StageWork:
 def _plan(config, spec, microbatches, shape: ModelShape, gpus, hardware, options) -> Plan:
     check_placement(spec, hardware, options)
     setting, notes = _setting(config, spec, microbatches, shape, hardware, options)
-    work = [_stage_work(setting, rank) for rank in range(spec.pp)]
+    timed: dict[Stage, dict] = {}  # middle stages repeat: time each kind of stage once
+    work = [_stage_work(setting, rank, timed) for rank in range(spec.pp)]
     stage_seconds = _overlapped(setting, [dict(w.seconds) for w in work])
     time = _step_time(setting, work, stage_seconds)
     global_batch = config.training.global_batch_size
@@ -385,8 +386,9 @@ def _block_dtype(config, hardware: Hardware) -> tuple[str, list[str]]:
     return dtype, [f"fp8: {hardware.name} gives no fp8 peak; products at the {dtype} peak"]
 
 
-def _stage_work(setting: _Setting, rank: int) -> _StageWork:
-    """Pipeline rank ``rank``'s memory and its micro-batch's time."""
+def _stage_work(setting: _Setting, rank: int, timed: dict) -> _StageWork:
+    """Pipeline rank ``rank``'s memory and its micro-batch's time (``timed``: the
+    micro-batch seconds of each kind of stage seen so far)."""
     spec, shape = setting.spec, setting.shape
     pp, vpp = spec.pp, spec.vpp
     stage = Stage(
@@ -394,9 +396,11 @@ def _stage_work(setting: _Setting, rank: int) -> _StageWork:
     )
     unit = _largest_unit(shape, stage, spec.tp, spec.ep)
     args = (shape, stage, setting.micro_batch, spec)
+    if stage not in timed:
+        timed[stage] = _microbatch_seconds(setting, stage)
     return _StageWork(
         memory=_rank_memory(setting, stage, rank, unit),
-        seconds=_microbatch_seconds(setting, stage),
+        seconds=timed[stage],
         weight_grad=weight_grad_seconds(*args, setting.products),
         largest_unit=unit,
         replicated_grads=replicated_grad_seconds(

@@ -228,7 +228,7 @@ def microbatch_time(
     redo = {"full": live_w + live_s, "selective": live_s}.get(recompute, 0.0)
     if recompute == "none" and "core_attn" in kept.modules:
         redo += live_s
-    if recompute != "full":
+    if recompute != "full" and kept.modules:
         redo += _module_recompute_seconds(stage, b, spec, hw, fused, e, products, kept)
     kept_bytes = sum(
         n * layer_activation_bytes(bl, b, tp, cp, spec.sequence_parallel, "none", fused, e)
