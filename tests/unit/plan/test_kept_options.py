@@ -125,3 +125,19 @@ def test_bad_values_are_refused_and_compare_keys_parse():
         "moe_dispatch": "fp8",
         "moe_probs": "expert",
     }
+
+
+def test_the_cli_takes_the_new_options_and_refuses_bad_ones_in_one_line(capsys):
+    from mtcore.cli.main import main
+
+    args = ["plan", "configs/moe.yaml", "--gpus", "4", "--hardware", "H100-SXM"]
+    for bad in (["--moe-dispatch", "fp4"], ["--fsdp-prefetch", "x"], ["--rank-order", "pp-dp"],
+                ["--recompute-modules", "mlp"], ["--moe-node-limit", "0"]):  # fmt: skip
+        assert main([*args, *bad]) == 2, bad
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1, bad
+    good = ["--recompute-modules", "layernorm,moe_act", "--moe-dispatch", "fp8", "--moe-probs",
+            "expert", "--moe-node-limit", "2", "--fp8-experts", "--json"]  # fmt: skip
+    assert main([*args, *good]) == 0
+    assumed = __import__("json").loads(capsys.readouterr().out)["assumed"]
+    assert assumed["recompute modules"] == "layernorm,moe_act"
+    assert assumed["moe dispatch"] == "fp8" and assumed["moe node limit"] == "2"
