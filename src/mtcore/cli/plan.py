@@ -14,8 +14,11 @@ files side by side. `--backend NAME|auto` builds that backend (as `mtcore doctor
 memory, the dtypes it computes in and any peak figures) over the `--hardware`
 description, which gives the rest. The software a layout is assumed to run on is
 set by `--zero 0-3`, `--flash-attention on|off`, `--comm-overlap tp,pp`,
-`--grad-reduce-dtype`, `--dp-overlap` and `--cross-node` (and per column in
-`--compare`: `zero=3,flash=off,overlap=tp+pp,grad_dtype=bf16`); every report says what
+`--grad-reduce-dtype`, `--dp-overlap`, `--cross-node`, what the stack keeps for backward
+(`--recompute-modules`, `--moe-dispatch`, `--moe-probs`), `--rank-order`, FSDP's
+switches (`--fsdp-reshard`, `--fsdp-reduce`, `--fsdp-prefetch`), `--fp8-experts` and
+`--moe-node-limit` (and per column in `--compare`:
+`zero=3,flash=off,overlap=tp+pp,grad_dtype=bf16,reshard=off`); every report says what
 it assumed. The model and its two fitted constants: docs/plan.md.
 """
 
