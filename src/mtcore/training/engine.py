@@ -55,7 +55,7 @@ from mtcore.backend.tracing import phase
 from mtcore.distributed import Axis
 from mtcore.models import Batch, FamilyConfig, LoRAConfig, add_lora, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
-from mtcore.parallel.data import DataParallel, strategy_for
+from mtcore.parallel.data import DataParallel, dp_overlap, strategy_for
 from mtcore.parallel.pipeline import (
     PipelineGroups,
     PipelineRunner,
@@ -122,12 +122,15 @@ class Engine:
         # the ZeRO stage and the optimizer: one entry of the strategy table
         strategy = strategy_for(zero, optimizer.name)
         sizes = {} if bucket_size is None else {"bucket_size": bucket_size}
+        dp_config = strategy.data_parallel_config(
+            **sizes, overlap_grad_reduce=dp_overlap(backend)[0]
+        )
         # Tied halves on other stages are summed over the stages before their dp reduction.
         self.tied = [p for chunk in self.chunks for p in chunk.tied_copies() if p.requires_grad]
         # ZeRO-3 gathers the params of one transformer block at a time; the rest stay whole.
         blocks = [block for chunk in self.chunks for block in chunk.layers.values()]
-        self.ddp = DataParallel(module, layout, backend, strategy.data_parallel_config(**sizes),
-                                chunks=self.chunks, deferred=self.tied, units=blocks)  # fmt: skip
+        self.ddp = DataParallel(module, layout, backend, dp_config, chunks=self.chunks,
+                                deferred=self.tied, units=blocks)  # fmt: skip
         scaler = precision.make_loss_scaler()
         self.max_grad_norm = optimizer.max_grad_norm
         self.optimizer = strategy.build_optimizer(

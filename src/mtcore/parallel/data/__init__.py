@@ -7,7 +7,7 @@ and its optimizer (``strategies``) (torch) on first use.
 
 import importlib
 
-from mtcore.parallel.data.config import DEFAULT_BUCKET_SIZE, DataParallelConfig
+from mtcore.parallel.data.config import DEFAULT_BUCKET_SIZE, DataParallelConfig, dp_overlap
 
 _WITH_TORCH = {
     "Bucket": "buffer",
@@ -35,5 +35,6 @@ __all__ = [
     "DataParallelStrategy",
     "GradBuffer",
     "LaunchRecord",
+    "dp_overlap",
     "strategy_for",
 ]
