@@ -79,7 +79,9 @@ def segment_bytes(members: int, slot_bytes: int = SLOT_BYTES) -> int:
     return _PAGE + 2 * members * slot_bytes
 
 
-def create_segment(members: int, slot_bytes: int = SLOT_BYTES, size: int | None = None) -> str | None:
+def create_segment(
+    members: int, slot_bytes: int = SLOT_BYTES, size: int | None = None
+) -> str | None:
     """Create a zeroed segment for a group (on its first rank): a channel's, or ``size``
     bytes; its path, or None if ``/dev/shm`` lacks the room (the group then keeps its
     c10d backend)."""
@@ -185,6 +187,7 @@ class SharedMemoryChannel:
         self.rank, self.members, self.slot_bytes = rank, len(pids), slot_bytes
         self.timeout_s = timeout_s
         self.pids = tuple(pids)
+        self.global_ranks = tuple(range(self.members))  # the collective sets the real ones
         self._map = map_segment(path, segment_bytes(self.members, slot_bytes))
         self._flags = memoryview(self._map)[:_PAGE].cast("q")
         self._flag_slots = [r * _FLAG_STRIDE for r in range(self.members)]
@@ -356,15 +359,24 @@ class SharedMemoryChannel:
         gone = [r for r in missing if not pid_alive(self.pids[r])]
         if gone:
             raise PeerGone(
-                f"shared-memory channel: group rank(s) {gone} (pid "
-                f"{', '.join(str(self.pids[r]) for r in gone)}) exited while this rank "
+                f"shared-memory channel: {name_members(self, gone)} exited while this rank "
                 f"waited {waited:.1f} s for them"
             )
         if waited > self.timeout_s:
             raise PeerGone(
-                f"shared-memory channel: group rank(s) {missing} did not arrive within "
+                f"shared-memory channel: {name_members(self, missing)} did not arrive within "
                 f"{self.timeout_s:g} s"
             )
+
+
+def name_members(segment, members: Sequence[int]) -> str:
+    """Members of a channel or mailbox (group ranks) as a user finds them: their global
+    ranks, pids and host (one host: the segment is in its /dev/shm)."""
+    import socket
+
+    ranks = ", ".join(str(segment.global_ranks[r]) for r in members)
+    pids = ", ".join(str(segment.pids[r]) for r in members)
+    return f"rank(s) {ranks} (pid {pids} on host {socket.gethostname()})"
 
 
 def _row_bytes(tensor: torch.Tensor) -> int:

@@ -77,8 +77,13 @@ def check_memory(config, world: int, ranks_here: int, backend) -> None:
         )
     else:
         available = backend.device.capabilities().memory_bytes
-        if not available:
+        if available is None:  # unknown: nothing to check against
             return
+        if available <= 0:  # a device that holds nothing cannot hold the job either
+            raise ConfigError(
+                f"backend {backend.name!r} reports {available} bytes of {backend.device.type} "
+                "device memory (capabilities().memory_bytes); a device must have memory"
+            )
         need = peak
         where = (
             f"the busiest rank needs about {need / gib:.1f} GiB, but a "
