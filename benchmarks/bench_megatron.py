@@ -70,10 +70,15 @@ it overlaps the rest) and calls, and where a step makes one
 and optimizer+rest. The vocabulary-parallel cross entropy of both on the same
 ``[1024, 512]`` logit shards is timed too (``--ce-reps``; tp2 GPT configurations).
 
-``--profile-steps`` (default 2; dense GPT at pp 1) profiles extra steps of each side
-with ``torch.profiler``: time in matrix products and fused attention, and a **GEMM
-floor** (the step's weight-product FLOPs per rank over this core's single-thread
-matmul rate) beside 0.7 x Megatron's step. ``--compare-overlap`` runs two mtcore
+``--profile-steps`` (default 2; GPT configurations at pp 1, MoE included) profiles
+extra steps of each side with ``torch.profiler`` (``against_megatron.op_profile``):
+time in matrix products and fused attention, each side's top ops by self CPU time
+(the non-GEMM shares: norms, attention, activations, copies, collectives' waits,
+optimizer), and the **GEMM floor**: every matrix product of mtcore's profiled steps,
+with its recorded shapes, replayed alone on the rank's one thread (the fastest of a
+few calls), summed per step; the step is printed as a multiple of it for each side
+(both sides make the same products). Dense configurations also print the weight-
+product FLOPs over this core's matmul rate, the floor of earlier sessions. ``--compare-overlap`` runs two mtcore
 sides against the same Megatron steps: the column-parallel backward overlapped
 (``MTCORE_TP_OVERLAP=1``, the default) and blocking (``=0``). ``--load K`` starts K
 processes that spin on the CPU for the length of the run. The ``uptime`` line is

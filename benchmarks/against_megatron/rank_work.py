@@ -11,26 +11,7 @@ import torch
 from .configs import BATCH, CONFIGS, HEADS, HIDDEN, LAYERS, LLAMA_KV_HEADS, SEQ, VOCAB, step_batches
 from .instrument import instrument, timed_phases
 from .mtcore_side import MtcoreSide, ffn_size
-
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-
-
-def _op_times(step, batches) -> dict[str, float]:
-    """Seconds per step, from ``torch.profiler`` self CPU times (separate steps: the
-    profiler slows what it watches): the matrix products (``MATMUL_OPS``, which include
-    an unfused attention's score products) and fused attention kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for batch in batches:
-            step(batch)
-    out = {"matmul": 0.0, "fused attention": 0.0}
-    for event in prof.key_averages():
-        if event.key in MATMUL_OPS:
-            out["matmul"] += event.self_cpu_time_total
-        elif "scaled_dot_product" in event.key:
-            out["fused attention"] += event.self_cpu_time_total
-    return {k: v / 1e6 / len(batches) for k, v in out.items()}
+from .op_profile import gemm_floor, op_table, op_times, profile_side
 
 
 def weight_flops_per_rank(cfg) -> float:
@@ -152,11 +133,15 @@ def rank_main(
         },
         "note": note,
     }
-    if profile_steps and cfg.family == "gpt" and not cfg.experts and cfg.pp == 1:
+    if profile_steps and cfg.family == "gpt" and cfg.pp == 1:
         extra = batches[-profile_steps:]
-        result["ops"] = {s: _op_times(sides[s], extra) for s in sides}
-        result["gemm_peak"] = gemm_peak_flops()
-        result["weight_flops"] = weight_flops_per_rank(cfg)
+        profiles = {s: profile_side(sides[s], extra, s == "mtcore") for s in sides}
+        result["ops"] = {s: op_times(p, len(extra)) for s, p in profiles.items()}
+        result["op_table"] = {s: op_table(p, len(extra), 14) for s, p in profiles.items()}
+        result["gemm_floor"] = gemm_floor(profiles["mtcore"], len(extra))
+        if not cfg.experts:
+            result["gemm_peak"] = gemm_peak_flops()
+            result["weight_flops"] = weight_flops_per_rank(cfg)
     if cfg.legacy and cfg.tp == 2 and ce_reps:
         result["cross_entropy"] = _cross_entropy_times(ctx, ce_reps)
     return result

@@ -29,18 +29,31 @@ def _phase_table(phases: dict, names: list[str]) -> None:
         print(f"{key:<20}" + "".join(cells))
 
 
-def _ops(res: dict, names: list[str], megatron_ms: float) -> None:
-    peak, flops = res["gemm_peak"], res["weight_flops"]
+def _ops(res: dict, names: list[str], med: dict) -> None:
     for key, label in (
         ("matmul", "matmul ms (profiled)"),
         ("fused attention", "fused attention ms"),
     ):
         print(f"{label:<20}" + "".join(f"{res['ops'][s][key] * 1e3:>16.1f}" for s in names))
+    if "gemm_peak" in res:
+        peak, flops = res["gemm_peak"], res["weight_flops"]
+        print(
+            f"weight-product FLOPs: {flops / 1e9:.2f} GFLOP per rank per step at this core's "
+            f"{peak / 1e9:.0f} GFLOP/s = {flops / peak * 1e3:.1f} ms"
+        )
+    floor = res["gemm_floor"]
     print(
-        f"GEMM floor: {flops / 1e9:.2f} GFLOP of weight products per rank per step at this "
-        f"core's {peak / 1e9:.0f} GFLOP/s = {flops / peak * 1e3:.1f} ms; 0.7 x Megatron's step "
-        f"= {0.7 * megatron_ms:.1f} ms"
+        f"GEMM floor (mtcore's {floor['shapes']} product shapes replayed alone, one thread): "
+        f"{floor['seconds'] * 1e3:.1f} ms, {floor['flops'] / 1e9:.2f} GFLOP per step"
+        + (f" ({floor['unreplayed']:.0f} calls unreadable)" if floor["unreplayed"] else "")
+        + "; step / floor: "
+        + ", ".join(f"{s} {med[s] / floor['seconds']:.2f}" for s in names)
     )
+    for s in names:
+        rows = res["op_table"][s]
+        print(f"top ops by self CPU, {s} (profiled ms per step, calls per step):")
+        for key, sec, calls in rows:
+            print(f"  {key:<48} {sec * 1e3:>8.2f} {calls:>7.0f}")
 
 
 def _cross_entropy(ce: dict) -> None:
@@ -77,7 +90,7 @@ def report(name: str, res: dict) -> dict:
         print(f"loss {s:<15}: " + " ".join(f"{v:.3f}" for v in ls))
     _phase_table(res["phases"], names)
     if "ops" in res:
-        _ops(res, names, med["megatron"] * 1e3)
+        _ops(res, names, med)
     if res.get("cross_entropy"):
         _cross_entropy(res["cross_entropy"])
     return {"paired": paired, "ms": {s: v * 1e3 for s, v in med.items()}}

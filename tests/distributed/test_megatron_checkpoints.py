@@ -7,10 +7,10 @@ and compute its logits, then save it as Megatron-LM does: torch_dist
 convert from-megatron`` does) and writes an mtcore checkpoint; every rank loads that
 checkpoint into mtcore's GPT at tp2 x pp2 (another split of the same weights) and runs
 the tokens; rank 0 exports it again (``write_megatron_legacy`` at tp2 x pp2, as
-``to-megatron`` does, and for the dense cases ``write_megatron_torch_dist``, as
-``to-megatron --format torch_dist`` does) and a freshly built Megatron-Core model loads
-each export strictly (the torch_dist one through ``dist_checkpointing.load`` at tp2 x
-pp2) and runs the tokens once more. Cases: GPT-2 style (LayerNorm, erf GeLU, learned
+``to-megatron`` does, and ``write_megatron_torch_dist``, as ``to-megatron --format
+torch_dist`` does) and a freshly built Megatron-Core model loads each export strictly
+(the torch_dist one through ``dist_checkpointing.load`` at the case's layout: tp2 x pp2,
+or tp2 x ep2) and runs the tokens once more. Cases: GPT-2 style (LayerNorm, erf GeLU, learned
 positions, tied, biases), Llama style (RMSNorm, SwiGLU, RoPE, GQA, untied) and
 Mixtral style (Llama with 4 experts, top-2, SequentialMLP), the last once more at
 tp2 x ep2 (two experts per rank).
@@ -93,22 +93,20 @@ def _rank_main(ctx, root, tokens):
                 out[(name, f"mtcore_from_{kind}")] = mtcore_logits(
                     [c.eval() for c in chunks], layout, ctx.backend.collective, tokens
                 )
-        dense = "num_experts" not in case
         if ctx.rank == 0:
             config, weights, step = read_model_weights(saved / "mtcore_torch_dist")
             write_megatron_legacy(config, weights, saved / "export", tp, pp, step, ep)
-            if dense:  # torch_dist export: whole tensors, read at this tp x pp
-                write_megatron_torch_dist(config, weights, saved / "export_dist", step)
+            # torch_dist export: whole tensors, read at this layout
+            write_megatron_torch_dist(config, weights, saved / "export_dist", step)
         torch.distributed.barrier()
         fresh = build(case, seed=10 * index + 5)
         load_legacy(fresh, saved / "export")
         out[(name, "megatron_from_export")] = forward_logits(fresh, tokens)
-        if dense:
-            fresh = build(case, seed=10 * index + 6)
-            loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()},
-                                             str(saved / "export_dist" / "iter_0000007"))  # fmt: skip
-            fresh.load_state_dict(loaded["model"], strict=True)
-            out[(name, "megatron_from_dist_export")] = forward_logits(fresh, tokens)
+        fresh = build(case, seed=10 * index + 6)
+        loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()},
+                                         str(saved / "export_dist" / "iter_0000007"))  # fmt: skip
+        fresh.load_state_dict(loaded["model"], strict=True)
+        out[(name, "megatron_from_dist_export")] = forward_logits(fresh, tokens)
     return out
 
 
@@ -122,8 +120,8 @@ def test_megatron_core_checkpoints_import_and_export_with_the_same_logits(tmp_pa
         assert len(megatron) == last_stage, name
         reference = megatron[0]
         assert reference.shape == (2, SEQ, VOCAB)
-        kinds = ["mtcore_from_torch_dist", "mtcore_from_legacy", "megatron_from_export"]
-        kinds += [] if "num_experts" in CASES[name] else ["megatron_from_dist_export"]
+        kinds = ["mtcore_from_torch_dist", "mtcore_from_legacy", "megatron_from_export",
+                 "megatron_from_dist_export"]  # fmt: skip
         for kind in kinds:
             got = [r[(name, kind)] for r in results if r[(name, kind)] is not None]
             assert len(got) == (2 if kind.startswith("mtcore") else last_stage), (name, kind)

@@ -10,6 +10,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import json
+import os
 import sys
 
 import torch
@@ -187,6 +188,7 @@ def probe() -> dict:
 
     import musa_standin as st
     from musa_probe_attention import probe_attention, probe_hybrid
+    from musa_probe_loss import probe_cross_entropy
 
     from mtcore.backend import KernelQuery, plugin_registry, select_backend
     from mtcore_musa import kernels
@@ -220,6 +222,18 @@ def probe() -> dict:
         "bf16_all_reduce": backend.collective.support("all_reduce", torch.bfloat16).value,
         "avg": backend.collective.capabilities.avg_supported,
     }
+    from mtcore_musa.environment import launch_environment
+
+    out["environment"] = {
+        "set": os.environ.get("MCCL_CHECK_POINTERS"),
+        "doctor": launch_environment()["env MCCL_CHECK_POINTERS"],
+        "doctor_unset": launch_environment({})["env MCCL_CHECK_POINTERS"],
+        "doctor_user": launch_environment({"MCCL_CHECK_POINTERS": "1"})["env MCCL_CHECK_POINTERS"],
+        "others": {
+            name: os.environ.get(name)
+            for name in ("MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS", "CUDA_DEVICE_MAX_CONNECTIONS")
+        },
+    }
     chain = backend.kernels["attention"].select(KernelQuery("musa", torch.bfloat16))
     served = {}
     for d in (64, 128, 160, 256):
@@ -232,6 +246,13 @@ def probe() -> dict:
         kernels.rms_norm_weight_ok(x16, w32),
     ]
 
+    from mtcore.parallel.data import dp_overlap
+
+    out["dp_overlap"] = {"22": list(dp_overlap(backend))}
+    out["dp_overlap_doctor_22"] = backend.spec.diagnostics()["dp gradient reduction (advised)"]
+    standin.capability = (3, 1)
+    out["dp_overlap"]["31"] = list(dp_overlap(backend))
+    standin.capability = (2, 2)
     standin.device_name = "MTT X999 (CPU stand-in)"
     out["peak_unknown"] = dict(backend.device.capabilities().peak_tflops)
     standin.capability = (2, 1)
@@ -242,6 +263,7 @@ def probe() -> dict:
     probe_fp8(out, standin)
     probe_hybrid(out, standin)
     probe_attention(out, standin)
+    probe_cross_entropy(out, standin)
 
     # -- AdamW: torch_musa's op, once registered --------------------------------------
     seen: list[float] = []

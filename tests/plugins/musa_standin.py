@@ -258,3 +258,26 @@ def standin_swish_glu(input):
     """torch_musa's F.swish_glu as its test defines it: silu(first half) * second half."""
     a, b = input.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(a) * b).to(input.dtype)
+
+
+def register_fused_cross_entropy(standin: TorchMusaCpuStandIn) -> None:
+    """``aten::_fused_cross_entropy_loss_2d_forward`` as torch_musa's torch patch defines it
+    (native_functions.yaml.patch), with a PrivateUse1 kernel as musa_functions.yaml
+    registers muDNN's FusedCrossEntropyLoss2dFwd. Real torch_musa reaches it from
+    F.cross_entropy (LossNLL.cpp.patch) on arch >= 3.0; the stand-in's F.cross_entropy is
+    torch's CPU one, so only the op's presence is what the plugin sees."""
+    defs = getattr(standin, "aten_defs", None) or torch.library.Library("aten", "FRAGMENT")
+    standin.aten_defs = defs
+    defs.define(
+        "_fused_cross_entropy_loss_2d_forward(Tensor self, Tensor target, Tensor? weight=None, "
+        "int reduction=1, int ignore_index=-100, float label_smoothing=0.0) -> Tensor"
+    )
+
+    def kernel(self, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+        modes = {0: "none", 1: "mean", 2: "sum"}
+        return torch.nn.functional.cross_entropy(
+            self, target, weight, ignore_index=ignore_index, reduction=modes[reduction],
+            label_smoothing=label_smoothing,
+        )  # fmt: skip
+
+    standin.aten_impls.impl("_fused_cross_entropy_loss_2d_forward", kernel, "PrivateUse1")

@@ -43,7 +43,8 @@ def facts():
         pytest.fail(
             "mtcore-musa is not installed: pip install -e plugins/mtcore_musa --no-deps --no-build-isolation"
         )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_")}
+    launch = ("MCCL_CHECK_POINTERS", "MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS", "CUDA_DEVICE_MAX_CONNECTIONS")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MTCORE_") and k not in launch}
     run = subprocess.run(
         [sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=180
     )
@@ -179,6 +180,10 @@ def test_notes_say_musa_hardware_was_not_exercised(facts):
 
 def test_notes_state_the_triton_warp_size_below_arch_3_1(facts):
     assert any("warp size 128" in note and "3.1" in note for note in facts["s22"]["notes"])
+    assert any("not offered below 3.1" in note and "loss.py:21" in note
+               for note in facts["s22"]["notes"])  # fmt: skip
+    assert any("Data-parallel overlap" in note and "patch.py:215-219" in note
+               for note in facts["s22"]["notes"])  # fmt: skip
 
 
 def test_torch_version_diagnostic_names_both_versions(facts):
@@ -319,5 +324,54 @@ def test_doctor_shows_the_variables_mt_megatronlm_s_scripts_export(monkeypatch):
                                           "MCCL_CHECK_POINTERS", "CUDA_DEVICE_MAX_CONNECTIONS"}  # fmt: skip
     assert facts["env MCCL_PROTOS"].startswith("'0' here; MT-MegatronLM's scripts: 2 (")
     assert facts["env MUSA_KERNEL_TIMEOUT"].startswith("unset here; MT-MegatronLM's scripts: 3200000")
-    assert "MUSA_DEVICE_MAX_CONNECTIONS" in facts["env CUDA_DEVICE_MAX_CONNECTIONS"]
+    assert "trade-off; not set by mtcore" in facts["env CUDA_DEVICE_MAX_CONNECTIONS"]
+    assert facts["env MCCL_CHECK_POINTERS"].startswith("unset (mtcore-musa sets '0' when")
     assert "triton backend for musa" in facts
+
+
+def test_cross_entropy_takes_mudnns_fused_loss_from_arch_3_0(facts):
+    """torch_musa's F.cross_entropy runs muDNN's fused loss when its op exists and the
+    device's major arch is >= 3 (Loss.cpp:557); otherwise the reference serves. The
+    adapter passes float32 logits, reduction='none' and ignore_index, and at tp 1 the
+    vocab-parallel loss equals the reference's, losses and gradients (on the stand-in,
+    whose F.cross_entropy is torch's: the call is checked, not muDNN)."""
+    ce = facts["cross_entropy"]
+    assert ce["without_op_31"] == ["reference"]
+    assert ce["with_op_31"] == {
+        "torch.float32": ["F.cross_entropy"],
+        "torch.bfloat16": ["F.cross_entropy"],
+    }
+    assert ce["with_op_30"] == ["F.cross_entropy"]
+    assert ce["with_op_22"] == ["reference"]
+    assert ce["calls"] == [
+        {"dtype": "torch.float32", "dim": 2, "ignore_index": -100, "reduction": "none"}
+    ] * 2
+    for dtype, diff in ce["vs_reference"].items():
+        assert diff["loss"] <= 1e-6 and diff["grad"] <= 1e-6, (dtype, diff)
+        assert diff["loss_dtype"] == "torch.float32"
+        assert diff["ignored"] == [0.0, 0.0] and diff["ignored_grad_zero"]
+
+
+def test_building_musa_sets_mccl_check_pointers_only_where_unset(facts):
+    """The plugin's mtcore_environment hook: MCCL_CHECK_POINTERS=0 (MCCL's debugging checks,
+    0 in every MUSA script read) when unset; the user's value is kept and doctor says who
+    set it; the three tuning/trade-off variables are left alone."""
+    env = facts["environment"]
+    assert env["set"] == "0"
+    assert env["doctor"].startswith("'0' (set by mtcore-musa: it was unset) here")
+    assert env["doctor_unset"].startswith("unset (mtcore-musa sets '0' when the backend is built)")
+    assert env["doctor_user"].startswith("'1' here;")
+    assert env["others"] == dict.fromkeys(
+        ("MUSA_KERNEL_TIMEOUT", "MCCL_PROTOS", "CUDA_DEVICE_MAX_CONNECTIONS")
+    )
+
+
+def test_dp_reduction_after_backward_below_arch_3_1_as_torch_musa_runs_fsdp2(facts):
+    """torch_musa turns FSDP2's overlap off below arch 3.1 (fsdp/patch.py:215-219): the
+    musa backend advises reducing dp buckets after backward there, during it from 3.1;
+    doctor says which and that MTCORE_DP_OVERLAP decides instead."""
+    below, above = facts["dp_overlap"]["22"], facts["dp_overlap"]["31"]
+    assert below[0] is False and "patch.py:215-219" in below[1] and "(3, 1)" in below[1]
+    assert above == [True, "backend 'musa': overlap"]
+    assert facts["dp_overlap_doctor_22"].startswith("after backward: torch_musa disables FSDP2")
+    assert "MTCORE_DP_OVERLAP" in facts["dp_overlap_doctor_22"]

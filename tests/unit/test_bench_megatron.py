@@ -80,3 +80,26 @@ def test_the_cpu_stand_ins_put_cuda_tensors_on_the_host():
     stream.record_event().synchronize()
     sizes = _split_sizes_on_host(torch.tensor([3, 5]), as_numpy=True)
     assert isinstance(sizes, np.ndarray) and sizes.tolist() == [3, 5]
+
+
+def test_the_gemm_floor_replays_every_profiled_product_and_the_op_table_names_them():
+    from against_megatron.op_profile import gemm_floor, op_table, op_times, profile_side
+
+    a, b, bias = torch.randn(64, 32), torch.randn(32, 48), torch.randn(48)
+    batches = [0, 1]
+
+    def step(_):
+        (a @ b).relu()  # aten::mm, once a step
+        torch.addmm(bias, a, b)  # aten::addmm
+        torch.bmm(a.expand(3, 64, 32), b.expand(3, 32, 48))  # aten::bmm, 3 products
+
+    prof = profile_side(step, batches, record_shapes=True)
+    floor = gemm_floor(prof, len(batches), reps=2)
+    assert floor["shapes"] == 3 and floor["unreplayed"] == 0
+    assert floor["flops"] == 2.0 * 64 * 32 * 48 * (1 + 1 + 3)
+    assert 0 < floor["seconds"] < 1
+    names = [name for name, _, _ in op_table(prof, len(batches), 20)]
+    assert {"aten::mm", "aten::addmm", "aten::bmm", "aten::relu"} <= set(names)
+    calls = {name: per_step for name, _, per_step in op_table(prof, len(batches), 20)}
+    assert calls["aten::mm"] == 1
+    assert op_times(prof, len(batches))["matmul"] > 0

@@ -767,6 +767,10 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         ),
         "mtcore sweep configs/default.yaml --layouts tp=2,pp=1 tp=1,pp=2 tp=1,pp=1 --nproc 2 "
         "--steps 6": ShellRun(slow=True, replace=(("--steps 6", "--steps 2"),)),
+        "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --compare tp=2,pp=2 "
+        "tp=1,pp=2 tp=2,pp=1 tp=1,pp=4 --plot runs/plan/layouts.png": CHEAP,
+        "mtcore sweep configs/default.yaml --layouts tp=2,pp=2 tp=1,pp=2 tp=2,pp=1 tp=1,pp=4 "
+        "--nproc 4 --steps 6 --trace": ShellRun(slow=True, replace=(("--steps 6", "--steps 2"),)),
     },
     "docs/plugin-author-guide.md": {
         "python docs/examples/c10d-backend/toyccl.py": CHEAP,
@@ -817,6 +821,9 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         ),
         "mtcore train configs/default.yaml --nproc 4 --parallel.tp 1 --parallel.pp 4 "
         "--parallel.schedule zb_h1": SLOW_SHORT,
+        # two 4-rank jobs (test_sweep_trace.py, extended, runs the same sweep and reads its files)
+        "mtcore sweep configs/default.yaml --layouts tp=2,pp=2 tp=1,pp=2 --nproc 4 --steps 2 "
+        "--trace": ShellRun(slow=True),
         # shortened to 2 steps: the trace holds step 2, and merge reads it
         "mtcore train configs/default.yaml --nproc 4 --profile 2:3 --logging.profile.memory "
         "true": SLOW_SHORT,

@@ -73,3 +73,17 @@ class MtcoreHookSpecs:
         the conformance kit (``pytest --pyargs mtcore.testing.conformance
         --mtcore-backend NAME``).
         """
+
+    @hookspec
+    def mtcore_environment(self, backend: str) -> dict[str, str]:
+        """Environment variables that ``backend``'s libraries read and that have one
+        sensible value for training: return ``{name: value}`` (an empty dict for other
+        backends).
+
+        Called when ``backend`` is built in a process, after its device was found
+        available and before any process group exists. mtcore sets each variable the
+        user has not set (a value already in the environment, even an empty one, is
+        kept) and ``mtcore doctor`` says which ones it set. Return only variables with
+        no trade-off (a debug check that costs time, say); tuning choices belong in the
+        user's launch script and in the plugin's documentation.
+        """

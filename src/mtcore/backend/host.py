@@ -119,7 +119,8 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
             predicate=lambda q: q.dtype != torch.float16,
             fallback_ok=torch_native.without_dropout,
         ),
-        KernelImpl("rms_norm", torch_native.fused_rms_norm, "torch-fused", priority=50),
+        # float32/float64: F.rms_norm's forward with a hand-written backward.
+        KernelImpl("rms_norm", torch_native.rms_norm_fp32, "torch-rms", priority=50),
         # Every dtype: F.layer_norm runs on float32 operands and the result is rounded
         # once, as the reference specifies (for float32 inputs the casts are no-ops).
         KernelImpl("layer_norm", torch_native.fused_layer_norm_fp32, "torch-fused", priority=50),

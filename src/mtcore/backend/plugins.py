@@ -258,6 +258,26 @@ class PluginRegistry:
         self._kernel_failures.setdefault(backend, []).extend(failed)
         return impls
 
+    def environment_for(self, backend: str) -> list[tuple[str, dict[str, str]]]:
+        """Every plugin's ``mtcore_environment`` defaults for ``backend``: ``(plugin,
+        {name: value})``. A hook that raises or returns anything but str -> str is marked
+        broken and contributes nothing."""
+        found = []
+        for info, result, error in self._each("mtcore_environment", backend=backend):
+            try:
+                if error is not None:
+                    raise error
+                result = {} if result is None else result
+                if not isinstance(result, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in result.items()
+                ):
+                    raise TypeError(f"mtcore_environment returned {result!r}, not dict[str, str]")
+            except Exception as exc:
+                self._mark_broken(info, exc, "raised in mtcore_environment")
+                continue
+            found.append((info.name, result))
+        return found
+
     def kernel_failures(self, backend: str) -> list[PluginInfo]:
         """Plugins whose kernels for ``backend`` were unusable when it was built."""
         return list(self._kernel_failures.get(backend, []))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from mtcore.backend.environment import apply_environment
 from mtcore.backend.host import HOST_BACKEND, PLUGIN_NAME
 from mtcore.backend.plugins import (
     _FALSE,
@@ -138,6 +139,7 @@ def _build(registry: PluginRegistry, name: str, how: str) -> Backend:
             f"{available.reason}. mtcore does not fall back to another backend; choose one "
             f"that `mtcore doctor` lists as available."
         )
+    apply_environment(registry.environment_for(spec.name))  # before any process group
     kernels = registry.kernels_for(spec.name, spec.device.type)
     failed = registry.kernel_failures(spec.name)
     if failed:

@@ -27,6 +27,10 @@ class BackendSpec:
     diagnostics: optional callable returning {label: value} facts that doctor
       prints (a detected compiler backend, a library version); it may probe
       the machine, so it runs only when doctor asks.
+    dp_overlap: optional callable, asked when a data-parallel model is built on the
+      device, saying whether launching the dp gradient reductions during backward
+      (overlapping compute) is advised here, and why not (None: it is). The user's
+      ``MTCORE_DP_OVERLAP`` overrides it (``mtcore.parallel.data``).
     """
 
     name: str
@@ -38,6 +42,7 @@ class BackendSpec:
     description: str = ""
     notes: tuple[str, ...] = ()
     diagnostics: Callable[[], Mapping[str, str]] | None = None
+    dp_overlap: Callable[[], Availability] | None = None
 
     def availability(self) -> Availability:
         # A driver that raises while probing must not break selection for everyone.

@@ -29,6 +29,7 @@ HELP = "predict per-rank memory and step time of a layout; search or compare lay
 _VALUED = (
     "--gpus",
     "--trace",
+    "--plot",
     "--hardware",
     "--backend",
     "--top",
@@ -39,6 +40,7 @@ _VALUED = (
     "--grad-reduce-dtype",
 )
 DEFAULT_HARDWARE = "H100-SXM"
+DEFAULT_PLOT = "runs/plan/compare.png"
 _FLAGS = ("--json", "--search", "--cross-node")
 
 
@@ -69,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="also write the planned step as a Chrome trace (.json or .json.gz), in the "
         "format and categories of logging.profile's, and print its summary per stage",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE|none",
+        default=DEFAULT_PLOT,
+        help="--compare: the picture of step time and memory per layout, a PNG and the SVG "
+        f"beside it (default {DEFAULT_PLOT}; none: no picture; needs matplotlib, mtcore[plot])",
     )
     parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
     parser.add_argument("--top", metavar="K", default="5", help="--search: how many (default 5)")
@@ -228,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(dict(zip(names, out, strict=True)), indent=2))
             else:
                 print(side_by_side(names, plans))
+            if args.plot != "none":
+                _write_picture(args, names, plans, hardware)
             return 0
         config = load_config(args.config, args.overrides)
         if args.search:
@@ -274,19 +285,32 @@ def run(args: argparse.Namespace) -> int:
 def _write_trace(result, path: str, quiet: bool) -> None:
     """The planned step as a trace at ``path``, and (unless ``quiet``: stdout is JSON)
     the summary ``mtcore trace merge`` prints, per pipeline stage."""
-    import gzip
-
-    from mtcore.plan.trace import planned_trace
+    from mtcore.plan.trace import planned_trace, save
     from mtcore.training.trace_merge import format_summary, summarize
 
     trace = planned_trace(result)
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "wt") as f:
-        json.dump(trace, f)
+    save(trace, path)
     if not quiet:
         stages = range(result.layout["pp"])
         print(f"planned trace: {path} (one row per pipeline stage; ms per step, share of the step)")
         print(format_summary([summarize(trace, pid=stage) for stage in stages], row="stage"))
+
+
+def _write_picture(args: argparse.Namespace, names: list[str], plans: list, hardware) -> None:
+    """--compare's picture at ``args.plot`` (and its .svg); the line that says where goes
+    to stderr under --json, where stdout is one JSON document."""
+    from mtcore.plan.plot import MISSING, LayoutBars, write_picture
+
+    bars = [
+        LayoutBars(name, None, None, note="rejected") if isinstance(p, str)
+        else LayoutBars(name, p.time.total, p.peak_memory)
+        for name, p in zip(names, plans, strict=True)
+    ]  # fmt: skip
+    png = args.plot if args.plot.endswith(".png") else f"{args.plot}.png"
+    title = f"{args.config or 'built-in config'}: planned on {args.gpus} x {hardware.name}"
+    written = write_picture(png, bars, title)
+    line = f"picture: {', '.join(map(str, written))}" if written else MISSING
+    print(line, file=sys.stderr if args.json else sys.stdout)
 
 
 def _hardware(name: str | None, backend: str | None):

@@ -68,7 +68,9 @@ class _GroupedMM(torch.autograd.Function):
     """The per-expert products written into one output, and their backward into one
     ``grad_x`` and one ``grad_weight``: the same ``mm`` calls autograd makes for
     ``cat([x_e @ w[e]])``, without the concatenation, nor the full-size zero gradient
-    that indexing ``w[e]`` gives each expert's backward (summed over the experts)."""
+    that indexing ``w[e]`` gives each expert's backward (summed over the experts).
+    ``grad_weight`` is zero-filled only for the experts that got no rows: every other
+    block is written whole by its ``mm``."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
@@ -89,7 +91,10 @@ class _GroupedMM(torch.autograd.Function):
             for e, rows in _blocks(ctx.counts):
                 torch.mm(grad[rows], weight[e].t(), out=grad_x[rows])
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros_like(weight)
+            grad_weight = torch.empty_like(weight)  # every expert's block written below
+            for e, c in enumerate(ctx.counts):
+                if not c:
+                    grad_weight[e].zero_()
             for e, rows in _blocks(ctx.counts):
                 torch.mm(x[rows].t(), grad[rows], out=grad_weight[e])
         return grad_x, grad_weight, None

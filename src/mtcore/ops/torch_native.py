@@ -150,6 +150,44 @@ def fused_rms_norm(x, weight, eps=1e-6):
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+class _RmsNorm(torch.autograd.Function):
+    """``F.rms_norm``'s forward arithmetic (``x * rsqrt(mean(x^2) + eps) * w``, the same
+    bits on the CPU) with a hand-written backward: ``dw = sum(g * n)`` and
+    ``dx = r * (g w - n * mean(g w n))`` over the saved ``n = x r``, four passes where
+    autograd through torch's composite makes about a dozen kernels."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True).add_(eps))
+        normed = x * inv_rms
+        ctx.save_for_backward(normed, weight, inv_rms)
+        return normed * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        normed, weight, inv_rms = ctx.saved_tensors
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * normed).sum(dim=tuple(range(grad.dim() - 1)))
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            scaled = grad * weight
+            mean = (scaled * normed).mean(dim=-1, keepdim=True)
+            grad_x = scaled.sub_(normed * mean).mul_(inv_rms)
+        return grad_x, grad_w, None
+
+
+def rms_norm_fp32(x, weight, eps=1e-6):
+    """``mtcore.ops.rms_norm`` for float32 (float64) ``x`` and ``weight`` of its dtype:
+    ``_RmsNorm``, ``F.rms_norm``'s forward numbers with a shorter backward; any other
+    dtypes through ``fused_rms_norm``."""
+    if x.dtype not in (torch.float32, torch.float64) or weight.dtype != x.dtype or x.dim() == 0:
+        return fused_rms_norm(x, weight, eps)
+    if tuple(weight.shape) != (x.shape[-1],):
+        return fused_rms_norm(x, weight, eps)  # F.rms_norm raises its own error
+    return _RmsNorm.apply(x, weight, eps)
+
+
 def fused_layer_norm(x, weight, bias, eps=1e-5):
     """``mtcore.ops.layer_norm`` through ``F.layer_norm`` (one fused kernel: BERT's
     post-LN blocks run three LayerNorms per layer)."""

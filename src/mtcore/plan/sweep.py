@@ -57,6 +57,7 @@ class Measured:
     error: str = ""
     rank_peaks: dict[int, int] = field(default_factory=dict)
     resident_bytes: float | None = None
+    trace: str | None = None  # with ``trace_to``: the merged trace of its last step
 
 
 def parse_log(text: str) -> tuple[float | None, float | None]:
@@ -84,13 +85,23 @@ def stage_of(rank: int, world: int, pp: int) -> int:
 
 
 def measure(
-    config: str | None, layout: str, nproc: int, steps: int, overrides: list[str]
+    config: str | None,
+    layout: str,
+    nproc: int,
+    steps: int,
+    overrides: list[str],
+    trace_to: str | None = None,
 ) -> Measured:
     """Train ``layout`` for ``steps`` steps on ``nproc`` local ranks, each under
     ``rank_main``, through torch's elastic launcher, each rank a new interpreter (so
     each one's peak memory is its own: `mtcore train` forks its ranks from a server whose
     pages they share), after preparing the data here once (as ``mtcore train`` does: ranks that each found
-    an untokenized corpus would all build its cache at once)."""
+    an untokenized corpus would all build its cache at once).
+
+    ``trace_to``: a file where the ranks' traces of the last step, merged (``mtcore trace
+    merge``'s timeline), go. The ranks record mtcore's named phases alone
+    (``logging.profile.torch_profiler: false``): a second torch.profiler would stop the one
+    that records the tensor peak, and the phases are what the categories are made of."""
     run = [*overrides, *layout_overrides(layout), *QUIET]
     run += ["--training.steps", str(steps), "--training.eval_interval", str(steps + 1)]
     problem = prepare_data(config, run, nproc)
@@ -99,10 +110,15 @@ def measure(
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     args += [f"--nproc-per-node={nproc}", "-m", "mtcore.plan.sweep", *([config] if config else [])]
     with tempfile.TemporaryDirectory(prefix="mtcore-sweep-") as folder:
+        traces = os.path.join(folder, "traces")
+        if trace_to:
+            run += ["--logging.profile.steps", f"[{steps}, {steps}]", "--logging.profile.dir",
+                    traces, "--logging.profile.torch_profiler", "false"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         env[PEAKS_DIR_ENV] = folder
         done = subprocess.run([*args, *run], capture_output=True, text=True, env=env)
         peaks = read_rank_peaks(folder)
+        merged = _merge_traces(traces, trace_to) if trace_to and done.returncode == 0 else ""
     text = done.stdout + done.stderr
     step_s, resident = parse_log(text)
     peak = max(peaks.values()) if peaks else None
@@ -110,7 +126,24 @@ def measure(
     if done.returncode != 0 or step_s is None or len(peaks) != nproc:
         lines = [ln for ln in done.stderr.strip().splitlines() if "USDT" not in ln]
         measured.error = f"exit {done.returncode}: {(lines or ['no output'])[-1]}"
+    elif merged.startswith("trace: "):
+        measured.error = merged
+    elif trace_to:
+        measured.trace = merged
     return measured
+
+
+def _merge_traces(traces: str, path: str) -> str:
+    """The ranks' traces in ``traces`` merged into one timeline at ``path``; ``path``, or
+    "trace: " and what was wrong."""
+    from mtcore.plan.trace import save
+    from mtcore.training.trace_merge import TraceError, load, merge, trace_files
+
+    try:
+        save(merge([load(file) for file in trace_files(traces)]), path)
+    except TraceError as e:
+        return f"trace: {e}"
+    return path
 
 
 def prepare_data(config: str | None, overrides: list[str], nproc: int) -> str:

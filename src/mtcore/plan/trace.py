@@ -22,9 +22,15 @@ side and ``mtcore.training.trace_merge.summarize`` reads both:
 
 from __future__ import annotations
 
+import gzip
+import json
+import statistics
+from pathlib import Path
+
 from mtcore.parallel.pipeline import build_schedule, simulate
 from mtcore.parallel.pipeline.schedules import FORWARD, RECV_BWD, RECV_FWD, WEIGHT
 from mtcore.training.trace_format import PHASES_TID, TRACE_KEY
+from mtcore.training.trace_merge import COLUMNS, summarize
 
 COMM_KEYS = ("tp_comm", "cp_comm", "ep_comm", "pp_comm")
 
@@ -101,3 +107,43 @@ def planned_trace(plan) -> dict:
             "planner_step_s": t.total,
         },
     }
+
+
+def save(trace: dict, path: str | Path) -> None:
+    """``trace`` as JSON at ``path`` (gzip where it ends in .gz), its folder made."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt") as f:
+        json.dump(trace, f)
+
+
+def rows_of(trace: dict) -> list[int]:
+    """The process rows that hold mtcore's phases: a merged trace's ranks, a planned
+    trace's stages."""
+    return sorted({e["pid"] for e in trace["traceEvents"]
+                   if e.get("ph") == "X" and e.get("tid") == PHASES_TID})  # fmt: skip
+
+
+def category_ms(trace: dict) -> dict[str, float]:
+    """Milliseconds per step of each summary column and of the whole step ("step"), the
+    mean over the trace's rows (every stage of a planned trace stands for as many ranks)."""
+    summaries = [summarize(trace, pid=row) for row in rows_of(trace)]
+    if not summaries:
+        return dict.fromkeys(("step", *COLUMNS.values()), 0.0)
+    per_step = [(s, max(s.steps, 1) * 1e3) for s in summaries]
+    out = {"step": statistics.fmean(s.step_us / n for s, n in per_step)}
+    for column in COLUMNS.values():
+        out[column] = statistics.fmean(s.by_column[column] / n for s, n in per_step)
+    return out
+
+
+def format_categories(rows: list[tuple[str, dict, dict]]) -> str:
+    """``(layout, measured category_ms, planned category_ms)`` rows as a table of
+    "measured / planned" cells."""
+    columns = ("step", *COLUMNS.values())
+    lines = [f"{'layout':24s}" + "".join(f" {c:>15s}" for c in columns)]
+    for layout, measured, planned in rows:
+        cells = "".join(f" {measured[c]:7.1f} /{planned[c]:6.1f}" for c in columns)
+        lines.append(f"{layout:24s}{cells}")
+    return "\n".join(lines)

@@ -313,13 +313,18 @@ class FinetuneConfig(Section):
 class ProfileConfig(Section):
     """``logging.profile``: steps ``[from, to]`` (inclusive) traced with torch.profiler on
     ``ranks``, one Chrome trace per rank under ``dir`` (default runs/<run_name>/traces);
-    ``memory``: a memory counter over time and the peak per phase (docs/training.md,
+    ``memory``: a memory counter over time and the peak per phase; ``torch_profiler``
+    false: the named phases alone (small traces, and a torch.profiler already running,
+    such as ``mtcore sweep``'s memory recorder, is left alone) (docs/training.md,
     "Profiling")."""
 
     steps: tuple[int, int] = Field(description="the first and last step traced")
     ranks: Literal["all"] | list[int] = Field("all", description="all, or a list of ranks")
     memory: bool = Field(False, description="memory over time, in the same trace")
     dir: str | None = Field(None, description="where the traces go (default runs/<run_name>/traces)")
+    torch_profiler: bool = Field(
+        True, description="false: mtcore's named phases alone, without torch.profiler's ops"
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ProfileConfig:

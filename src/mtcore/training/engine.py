@@ -54,7 +54,7 @@ from mtcore.backend.tracing import phase
 from mtcore.distributed import Axis
 from mtcore.models import Batch, FamilyConfig, LoRAConfig, add_lora, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
-from mtcore.parallel.data import DataParallel, DataParallelConfig
+from mtcore.parallel.data import DataParallel, DataParallelConfig, dp_overlap
 from mtcore.parallel.optimizer import AdamW, DistributedAdamW, OneBitAdam
 from mtcore.parallel.pipeline import (
     PipelineGroups,
@@ -123,8 +123,9 @@ class Engine:
             raise ValueError(f"ZeRO stage {zero} does not exist (0, 1, 2 or 3)")
         sizes = {} if bucket_size is None else {"bucket_size": bucket_size}
         dp_config = DataParallelConfig(
-            **sizes, shard_optimizer=zero >= 1, shard_gradients=zero >= 2, shard_params=zero >= 3
-        )
+            **sizes, shard_optimizer=zero >= 1, shard_gradients=zero >= 2, shard_params=zero >= 3,
+            overlap_grad_reduce=dp_overlap(backend)[0],
+        )  # fmt: skip
         # Tied halves on other stages are summed over the stages before their dp reduction.
         self.tied = [p for chunk in self.chunks for p in chunk.tied_copies() if p.requires_grad]
         # ZeRO-3 gathers the params of one transformer block at a time; the rest stay whole.

@@ -65,7 +65,8 @@ class StepProfiler:
 
     def _open(self) -> None:
         if self.traced:
-            self._profiler = _start_profiler(self.backend, self.config.memory)
+            if self.config.torch_profiler:
+                self._profiler = _start_profiler(self.backend, self.config.memory)
             self._recorder = PhaseRecorder(self.backend.device, memory=self.config.memory)
         if self.world > 1:  # every rank: the traced ones align their clocks here
             self.backend.collective.barrier()

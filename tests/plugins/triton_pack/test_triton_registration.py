@@ -91,7 +91,8 @@ def test_the_cuda_plugin_no_longer_offers_the_pack_or_branches_on_musa():
         # ROCm: torch calls the device "cuda"; FP8 in Triton unverified there.
         ("amd", GPUTarget("hip", "gfx942", 64), "cuda", 60, False),
         # Moore Threads' Triton names its backend mtgpu: below muDNN (50), never FP8.
-        ("mtgpu", GPUTarget("musa", 22, 128), "musa", 40, False),
+        # (from arch 31 only: below, test_the_pack_is_not_offered_below_musa_arch_31)
+        ("mtgpu", GPUTarget("musa", 31, 32), "musa", 40, False),
         ("mthreads", GPUTarget("musa", 31, 32), "musa", 40, False),
         # A target the table does not list: its own name as device type, low, no FP8.
         ("newvendor", GPUTarget("npu9", 1, 32), "npu9", 40, False),
@@ -131,6 +132,20 @@ def test_the_finder_matches_by_target_and_the_table_places_the_pack(
     assert plugin.mtcore_kernels(backend=other, device_type=other) == []
 
 
+@pytest.mark.parametrize("arch", [21, 22, 30])
+def test_the_pack_is_not_offered_below_musa_arch_31(monkeypatch, arch):
+    """torch_musa found Triton kernel launches failing on the S4000 (arch 22;
+    torch_musa/distributed/loss.py:21): below arch 31 musa gets no Triton kernel, and
+    the finder's line says why."""
+    _triton_backends(monkeypatch, mtgpu=(True, GPUTarget("musa", arch, 128)))
+    assert plugin.mtcore_kernels(backend="musa", device_type="musa") == []
+    line = targets.describe_target("musa")
+    assert line.startswith(f"mtgpu (target musa, arch {arch}, warp size 128); the pack is not")
+    assert "below arch 31" in line and "loss.py:21" in line
+    _triton_backends(monkeypatch, mtgpu=(True, GPUTarget("musa", 31, 32)))
+    assert _triton_ops(plugin.mtcore_kernels(backend="musa", device_type="musa")) == PACK_OPS
+
+
 def test_the_host_is_not_offered_the_pack_even_with_a_cpu_driver(monkeypatch):
     _triton_backends(monkeypatch, cpu=(True, GPUTarget("cpu", "x86", 1)))
     assert targets.find_target("cpu") is not None
@@ -141,8 +156,12 @@ def test_musa_diagnostics_use_the_finder_and_name_the_warp_size(monkeypatch):
     musa_plugin = pytest.importorskip("mtcore_musa.plugin")
     key = "triton backend for musa"
     assert musa_plugin._diagnostics()[key] == "none detected"
+    _triton_backends(monkeypatch, mtgpu=(True, GPUTarget("musa", 31, 32)))
+    assert musa_plugin._diagnostics()[key] == "mtgpu (target musa, arch 31, warp size 32)"
     _triton_backends(monkeypatch, mtgpu=(True, GPUTarget("musa", 22, 128)))
-    assert musa_plugin._diagnostics()[key] == "mtgpu (target musa, arch 22, warp size 128)"
+    assert musa_plugin._diagnostics()[key].startswith(
+        "mtgpu (target musa, arch 22, warp size 128); the pack is not offered below arch 31"
+    )
     monkeypatch.setitem(sys.modules, "mtcore_triton.targets", None)  # as if not installed
     assert musa_plugin._diagnostics()[key] == "not installed (mtcore-triton)"
 

@@ -1,4 +1,4 @@
-"""The cpu backend's torch-native layer_norm, cross_entropy, rope and swiglu against the reference
+"""The cpu backend's torch-native rms_norm, layer_norm, cross_entropy, rope and swiglu against the reference
 ops (the spec): forward and backward, float32 and bfloat16, the edge cases of each
 contract; the cpu backend serves them, and ``MTCORE_KERNELS=reference`` gives the
 reference's numbers again."""
@@ -11,10 +11,12 @@ import torch.nn.functional as F
 
 from mtcore.backend import select_backend
 from mtcore.backend.kernels import KernelQuery
-from mtcore.ops import cross_entropy, layer_norm, rope, rope_tables, swiglu
+from mtcore.ops import cross_entropy, layer_norm, rms_norm, rope, rope_tables, swiglu
 from mtcore.ops.torch_native import (
     fused_cross_entropy,
     fused_layer_norm_fp32,
+    fused_rms_norm,
+    rms_norm_fp32,
     rope_rotation,
     silu_glu_fp32,
 )
@@ -151,12 +153,42 @@ def test_swiglu_gives_the_bits_autograd_gives_through_chunk_and_silu(dtype, shap
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_reference_in_every_dtype(dtype):
+    x, w = _randn(21, 2, 5, 96, dtype=dtype, scale=3.0), _randn(22, 96, dtype=dtype)
+    grad_out = _randn(23, 2, 5, 96)
+    got, got_grads = _grads(lambda x, w: rms_norm_fp32(x, w, 1e-6), [x, w], grad_out)
+    want, want_grads = _grads(lambda x, w: rms_norm(x, w, 1e-6), [x, w], grad_out)
+    assert got.dtype == dtype
+    _close(got, want, dtype)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert a.dtype == dtype
+        _close(a, b, dtype)
+
+
+def test_rms_norm_forward_is_torch_bit_for_bit_and_backward_passes_gradcheck():
+    x, w = _randn(24, 3, 7, 64, scale=2.0), _randn(25, 64)
+    assert torch.equal(rms_norm_fp32(x, w, 1e-6), fused_rms_norm(x, w, 1e-6))
+    x64, w64 = (t.double().requires_grad_() for t in (_randn(26, 2, 3, 8), _randn(27, 8)))
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm_fp32(x, w, 1e-6), (x64, w64))
+    frozen = _randn(28, 64).requires_grad_(False)  # a frozen weight: only dx
+    leaf = x.clone().requires_grad_()
+    rms_norm_fp32(leaf, frozen, 1e-6).sum().backward()
+    assert leaf.grad is not None and frozen.grad is None
+
+
+def test_rms_norm_bad_weight_gets_torchs_error():
+    with pytest.raises(RuntimeError):
+        rms_norm_fp32(_randn(29, 4, 64), _randn(30, 32), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_backend_serves_them_and_reference_mode_restores_the_spec(monkeypatch, dtype):
     monkeypatch.delenv("MTCORE_KERNELS", raising=False)
     native = select_backend("cpu").kernels
     served = native.table(KernelQuery("cpu", dtype))
-    ops = ("layer_norm", "cross_entropy", "rope", "swiglu")
+    ops = ("rms_norm", "layer_norm", "cross_entropy", "rope", "swiglu")
     assert [served[op][0].fn for op in ops] == [
+        rms_norm_fp32,
         fused_layer_norm_fp32,
         fused_cross_entropy,
         rope_rotation,

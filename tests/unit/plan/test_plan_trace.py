@@ -1,5 +1,6 @@
 """``mtcore plan CONFIG --trace FILE``: the planned step in logging.profile's format, its
-ranges in the schedule's order, its categories adding up to the planner's step."""
+ranges in the schedule's order, its categories adding up to the planner's step; the
+per-category means ``mtcore sweep --trace`` prints beside the measured ones."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from mtcore.cli.main import main
 from mtcore.parallel.pipeline import build_schedule
 from mtcore.parallel.pipeline.schedules import COMPUTE
 from mtcore.plan import load_hardware, plan
-from mtcore.plan.trace import planned_trace
+from mtcore.plan.trace import category_ms, format_categories, planned_trace, rows_of, save
 from mtcore.training.overrides import load_config
-from mtcore.training.trace_merge import phases, summarize
+from mtcore.training.trace_merge import load, phases, summarize
 
 HOST = load_hardware("cpu-host")
 
@@ -54,3 +55,21 @@ def test_plan_trace_flag_writes_the_file_and_the_summary(tmp_path, capsys):
     with gzip.open(out, "rt") as f:
         events = json.load(f)["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+
+
+def test_category_means_and_the_measured_over_planned_table(tmp_path):
+    """``mtcore sweep --trace``'s table: each column the mean over a trace's rows (its
+    stages here) of ms per step, the columns adding up to the step; the trace saved and
+    read back gives the same numbers."""
+    trace = planned_trace(plan(load_config("configs/default.yaml", []), 4, HOST))
+    assert rows_of(trace) == [0, 1]
+    ms = category_ms(trace)
+    stages = [summarize(trace, pid=stage) for stage in (0, 1)]
+    assert ms["compute"] == pytest.approx(sum(s.by_column["compute"] for s in stages) / 2e3)
+    assert ms["step"] == pytest.approx(sum(v for k, v in ms.items() if k != "step"))
+    save(trace, tmp_path / "deep" / "planned.json.gz")
+    assert category_ms(load(tmp_path / "deep" / "planned.json.gz")) == ms
+    table = format_categories([("tp=2,pp=2", ms, ms)]).splitlines()
+    assert table[0].split() == ["layout", "step", "compute", "exposed", "comm", "bubble",
+                                "optimizer", "data", "other"]  # fmt: skip
+    assert table[1].startswith("tp=2,pp=2") and f"{ms['bubble']:7.1f} /{ms['bubble']:6.1f}" in table[1]

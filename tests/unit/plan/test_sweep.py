@@ -194,3 +194,19 @@ def test_missing_data_and_counts_that_are_not_numbers_stop_before_any_run(tmp_pa
         with pytest.raises(SystemExit):
             main(["sweep", "configs/default.yaml", "--layouts", "tp=2", flag, "²"])
         assert f"{flag} needs a positive number, got '²'" in capsys.readouterr().err
+
+
+def test_trace_and_output_are_read_and_a_layout_names_its_folder(capsys):
+    from mtcore.cli.main import build_parser
+    from mtcore.cli.sweep import _folder_name
+
+    args = build_parser().parse_args(
+        ["sweep", "configs/default.yaml", "--layouts", "tp=2,pp=2", "--trace", "--output", "out"]
+    )
+    assert (args.trace, args.output, args.layouts, args.overrides) == (True, "out", ["tp=2,pp=2"], [])
+    assert build_parser().parse_args(["sweep", "--layouts", "tp=2"]).output == "runs/sweep"
+    with pytest.raises(SystemExit):
+        main(["sweep", "configs/default.yaml", "--layouts", "tp=2", "--output"])
+    assert "--output needs a value" in capsys.readouterr().err
+    assert _folder_name("tp=2,pp=2,recompute=full") == "tp=2,pp=2,recompute=full"
+    assert _folder_name("tp=2/pp 2") == "tp=2_pp_2"

@@ -119,3 +119,30 @@ def test_deepseek_and_qwen3_options_are_refused_both_ways(capsys, tmp_path):
                  "--mtp-num-layers 1"):  # fmt: skip
         code, _, err = _convert(inline + flag, capsys, tmp_path)
         assert code == 2 and err.count("\n") == 1 and flag.split()[0] in err, err
+
+
+def test_arguments_without_a_sequence_length_are_refused_in_one_line(capsys, tmp_path):
+    """Megatron-LM requires --max-position-embeddings; with neither it nor --seq-length
+    the command says so in one line (it raised a TypeError traceback), exit 2."""
+    sizes = "--num-layers 2 --hidden-size 32 --num-attention-heads 4"
+    for extra, named in (
+        (" --position-embedding-type rope", "neither --seq-length nor --max-position-embeddings"),
+        ("", "no --max-position-embeddings"),
+        (" --seq-length 16", "no --max-position-embeddings"),  # learned positions need it
+    ):
+        code, _, err = _convert(sizes + extra, capsys, tmp_path)
+        assert code == 2 and err.count("\n") == 1 and named in err, err
+        assert "Traceback" not in err
+    code, config, err = _convert(sizes + " --position-embedding-type rope --seq-length 16",
+                                 capsys, tmp_path)  # fmt: skip
+    assert code == 0 and config.model.seq_len == 16, err
+
+
+def test_swiglu_without_ffn_hidden_size_takes_megatron_lms_default(capsys, tmp_path):
+    """Megatron-LM's validate_args sizes a SwiGLU MLP int(4h * 2/3 / 64) * 64 when
+    --ffn-hidden-size is absent (4h otherwise); the config must say the same."""
+    sizes = "--num-layers 2 --hidden-size 512 --num-attention-heads 4 --max-position-embeddings 16"
+    code, config, err = _convert(sizes + " --swiglu", capsys, tmp_path)
+    assert code == 0 and config.model.ffn_hidden_size == 1344, err  # 1365.3 -> 21 x 64
+    code, config, err = _convert(sizes, capsys, tmp_path)
+    assert code == 0 and config.model.ffn_hidden_size == 2048, err

@@ -77,14 +77,24 @@ def test_torch_dist_files_round_trip_the_weights_exactly(tmp_path, name):
     assert all(torch.equal(imported[k], weights[k]) for k in weights)
 
 
-def test_torch_dist_export_of_experts_is_refused_in_one_line(tmp_path, capsys):
-    config = CONFIGS["llama_gqa_moe"]
-    write_model_weights(tmp_path / "ckpt", _weights(config), config)
+def test_torch_dist_export_of_experts_round_trips_and_mixed_layers_are_refused(tmp_path, capsys):
+    """Every layer with experts: SequentialMLP's stacked [layers, experts, ...] layout
+    (Megatron-Core's own load of it: tests/distributed/test_megatron_moe_dist_export.py),
+    read back exactly. Dense and expert layers mixed (--moe-layer-freq 2): Megatron-Core
+    numbers such layers apart, a layout not written; refused in one line, nothing written."""
+    config = CONFIGS["llama_gqa_moe"].model_copy(update={"moe_layer_freq": 1})
+    weights = _weights(config)
+    directory = write_megatron_torch_dist(config, weights, tmp_path / "all_moe", iteration=2)
+    again, imported, _ = read_megatron(directory.parent)
+    assert again.structure() == config.structure() and imported.keys() == weights.keys()
+    assert all(torch.equal(imported[k], weights[k]) for k in weights)
+    mixed = CONFIGS["llama_gqa_moe"]
+    write_model_weights(tmp_path / "ckpt", _weights(mixed), mixed)
     out = tmp_path / "meg"
     assert main(["convert", "to-megatron", str(tmp_path / "ckpt"), str(out),
                  "--format", "torch_dist"]) == 2  # fmt: skip
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "torch_dist export of mixture-of-experts" in err
+    assert err.count("\n") == 1 and "mixing dense and expert layers" in err
     assert not out.exists() or not any(out.iterdir())
 
 

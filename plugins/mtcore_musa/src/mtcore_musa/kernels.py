@@ -24,6 +24,7 @@ from mtcore_musa.attention_scale import (
     sdpa_honours_scale,
 )
 from mtcore_musa.devices import MUDNN_MIN_CAPABILITY, TORCH_MUSA
+from mtcore_musa.loss import FUSED_CROSS_ENTROPY_MIN_CAPABILITY, FUSED_CROSS_ENTROPY_OP
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -106,8 +107,8 @@ def musa_flash_attention_lse(
 #     boolean attn_mask (SDPUtils.h, check_musa_attn_mask refuses only masks needing grad).
 #   * torch_musa.distributed.loss.parallel_fused_cross_entropy: mean/sum only, no
 #     ignore_index (a TODO in FusedCrossEntropyLoss.mu), float32 DTensor logits, its own
-#     all-gather; mtcore.ops.cross_entropy is the unreduced per-token loss with
-#     ignore_index, and the vocab-parallel loss (mtcore.parallel) is no kernel op.
+#     all-gather; the vocab-parallel loss (mtcore.parallel) is no kernel op. The one-rank
+#     loss does take muDNN's fused kernel (mtcore_musa.loss).
 
 
 # -- RMSNorm --------------------------------------------------------------------------
@@ -298,11 +299,11 @@ def mudnn_version() -> int | None:
 def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
     """The implementations to register, chosen by probing what torch_musa provides."""
 
-    def on_musa(dtypes: tuple[torch.dtype, ...], arch: bool = False):
+    def on_musa(dtypes: tuple[torch.dtype, ...], arch: bool = False, least=MUDNN_MIN_CAPABILITY):
         def predicate(query: KernelQuery) -> bool:
             if query.device_type != device.type or query.dtype not in dtypes:
                 return False
-            return not arch or bool(device.capability_at_least(MUDNN_MIN_CAPABILITY))
+            return not arch or bool(device.capability_at_least(least))
 
         return predicate
 
@@ -349,6 +350,16 @@ def musa_kernels(device: TorchModuleDevice) -> list[KernelImpl]:
                 priority=50,
                 predicate=on_musa(_FLOATS),
                 fallback_ok=layer_norm_affine_ok,
+            )
+        )
+    if has_musa_kernel(FUSED_CROSS_ENTROPY_OP):  # muDNN's fused loss (mtcore_musa.loss)
+        impls.append(
+            KernelImpl(
+                "cross_entropy",
+                torch_native.fused_cross_entropy,
+                "F.cross_entropy",
+                priority=50,
+                predicate=on_musa(_FLOATS, arch=True, least=FUSED_CROSS_ENTROPY_MIN_CAPABILITY),
             )
         )
     # Only torch_musa's own op: torch's aten::_fused_adamw_ is a stub on musa that raises

@@ -23,7 +23,7 @@ from mtcore_musa.devices import (
     float8_on_device,
     mixed_formats_on_device,
 )
-from mtcore_musa.environment import launch_environment
+from mtcore_musa.environment import MUSA_ENVIRONMENT, launch_environment
 from mtcore_musa.kernels import musa_kernels
 
 BACKEND = "musa"
@@ -63,8 +63,13 @@ NOTES = (
     "angles; torch_musa's own tests cover float32 only.",
     "Triton on MUSA arch < 3.1 (the S4000 is 2.2) compiles with warp size 128, not 32 "
     "(torch_musa csrc/extension/common/utils.muh): num_warps=4 is 512 threads there. The "
-    "mtcore-triton pack derives num_warps from the target's warp size; other Triton "
-    "code tuned for 32-wide warps does not carry over.",
+    "mtcore-triton pack is not offered below 3.1: torch_musa found Triton kernel launches "
+    "failing on the S4000 (torch_musa/distributed/loss.py:21).",
+    "Data-parallel overlap: torch_musa runs FSDP2 without collective/compute overlap below "
+    "arch 3.1 (distributed/_composable/fsdp/patch.py:215-219) and MT-MegatronLM's MUSA "
+    "scripts leave --overlap-grad-reduce off; below 3.1 mtcore reduces the dp gradient "
+    "buckets after backward (MTCORE_DP_OVERLAP=1 overlaps them anyway), from 3.1 during "
+    "it. ZeRO-2/3 reduce from backward on every arch.",
 )
 
 # One device object for the process: the backend's device and the kernel predicates
@@ -92,8 +97,36 @@ def _mixed_formats(device: MusaDevice, gate):
     return lambda: bool(gate()) and mixed_formats_on_device(device)
 
 
+# torch_musa v2.7.1 runs FSDP2 with no collective/compute overlap below arch 3.1
+# (torch_musa/distributed/_composable/fsdp/patch.py:215-219, "The overlapping of FSDP2
+# was disabled on musa arch older than mp_31"; no reason given), and MT-MegatronLM's
+# MUSA scripts never pass --overlap-grad-reduce. So below 3.1 the dp buckets reduce
+# after backward; MTCORE_DP_OVERLAP=1 overrides. Not measured on a MUSA device.
+DP_OVERLAP_MIN_CAPABILITY = (3, 1)
+
+
+def _dp_overlap(device: MusaDevice):
+    def advised() -> Availability:
+        found = device.capability_at_least(DP_OVERLAP_MIN_CAPABILITY)
+        if found:
+            return found
+        return Availability(
+            False,
+            "torch_musa disables FSDP2's collective/compute overlap below arch 3.1 "
+            f"(distributed/_composable/fsdp/patch.py:215-219); {found.reason}",
+        )
+
+    return advised
+
+
 def _diagnostics() -> dict[str, str]:
-    return {**_triton_target(), **launch_environment()}
+    advised = _dp_overlap(_DEVICE)()
+    overlap = "during backward" if advised else f"after backward: {advised.reason}"
+    return {
+        **_triton_target(),
+        "dp gradient reduction (advised)": f"{overlap} (MTCORE_DP_OVERLAP=0/1 decides instead)",
+        **launch_environment(),
+    }
 
 
 def _triton_target() -> dict[str, str]:
@@ -130,6 +163,7 @@ def mtcore_backends():
         "LayerNorm, torch_musa fused AdamW",
         notes=NOTES,
         diagnostics=_diagnostics,
+        dp_overlap=_dp_overlap(_DEVICE),
     )
     return [musa]
 
@@ -139,3 +173,9 @@ def mtcore_kernels(backend: str, device_type: str):
     if backend != BACKEND:
         return []
     return musa_kernels(_DEVICE)
+
+
+@hookimpl
+def mtcore_environment(backend: str):
+    # MCCL_CHECK_POINTERS=0 only (mtcore_musa.environment says why the others are not set).
+    return dict(MUSA_ENVIRONMENT) if backend == BACKEND else {}

@@ -33,7 +33,7 @@ def mtcore_kernels(backend: str, device_type: str) -> list[KernelImpl]:
     if device_type == HOST_DEVICE_TYPE or not triton_installed():
         return []
     target = find_target(device_type)
-    if target is None:
+    if target is None or not target.offered():
         return []
     return triton_kernel_impls(
         device_type,

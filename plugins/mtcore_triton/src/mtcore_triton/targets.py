@@ -32,11 +32,15 @@ class TargetTraits:
       the reference ops sit at the bottom, vendor-tuned kernels usually at 50).
     fp8_min_arch: the FP8 kernels are offered from this ``GPUTarget.arch`` on (an
       integer arch); None: never, because FP8 in Triton is unverified there.
+    min_arch: the pack is offered at all from this integer ``GPUTarget.arch`` on (None:
+      every arch); ``min_arch_why`` says where the bound comes from.
     """
 
     device_type: str
     priority: int
     fp8_min_arch: int | None
+    min_arch: int | None = None
+    min_arch_why: str = ""
 
 
 # Keyed by GPUTarget.backend. Each entry says why.
@@ -52,8 +56,20 @@ TARGETS: dict[str, TargetTraits] = {
     "hip": TargetTraits(device_type="cuda", priority=60, fp8_min_arch=None),
     # Moore Threads MUSA: below the muDNN kernels mtcore-musa probes (priority 50),
     # which are the vendor's tuned path, above the reference; FP8 in Triton on MUSA is
-    # unverified, so the FP8 ops stay with muDNN or the reference.
-    "musa": TargetTraits(device_type="musa", priority=40, fp8_min_arch=None),
+    # unverified, so the FP8 ops stay with muDNN or the reference. Not below arch 31
+    # (MUSA's GPUTarget.arch is 10 major + minor, torch_musa/core/_utils.py
+    # _get_musa_arch): torch_musa v2.7.1 replaced its own Triton cross entropy because
+    # "triton kernel launch faild on S4000" (the S4000 is arch 22; torch_musa/distributed/
+    # loss.py:21), and runs FSDP2 without overlap below 31 (distributed/_composable/fsdp/
+    # patch.py:215-219).
+    "musa": TargetTraits(
+        device_type="musa",
+        priority=40,
+        fp8_min_arch=None,
+        min_arch=31,
+        min_arch_why="torch_musa found Triton kernel launches failing on the S4000 (arch 22): "
+        "torch_musa/distributed/loss.py:21",
+    ),
 }
 
 # A target no entry lists (a new vendor's Triton): below a vendor's own kernels, no FP8.
@@ -90,8 +106,17 @@ class TritonTarget:
         least = self.traits.fp8_min_arch
         return least is not None and isinstance(self.arch, int) and self.arch >= least
 
+    def offered(self) -> bool:
+        """Whether the pack is offered on this target at all (table data: ``min_arch``)."""
+        least = self.traits.min_arch
+        return least is None or (isinstance(self.arch, int) and self.arch >= least)
+
     def describe(self) -> str:
-        return f"{self.name} (target {self.backend}, arch {self.arch}, warp size {self.warp_size})"
+        found = f"{self.name} (target {self.backend}, arch {self.arch}, warp size {self.warp_size})"
+        if self.offered():
+            return found
+        why = self.traits.min_arch_why
+        return f"{found}; the pack is not offered below arch {self.traits.min_arch} ({why})"
 
 
 def triton_installed() -> bool:

@@ -6,7 +6,7 @@ wrapper (torch) on first use.
 
 import importlib
 
-from mtcore.parallel.data.config import DEFAULT_BUCKET_SIZE, DataParallelConfig
+from mtcore.parallel.data.config import DEFAULT_BUCKET_SIZE, DataParallelConfig, dp_overlap
 
 _WITH_TORCH = {
     "Bucket": "buffer",
@@ -29,4 +29,5 @@ __all__ = [
     "DataParallelConfig",
     "GradBuffer",
     "LaunchRecord",
+    "dp_overlap",
 ]

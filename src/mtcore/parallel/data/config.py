@@ -3,11 +3,32 @@
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field, model_validator
 
 from mtcore.distributed.settings import Settings
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements, Megatron-Core's default
+DP_OVERLAP_ENV = "MTCORE_DP_OVERLAP"
+
+
+def dp_overlap(backend) -> tuple[bool, str]:
+    """``(overlap, why)``: whether the dp gradient buckets reduce during backward
+    (``DataParallelConfig.overlap_grad_reduce``). ``MTCORE_DP_OVERLAP=1``/``0`` decides;
+    unset, the backend's advice (``BackendSpec.dp_overlap``; none: overlap)."""
+    choice = os.environ.get(DP_OVERLAP_ENV, "").strip()
+    if choice in ("0", "1"):
+        return choice == "1", f"{DP_OVERLAP_ENV}={choice}"
+    if choice:
+        raise ValueError(f"{DP_OVERLAP_ENV} must be 0 or 1 (unset: the backend's advice), got {choice!r}")
+    advice = backend.spec.dp_overlap
+    if advice is None:
+        return True, f"backend {backend.name!r}: overlap"
+    advised = advice()
+    if advised:
+        return True, f"backend {backend.name!r}: overlap"
+    return False, f"backend {backend.name!r}: after backward ({advised.reason})"
 
 
 class DataParallelConfig(Settings):

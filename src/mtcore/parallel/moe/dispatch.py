@@ -43,6 +43,28 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, order)`` for a permutation ``order``, whose backward is the
+    gather by the inverse permutation (autograd's ``index_select`` backward zero-fills a
+    buffer and scatters into it: every row receives exactly one gradient row here)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def _inverse_permutation(order: Tensor) -> Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device)
+    return inverse
+
+
 def _all_to_all(
     x: Tensor, group: TPGroup, out_splits: list[int], in_splits: list[int], what="moe all-to-all"
 ) -> Tensor:
@@ -86,7 +108,7 @@ class Dispatcher:
 
     def _forget(self) -> None:
         """Drop the per-forward state (it references the router's graph)."""
-        self.token = self.weight = self.regroup = None
+        self.token = self.weight = self.regroup = self.ungroup = None
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -113,14 +135,13 @@ class AllToAllDispatcher(Dispatcher):
         local = torch.arange(e, device=x.device).repeat(p)
         row_key = (local * p + source).repeat_interleave(received.reshape(-1))
         self.regroup = torch.argsort(row_key, stable=True)
-        return rows.index_select(0, self.regroup), received.sum(0)
+        self.ungroup = _inverse_permutation(self.regroup)
+        return _PermuteRows.apply(rows, self.regroup, self.ungroup), received.sum(0)
 
     def combine(self, out):
         if self.ep.size > 1:
             if self.regroup is not None:
-                back = torch.empty_like(self.regroup)
-                back[self.regroup] = torch.arange(len(self.regroup), device=back.device)
-                out = out.index_select(0, back)
+                out = _PermuteRows.apply(out, self.ungroup, self.regroup)
             out = _AllToAll.apply(out, self.ep, self.in_splits, self.out_splits)
         weighted = out * self.weight.to(out.dtype).unsqueeze(1)
         y = out.new_zeros((self.tokens, out.shape[1])).index_add(0, self.token, weighted)

@@ -36,6 +36,12 @@ class MegatronError(ValueError):
     """A Megatron checkpoint or argument that mtcore cannot map; the message names it."""
 
 
+def _default_ffn(hidden: int, swiglu: bool) -> int:
+    """Megatron-LM's --ffn-hidden-size when none is given (validate_args): 4h, or with
+    SwiGLU two thirds of it rounded down to a multiple of 64."""
+    return int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+
+
 # Megatron-LM's defaults (megatron/training/arguments.py) of the arguments read here.
 MEGATRON_DEFAULTS: dict[str, Any] = {
     "num_query_groups": 1,
@@ -177,6 +183,20 @@ def model_config_from_megatron(args: Mapping[str, Any], vocab_size: int | None =
     norm = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}.get(get("normalization"))
     if norm is None:
         raise MegatronError(f"--normalization {get('normalization')} is not supported")
+    # Megatron-LM requires --max-position-embeddings (validate_args' required_args); a
+    # rope model's context is its --seq-length when given.
+    seq_len = (
+        get("max_position_embeddings")
+        if position == "learned_absolute"
+        else get("seq_length") or get("max_position_embeddings")
+    )
+    if seq_len is None:
+        raise MegatronError(
+            "the Megatron arguments have neither --seq-length nor --max-position-embeddings"
+            if position == "rope"
+            else "the Megatron arguments have no --max-position-embeddings (the size of the "
+            "learned position table)"
+        )
     heads = int(get("num_attention_heads"))
     hidden = int(get("hidden_size"))
     fields: dict[str, Any] = dict(
@@ -185,7 +205,7 @@ def model_config_from_megatron(args: Mapping[str, Any], vocab_size: int | None =
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(get("num_query_groups")) if get("group_query_attention") else None,
-        ffn_hidden_size=int(get("ffn_hidden_size") or 4 * hidden),
+        ffn_hidden_size=int(get("ffn_hidden_size") or _default_ffn(hidden, get("swiglu"))),
         norm=norm,
         norm_eps=float(get("norm_epsilon")),
         activation="swiglu" if get("swiglu") else "gelu",
@@ -197,11 +217,7 @@ def model_config_from_megatron(args: Mapping[str, Any], vocab_size: int | None =
         tie_embeddings=not get("untie_embeddings_and_output_weights"),
         init_std=float(get("init_method_std")),
         dropout=0.0,  # Megatron's dropout is a training setting; the trainer's config sets it
-        seq_len=int(
-            get("max_position_embeddings")
-            if position == "learned_absolute"
-            else get("seq_length") or get("max_position_embeddings")
-        ),
+        seq_len=int(seq_len),
     )
     kv_channels = get("kv_channels")
     if kv_channels is not None and int(kv_channels) != hidden // heads:
