@@ -30,6 +30,7 @@ rank's tensor peak falls at the start of a backward (docs/plan.md).
 
 from __future__ import annotations
 
+from mtcore.parallel.pipeline.table import schedule_entry
 from mtcore.plan.shapes import Block
 
 MASK_BYTES = 1  # a dropout mask element
@@ -156,44 +157,20 @@ def _score_bytes(block: Block, s: float, b: int, e: int, fused: bool) -> float:
 
 
 def in_flight(schedule: str, pp: int, vpp: int, rank: int, microbatches: int) -> float:
-    """Micro-batches' worth of this rank's layers whose activations are held at once.
-
-    1F1B: stage r holds ``p - r`` micro-batches after warm-up (stage 0 the most).
-    Interleaved (v chunks per rank): ``2 (p - r - 1) + (v - 1) p + 1`` chunks in
-    flight, each 1/v of the rank's layers: on stage 0, ``p (1 + (p - 1) / (p v))``
-    micro-batches' worth (Korthikanti et al. 2022, sec. 4.2.3). With as many
-    micro-batches as stages the interleaved schedule runs every forward before the
-    first backward (mtcore's ``interleaved_1f1b``, as Megatron-Core's), so every rank
-    holds all of them. GPipe: all of them. ZB-H1: stage r holds back r weight-gradient
-    passes (their inputs and output gradients), so every stage holds up to stage 0's
-    ``p``; counted as whole micro-batches, an upper bound. ``interleaved_zb`` likewise
-    holds up to interleaving's stage-0 count on every stage.
-    """
+    """Micro-batches' worth of this rank's layers whose activations are held at once: the
+    schedule table's closed form (``ScheduleEntry.in_flight``); one without pipelining."""
     if pp == 1:
         return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    if schedule == "zb_h1":
-        return float(min(pp, microbatches))
-    if vpp == 1:
-        return float(min(pp - rank, microbatches))
-    if microbatches == pp:
-        return float(microbatches)
-    if schedule == "interleaved_zb":  # rank r holds r chunks more: up to rank 0's count
-        rank = 0
-    chunks = min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
-    return chunks / vpp
+    return schedule_entry(schedule).in_flight(pp, vpp, rank, microbatches)
 
 
 def heads_in_flight(schedule: str, pp: int, vpp: int, microbatches: int) -> int:
     """Micro-batches whose loss the last stage has run forward but not yet backward, at
-    most: one under 1F1B (each last-stage forward is followed by its backward) and under
-    interleaving, except when it runs every forward first (as many micro-batches as
-    stages, ``in_flight``); GPipe: all of them. Each one beyond the first keeps its
-    ``head_saved_bytes`` until its backward."""
-    if pp > 1 and (schedule == "gpipe" or (vpp > 1 and microbatches == pp)):
-        return microbatches
-    return 1
+    most (``ScheduleEntry.heads_in_flight``: one under 1F1B, all of them under GPipe).
+    Each one beyond the first keeps its ``head_saved_bytes`` until its backward."""
+    if pp == 1:
+        return 1
+    return schedule_entry(schedule).heads_in_flight(pp, vpp, microbatches)
 
 
 def backward_transient_bytes(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from mtcore.parallel.pipeline.table import schedule_entry
 from mtcore.plan import data_parallel, network, timing
 from mtcore.plan.hardware import Hardware
 from mtcore.plan.lora import adapter_params
@@ -40,18 +41,12 @@ __all__ = ["DP_OVERLAP", "Options", "OptionsError", "PlacementError", "Plan", "p
 def pipeline_bubble(
     schedule: str, per_stage: list[float], weight_grads: list[float], slow: int, vpp: int
 ) -> float:
-    """Seconds of a step no stage computes. The pipeline fills and drains through every
-    stage once (1F1B: the sum of the stages' micro-batch times less the slowest's, which
-    the m micro-batches pay); equal stages give the familiar (p - 1)(F + B + W).
-    Interleaving divides it by v. ZB-H1 (and interleaved_zb, divided by v) fills the
-    drain with W passes: each stage then adds F + B - W (Qi et al. 2023), its time less
-    twice its weight-gradient share."""
+    """Seconds of a step no stage computes: the schedule table's formula
+    (``ScheduleEntry.bubble``; 1F1B: the sum of the stages' micro-batch times less the
+    slowest's, divided by v when interleaved; ZB-H1 fills the drain with W passes)."""
     if len(per_stage) == 1:
         return 0.0
-    if schedule in ("zb_h1", "interleaved_zb"):
-        filled = [max(0.0, t - 2 * w) for t, w in zip(per_stage, weight_grads, strict=True)]
-        return (sum(filled) - filled[slow]) / vpp
-    return (sum(per_stage) - per_stage[slow]) / vpp
+    return schedule_entry(schedule).bubble(per_stage, weight_grads, slow, vpp)
 
 
 class PlacementError(ValueError):
