@@ -815,8 +815,8 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "# one .txt file of many documents, blank lines between them (a BPE is trained on it)": (
             ShellRun(slow=True, covered_by="test_your_own_data_examples_run")
         ),
-        "mtcore data prepare books.txt web.jsonl my_dataset/ --tokenizer tokenizer.json --output "
-        "data/corpus": ShellRun(slow=True, covered_by="test_your_own_data_examples_run"),
+        "mtcore data prepare books.txt web.jsonl my_dataset/ --config configs/default.yaml "
+        "--output data/corpus": ShellRun(slow=True, covered_by="test_your_own_data_examples_run"),
         "mtcore train configs/long_context.yaml --nproc 4        # 2048 tokens, cp 4, ring": (
             SLOW_SHORT
         ),

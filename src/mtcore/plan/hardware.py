@@ -291,6 +291,11 @@ def fill_from_backend(hardware: Hardware, backend) -> tuple[Hardware, BackendFil
     sources = dict(hardware.sources)
     if caps.name:
         changes["name"], filled["name"] = caps.name, repr(caps.name)
+    if caps.memory_bytes is not None and caps.memory_bytes <= 0:
+        raise HardwareError(
+            f"{where} reports {caps.memory_bytes} bytes of device memory; a device must have "
+            "memory (its plugin's capabilities().memory_bytes)"
+        )
     if caps.memory_bytes:
         changes["memory_gb"] = caps.memory_bytes / 1e9
         filled["memory_gb"] = f"{caps.memory_bytes / 1e9:.2f}"
