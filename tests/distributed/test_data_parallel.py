@@ -69,9 +69,9 @@ def _reference(backend_name: str = "cpu"):
 
 def _full_grads(ddp) -> dict[str, torch.Tensor]:
     """Every param's reduced fp32 gradient; under ZeRO-1 the shards are all-gathered first."""
-    if ddp.config.shard_optimizer and ddp.dp_size > 1:
+    if ddp.config.shard_optimizer and ddp.dp_cp_size > 1:
         for bucket in ddp.buckets:
-            lo, hi = bucket.shard(ddp.dp_rank, ddp.dp_size)
+            lo, hi = bucket.shard(ddp.dp_cp_rank, ddp.dp_cp_size)
             full = torch.empty_like(bucket.grad)
             ddp.collective.all_gather(full, bucket.buffer.grad[lo:hi].clone(), group=ddp.group)
             bucket.grad.copy_(full)

@@ -71,7 +71,12 @@ def _checks(ctx) -> dict:
         total = torch.tensor([float(rank)])
         coll.all_reduce(total, group=group)
         refused.append((coll.shared_memory_channel(group) is None, total.item()))
+    # A group of the later ranks: its channel names its members by their global ranks
+    # (what a stopped member's message says), not by their ranks inside it.
+    later = coll.new_group(ranks[1:], latency_bound=True)
+    later_channel = coll.shared_memory_channel(later) if rank > 0 else None
     out = {
+        "later ranks": later_channel and list(later_channel.global_ranks),
         "channels": [
             coll.shared_memory_channel(g) is not None for g in (fast, plain, switched_off)
         ],
@@ -217,6 +222,7 @@ def test_the_channel_gives_what_gloo_gives_on_every_op_dtype_and_size():
     results = run_ranks(_checks, WORLD)
     for rank, result in enumerate(results):
         assert result["channels"] == [True, False, False], rank
+        assert result["later ranks"] == (list(range(1, WORLD)) if rank else None), rank
         assert result["refused"] == [(True, 3.0), (True, 3.0)], (rank, result["refused"])
         assert result["mismatches"] == [], (rank, result["mismatches"][:5])
         assert result["replicated torch.float32"] and result["replicated torch.bfloat16"]

@@ -43,7 +43,7 @@ def _model(layout, backend):
 def _gather_shards(ddp) -> None:
     """Test helper: all-gather ZeRO's reduced-gradient shards so main_grad is whole."""
     for bucket in ddp.buckets:
-        lo, hi = bucket.shard(ddp.dp_rank, ddp.dp_size)
+        lo, hi = bucket.shard(ddp.dp_cp_rank, ddp.dp_cp_size)
         full = torch.empty_like(bucket.grad)
         ddp.collective.all_gather(full, bucket.buffer.grad[lo:hi].clone(), group=ddp.group)
         bucket.grad.copy_(full)

@@ -14,8 +14,10 @@ torchrun's do on a cluster. Compared with the same layout on one host:
   collective timeout and commit nothing; losses after the shrink equal a fresh run
   from that checkpoint at 2 ranks; and a SIGTERM to one node's launcher only (node1,
   then node0, which hosts the rendezvous): both launchers exit 143 without a restart
-  round, and the same command on both nodes resumes the commit. All are slow (about a
-  minute each): `make test-cluster` runs them, in CI too; the default suite runs doctor
+  round, and the same command on both nodes resumes the commit; another --nproc on each
+  node: both launchers exit 2 with one line naming --nproc; an endpoint outside the
+  cluster's subnet: one line, without torch's store retry warnings. All are slow (about
+  a minute each): `make test-cluster` runs them, in CI too; the default suite runs doctor
   on a node.
 
 Needs root (namespaces); skipped with the reason otherwise.
@@ -280,6 +282,59 @@ def test_sigterm_to_one_node_ends_the_job_on_every_node_with_143_and_it_continue
     assert codes == {0: 0, 1: 0}, log
     assert f"checkpoint: the latest commit (step {step}) is this run's (preempt-{preempted})" in log
     assert f"resumed from {directory / 'checkpoints' / mf.step_dir_name(step)} at step {step}" in log
+
+
+@pytest.mark.slow  # about 30 s: make test-cluster
+def test_nodes_with_different_nproc_both_exit_2_with_one_line_naming_it(
+    cluster, tmp_path, mtcore_script, cli_env
+):
+    """``--nproc 2`` on node0 and ``--nproc 1`` on node1 (a layout both world sizes allow):
+    each node's launcher exits 2 with one line naming --nproc, no C++ frames, no 143."""
+    directory, cache = tmp_path / "unequal", tmp_path / "cache"
+    common = [str(DEFAULT_JOB), *short_run(directory, cache, 2), "--checkpoint.dir", "null",
+              "--parallel.tp", "1", "--parallel.pp", "1"]  # fmt: skip
+    rendezvous = _rendezvous("unequal", "2")
+    node0, node1 = cluster.nodes
+    job = Job(cluster, mtcore_script, cli_env, directory, [*common, *rendezvous])
+    try:
+        job.start(node0)
+        ones = [*rendezvous[:1], "1", *rendezvous[2:]]  # --nproc 1
+        job.command = [str(mtcore_script), "train", *common, *ones]
+        job.start(node1)
+        codes = job.finish(timeout_s=180)
+    finally:
+        node1.kill()
+        node0.kill()
+    assert codes == {0: 2, 1: 2}, job.text(3000)
+    for log, ranks in zip(job.logs, (2, 1), strict=True):
+        text = log.read_text()
+        errors = [line for line in text.splitlines() if "error:" in line]
+        assert len(errors) == 1 and "--nproc differs across the nodes" in errors[0], text
+        assert f"starts {ranks} rank(s), but the 2 nodes start 3 in all" in errors[0], text
+        assert "frame #" not in text and "Traceback" not in text, text
+
+
+@pytest.mark.slow  # about 20 s: make test-cluster
+def test_an_unreachable_endpoint_is_one_line_without_torchs_retry_warnings(
+    cluster, tmp_path, mtcore_script, cli_env
+):
+    """node1 has no route outside its subnet: torch's store client retried with a warning
+    and C++ frames each time (50-250 lines); now the launcher's line alone."""
+    node1 = cluster.nodes[1]
+    command = [str(mtcore_script), "train", str(DEFAULT_JOB),
+               *short_run(tmp_path, tmp_path / "cache", 2), "--checkpoint.dir", "null",
+               "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "198.19.0.1",
+               "--rdzv-id", "nowhere", "--rdzv-conf", "read_timeout=3"]  # fmt: skip
+    done = node1.run(command, capture_output=True, text=True, env=cli_env(), timeout=180)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == 143, lines
+    data = ("training a ", "tokenizing ")  # a first run builds the tokenizer and index
+    lines = [line for line in lines if not line.startswith(data)]
+    assert len(lines) == 2 and "joins the c10d rendezvous" in lines[0], lines
+    assert (
+        "cannot reach the rendezvous at 198.19.0.1:29400 (errno: 101 - Network is unreachable)"
+        in lines[-1]
+    ), lines
 
 
 def test_doctor_names_the_rendezvous_route_and_the_address_the_ranks_bind(

@@ -765,6 +765,10 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "mtcore plan configs/default.yaml --gpus 992 --hardware A100-80GB --model.style gpt2 \\": (
             CHEAP
         ),
+        "mtcore plan configs/default.yaml --gpus 16384 --hardware docs/examples/hardware/"
+        "h100-meta-roce.toml \\": CHEAP,
+        "mtcore plan configs/deepseek.yaml --gpus 2048 --hardware docs/examples/hardware/"
+        "h800-deepseek.toml \\": CHEAP,
         "mtcore sweep configs/default.yaml --layouts tp=2,pp=1 tp=1,pp=2 tp=1,pp=1 --nproc 2 "
         "--steps 6": ShellRun(slow=True, replace=(("--steps 6", "--steps 2"),)),
         "mtcore plan configs/default.yaml --gpus 4 --hardware cpu-host --compare tp=2,pp=2 "
@@ -811,8 +815,8 @@ SHELL_RUN: dict[str, dict[str, ShellRun]] = {
         "# one .txt file of many documents, blank lines between them (a BPE is trained on it)": (
             ShellRun(slow=True, covered_by="test_your_own_data_examples_run")
         ),
-        "mtcore data prepare books.txt web.jsonl my_dataset/ --tokenizer tokenizer.json --output "
-        "data/corpus": ShellRun(slow=True, covered_by="test_your_own_data_examples_run"),
+        "mtcore data prepare books.txt web.jsonl my_dataset/ --config configs/default.yaml "
+        "--output data/corpus": ShellRun(slow=True, covered_by="test_your_own_data_examples_run"),
         "mtcore train configs/long_context.yaml --nproc 4        # 2048 tokens, cp 4, ring": (
             SLOW_SHORT
         ),

@@ -72,3 +72,33 @@ def test_doctor_refuses_a_malformed_endpoint_before_looking_at_anything(capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("mtcore doctor: error: --rdzv-endpoint needs HOST or HOST:PORT (a port in "
                    "1-65535; an IPv6 address in brackets), got 'node0:notaport'")  # fmt: skip
+
+
+def test_nodes_that_start_different_numbers_of_ranks_are_named_by_each_node():
+    """``--nproc 2`` on one node and ``--nproc 1`` on the other: torch's agent numbers the
+    three ranks anyway; each node finds the mismatch from the sizes it sets its ranks."""
+    from mtcore.training.rank import nodes_disagree
+
+    two = {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}
+    one = {**two, "LOCAL_WORLD_SIZE": "1"}
+    for environ, local in ((two, 2), (one, 1)):
+        said = nodes_disagree(environ)
+        assert said is not None and said.startswith("--nproc differs across the nodes"), said
+        assert f"starts {local} rank(s), but the 2 nodes start 3 in all" in said
+    assert nodes_disagree({**two, "WORLD_SIZE": "4"}) is None
+    assert nodes_disagree({}) is None  # not under an agent
+
+
+def test_the_socket_error_inside_torchs_rendezvous_error_is_what_is_said():
+    from mtcore.cli.launch import _network_cause
+
+    inner = RuntimeError(
+        "The client socket has failed to connect to any network address of (198.18.0.1, "
+        "29400). The client socket has failed to connect to 1.2.3.4:5 (errno: 101 - Network "
+        "is unreachable)."
+    )
+    try:
+        raise RuntimeError("The connection to the C10d store has failed. See inner exception") from inner
+    except RuntimeError as outer:
+        assert _network_cause(outer) == "errno: 101 - Network is unreachable"
+    assert _network_cause(RuntimeError("timed out\nmore")) == "timed out"

@@ -369,6 +369,7 @@ class Collective:
         every = all(opened for _, opened in pids)
         if every and channel is not None:
             channel.pids = tuple(pid for pid, _ in pids)
+            channel.global_ranks = tuple(dist.get_process_group_ranks(group))
             every = all(shared_memory.pid_alive(pid) for pid in channel.pids)
         agreed = torch.tensor([1 if every else 0])
         dist.all_reduce(agreed, dist.ReduceOp.MIN, group=group)  # every member has mapped

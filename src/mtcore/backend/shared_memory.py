@@ -192,6 +192,7 @@ class SharedMemoryChannel:
         self.rank, self.members, self.slot_bytes = rank, len(pids), slot_bytes
         self.timeout_s = timeout_s
         self.pids = tuple(pids)
+        self.global_ranks = tuple(range(self.members))  # the collective sets the real ones
         self._map = map_segment(path, segment_bytes(self.members, slot_bytes))
         self._flags = memoryview(self._map)[:_PAGE].cast("q")
         self._flag_slots = [r * _FLAG_STRIDE for r in range(self.members)]
@@ -399,15 +400,24 @@ class SharedMemoryChannel:
         gone = [r for r in missing if not pid_alive(self.pids[r])]
         if gone:
             raise PeerGone(
-                f"shared-memory channel: group rank(s) {gone} (pid "
-                f"{', '.join(str(self.pids[r]) for r in gone)}) exited while this rank "
+                f"shared-memory channel: {name_members(self, gone)} exited while this rank "
                 f"waited {waited:.1f} s for them"
             )
         if waited > self.timeout_s:
             raise PeerGone(
-                f"shared-memory channel: group rank(s) {missing} did not arrive within "
+                f"shared-memory channel: {name_members(self, missing)} did not arrive within "
                 f"{self.timeout_s:g} s"
             )
+
+
+def name_members(segment, members: Sequence[int]) -> str:
+    """Members of a channel or mailbox (group ranks) as a user finds them: their global
+    ranks, pids and host (one host: the segment is in its /dev/shm)."""
+    import socket
+
+    ranks = ", ".join(str(segment.global_ranks[r]) for r in members)
+    pids = ", ".join(str(segment.pids[r]) for r in members)
+    return f"rank(s) {ranks} (pid {pids} on host {socket.gethostname()})"
 
 
 def _done() -> None:

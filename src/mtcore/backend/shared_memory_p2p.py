@@ -40,6 +40,7 @@ from mtcore.backend.shared_memory import (
     futex_wait,
     futex_wake,
     map_segment,
+    name_members,
     pid_alive,
 )
 
@@ -120,6 +121,7 @@ class SharedMemoryMailbox:
     ):  # fmt: skip
         self.rank, self.members, self.slot_bytes = rank, len(pids), slot_bytes
         self.pids, self.timeout_s = tuple(pids), timeout_s
+        self.global_ranks = tuple(range(self.members))  # the collective sets the real ones
         self._map = map_segment(path, mailbox_bytes(self.members, slot_bytes))
         counters = _counter_bytes(self.members)
         self._counters = memoryview(self._map)[:counters].cast("q")
@@ -176,7 +178,9 @@ class SharedMemoryMailbox:
                 if written - counters[read_word] >= RING_SLOTS:
                     return
                 n = min(self.slot_bytes, message.nbytes - message.moved)
-                self._slot(data_at, written)[:n].copy_(message.data[message.moved : message.moved + n])
+                self._slot(data_at, written)[:n].copy_(
+                    message.data[message.moved : message.moved + n]
+                )
                 message.moved += n
                 self._written[peer] = written + 1
                 counters[written_word] = written + 1
@@ -230,13 +234,13 @@ class SharedMemoryMailbox:
     def _check_peer(self, peer: int, waited: float) -> None:
         if not pid_alive(self.pids[peer]):
             raise PeerGone(
-                f"shared-memory mailbox: group rank {peer} (pid {self.pids[peer]}) exited "
-                f"while this rank waited {waited:.1f} s for a transfer with it"
+                f"shared-memory mailbox: {name_members(self, [peer])} exited while this "
+                f"rank waited {waited:.1f} s for a transfer with it"
             )
         if waited > self.timeout_s:
             raise PeerGone(
-                f"shared-memory mailbox: a transfer with group rank {peer} did not complete "
-                f"within {self.timeout_s:g} s"
+                f"shared-memory mailbox: a transfer with {name_members(self, [peer])} did "
+                f"not complete within {self.timeout_s:g} s"
             )
 
     def close(self) -> None:

@@ -99,15 +99,16 @@ def run(args: argparse.Namespace) -> int:
     from mtcore.training.checkpoint import CheckpointError
 
     try:
-        out = DIRECTIONS[args.direction](args)
+        with _write_failure_as_os_error():
+            out = DIRECTIONS[args.direction](args)
     except (FileNotFoundError, CheckpointError, ValueError) as e:  # HFInteropError too
         print(f"mtcore convert {args.direction}: error: {e}", file=sys.stderr)
         return 2  # bad input: nothing was written
-    except OSError as e:  # writing failed (a full disk): named by the directory asked for
+    except OSError as e:  # writing failed (a full disk): what was written is removed
         asked = getattr(args, "out_dir", None) or getattr(args, "out_root", args.direction)
         print(
             f"mtcore convert {args.direction}: error: cannot write {asked}: {e.strerror or e}; "
-            "it is as it was before the command",
+            "nothing was written (it is as it was before the command)",
             file=sys.stderr,
         )
         return 1
@@ -177,10 +178,7 @@ def _replace_model_files(out: Path, write) -> Path:
     import tempfile
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    with (
-        _disk_full_as_os_error(),
-        tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging,
-    ):
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as staging:
         write(staging)
         out.mkdir(exist_ok=True)
         for old in _model_files(out):
@@ -191,19 +189,27 @@ def _replace_model_files(out: Path, write) -> Path:
 
 
 @contextlib.contextmanager
-def _disk_full_as_os_error():
-    """safetensors reports a full disk as its own error type: an OSError like any other."""
-    from mtcore.training.checkpoint.checkpointer import disk_full
-
+def _write_failure_as_os_error():
+    """A write that failed is an OSError whatever reported it: safetensors and torch.save
+    report a full disk as their own error types, DCP wraps the OSError of each rank."""
     try:
         yield
-    except OSError:
+    except (OSError, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from mtcore.training.checkpoint.checkpointer import disk_full
+
         what = disk_full(e)
-        if what is None:
-            raise
-        raise OSError(errno.ENOSPC, what) from e
+        if what is not None:
+            raise OSError(errno.ENOSPC, what) from e
+        if isinstance(e, CheckpointException):
+            failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+            written = next((f for f in failures if isinstance(f, OSError)), None)
+            if written is not None:
+                raise written from e
+        raise
 
 
 def parse_size(text: str) -> int:
@@ -280,6 +286,7 @@ def _hf_family(hf_dir: str):
 
 
 def _from_hf(args: argparse.Namespace):
+    from mtcore.cli.output_dirs import undone_on_failure
     from mtcore.data import DataError, load_tokenizer
     from mtcore.training.checkpoint import has_checkpoint, write_model_weights
 
@@ -304,9 +311,12 @@ def _from_hf(args: argparse.Namespace):
             tokenizer = load_tokenizer(path, _adapter(family).tokenizer_tokens)
         except DataError as e:  # the weights are still worth converting
             print(f"mtcore convert from-hf: warning: tokenizer not carried: {e}", file=sys.stderr)
-    if getattr(args, "adapter", None) is not None:
-        return convert_lora.import_with_adapter(args, config, weights, tokenizer, args.adapter)
-    directory = write_model_weights(args.out_root, weights, config, step=0, tokenizer=tokenizer)
+    with undone_on_failure(args.out_root):
+        if getattr(args, "adapter", None) is not None:
+            return convert_lora.import_with_adapter(args, config, weights, tokenizer, args.adapter)
+        directory = write_model_weights(
+            args.out_root, weights, config, step=0, tokenizer=tokenizer
+        )
     print(training_hint(config, directory, tokenizer is not None), file=sys.stderr)
     return directory
 

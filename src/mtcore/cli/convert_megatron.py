@@ -69,6 +69,7 @@ def megatron_args(args: argparse.Namespace) -> str:
 
 def from_megatron(args: argparse.Namespace) -> Path:
     from mtcore.cli.converted import check_finite, training_hint
+    from mtcore.cli.output_dirs import undone_on_failure
     from mtcore.training.checkpoint import has_checkpoint, write_model_weights
     from mtcore.training.checkpoint.megatron import read_megatron
     from mtcore.training.writable import check_writable
@@ -78,13 +79,16 @@ def from_megatron(args: argparse.Namespace) -> Path:
         raise ValueError(f"{args.out_root} already holds checkpoints; convert into a new directory")
     config, weights, iteration = read_megatron(args.megatron_dir)
     check_finite(weights, args.megatron_dir)
-    directory = write_model_weights(args.out_root, weights, config, step=iteration)
+    with undone_on_failure(args.out_root):
+        directory = write_model_weights(args.out_root, weights, config, step=iteration)
     print(training_hint(config, directory, has_tokenizer=False), file=sys.stderr)
     return directory
 
 
 def to_megatron(args: argparse.Namespace) -> Path:
+    from mtcore.cli.output_dirs import staged
     from mtcore.models import get_family
+    from mtcore.parallel.layout import LayoutSpec
     from mtcore.training.checkpoint import read_model_weights
     from mtcore.training.checkpoint.megatron import (
         FAMILY,
@@ -109,12 +113,24 @@ def to_megatron(args: argparse.Namespace) -> Path:
         raise ValueError(
             f"{args.checkpoint} holds a {config.family} model; Megatron export is for gpt"
         )
-    if args.format == "torch_dist":
-        directory = write_megatron_torch_dist(config, weights, out, step)
-        how = f"--load {out} --ckpt-format torch_dist --no-load-optim --no-load-rng"
-    else:
-        directory = write_megatron_legacy(config, weights, out, args.tp, args.pp, step, args.ep)
-        how = f"--load {out} --ckpt-format torch --no-load-optim --no-load-rng"
+    # What Megatron-Core splits over tp (heads, key/value heads, vocabulary, feed-forward)
+    # must divide: refused before anything is written, naming the number.
+    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep)
+    try:
+        config.check_layout(LayoutSpec(**layout))
+    except ValueError as e:
+        given = " ".join(f"--{k} {v}" for k, v in layout.items() if v > 1)
+        raise ValueError(f"{given or 'this layout'}: {e}") from None
+    with staged(out) as staging:
+        if args.format == "torch_dist":
+            written = write_megatron_torch_dist(config, weights, staging, step)
+        else:
+            written = write_megatron_legacy(
+                config, weights, staging, args.tp, args.pp, step, args.ep
+            )
+    directory = out / written.name
+    how = f"--load {out} --ckpt-format {'torch_dist' if args.format == 'torch_dist' else 'torch'}"
+    how += " --no-load-optim --no-load-rng"
     megatron_args = get_family(FAMILY).megatron.args_for(config, args.tp, args.pp)
     if args.ep > 1:
         megatron_args["expert_model_parallel_size"] = args.ep

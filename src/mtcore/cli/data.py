@@ -1,4 +1,4 @@
-"""Work on training data: `mtcore data prepare INPUT... --tokenizer FILE --output PREFIX`.
+"""Work on training data: `mtcore data prepare INPUT... [--tokenizer FILE] --output PREFIX`.
 
 `prepare` tokenizes text, .jsonl, .parquet files and HuggingFace `datasets`
 directories (written by `save_to_disk`), or directories of them, into one mtcore
@@ -10,6 +10,10 @@ input files already done are skipped; run it again on the same inputs and it doe
 nothing. Train on the result with
 `mtcore train CONFIG --data.paths PREFIX --data.tokenizer FILE` (docs/training.md).
 Parquet and `datasets` directories need the optional extra `mtcore[datasets]`.
+Without `--tokenizer`, the data is tokenized with the tokenizer `mtcore train` uses for
+`--config CONFIG` (none: the built-in defaults): its `data.tokenizer`, else the BPE it
+trains on that config's corpus (cached); where it came from is said, and a copy is
+written to `PREFIX.tokenizer.json`, the `--data.tokenizer` to train with.
 
 `--format chat` renders conversations instead (.jsonl, .parquet, `datasets`
 directories; `messages`, or `prompt`/`completion`) with the tokenizer's own chat
@@ -45,9 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prep.add_argument("inputs", nargs="+", metavar="INPUT", help="files or directories")
     prep.add_argument(
         "--tokenizer",
-        required=True,
         metavar="FILE",
-        help="a tokenizer.json (chat: or a HF tokenizer directory)",
+        help="a tokenizer.json (chat: or a HF tokenizer directory); default: the one "
+        "`mtcore train --config`'s CONFIG uses, copied to PREFIX.tokenizer.json",
+    )
+    prep.add_argument(
+        "--config",
+        metavar="CONFIG",
+        help="without --tokenizer: the training config whose tokenizer to use (its "
+        "data.tokenizer, else the BPE mtcore train trains on its corpus); default: the "
+        "built-in defaults",
     )
     prep.add_argument(
         "--format",
@@ -98,19 +109,43 @@ def run(args: argparse.Namespace) -> int:
     if args.chat_template is not None and args.format != "chat":
         print("mtcore data prepare: error: --chat-template needs --format chat", file=sys.stderr)
         return 2
+    if args.tokenizer is None and args.format == "chat":
+        print(
+            "mtcore data prepare: error: --format chat needs --tokenizer (a chat model's "
+            "tokenizer, whose template renders the conversations)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.tokenizer is not None and args.config is not None:
+        print("mtcore data prepare: error: give --tokenizer or --config, not both", file=sys.stderr)
+        return 2
+    from mtcore.training.config import ConfigError
+
     report_to(sys.stderr)
     try:
         if args.format == "chat":
             return _prepare_chat(args)
+        chosen = None
+        if args.tokenizer is None:
+            from mtcore.cli.data_tokenizer import config_tokenizer
+
+            chosen = config_tokenizer(args.config)
+            print(f"mtcore data prepare: tokenizer: {chosen.source}", file=sys.stderr)
         done = prepare_data(
             args.inputs,
-            args.tokenizer,
+            args.tokenizer or chosen.path,
             args.output,
             text_key=args.text_key,
             txt_separator=separator,
             workers=args.workers,
         )
-    except DataError as e:  # the inputs or the tokenizer: nothing was written
+        tokenizer = args.tokenizer
+        if chosen is not None:
+            from mtcore.cli.data_tokenizer import write_beside
+
+            tokenizer = write_beside(chosen, done.prefix)
+            print(f"mtcore data prepare: tokenizer written to {tokenizer}", file=sys.stderr)
+    except (DataError, ConfigError) as e:  # the inputs or the tokenizer: nothing was written
         print(f"mtcore data prepare: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # writing failed (a full disk): the finished input files are kept
@@ -129,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         f"{done.files} file(s), {state}"
     )
     print(
-        f"train on it: mtcore train CONFIG --data.paths {done.prefix} --data.tokenizer {args.tokenizer}"
+        f"train on it: mtcore train CONFIG --data.paths {done.prefix} --data.tokenizer {tokenizer}"
     )
     return 0
 

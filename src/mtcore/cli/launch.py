@@ -51,6 +51,22 @@ _HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_]
 RENDEZVOUS_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
 
 
+# torch's C++ side (c10d's TCPStore client) logs each failed connection to the rendezvous
+# and each closed socket with its C++ frames: 50-250 lines before the launcher's one line.
+# Read once, when torch is imported; the ranks keep the level the user gave.
+_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+_quieted_here = False
+
+
+def quiet_agent_logs() -> None:
+    """Before torch is imported in the launcher: its C++ logs off (``FATAL`` only), unless
+    the user set ``TORCH_CPP_LOG_LEVEL``; ``launch`` gives the ranks the user's setting."""
+    global _quieted_here
+    if _CPP_LOG_LEVEL not in os.environ and "torch" not in sys.modules:
+        os.environ[_CPP_LOG_LEVEL] = "FATAL"
+        _quieted_here = True
+
+
 class LaunchError(ValueError):
     """A launch option that cannot work; the message names the option and the value."""
 
@@ -250,6 +266,7 @@ class RendezvousWatch:
 
         host, _, port = endpoint.rpartition(":")
         self.address, self.limit_s, self.every_s = (host, int(port)), limit_s, every_s
+        self.reached = False  # whether a connection to the endpoint ever succeeded
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mtcore-rdzv-watch", daemon=True)
 
@@ -279,6 +296,7 @@ class RendezvousWatch:
         while not self._stop.wait(self.every_s):
             if self.reachable():
                 last_seen = time.monotonic()
+                self.reached = True
             elif last_seen is not None and time.monotonic() - last_seen > self.limit_s:
                 host, port = self.address
                 print(
@@ -348,6 +366,8 @@ def launch(
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     bad_input = BadInputWatch()  # sets the file's name in the ranks' environment
     stopped = StopNote()  # likewise: where local rank 0 says the job was preempted
+    if _quieted_here:  # the launcher's own C++ logs only
+        os.environ.pop(_CPP_LOG_LEVEL, None)
     # The ranks' environment is complete; the server loads torch while this process does.
     stop_rank_server = start_rank_server()
     from torch.distributed import DistNetworkError, DistStoreError
@@ -391,13 +411,16 @@ def launch(
     except ChildFailedError as e:
         return 2 if bad_input.fired else failed(e.failures)
     except (RendezvousError, DistNetworkError, DistStoreError) as e:
+        if bad_input.fired:  # the ranks said what was wrong; the other node left with it
+            return 2
         # The node hosting the rendezvous is gone or cut off: this node cannot go on, and
         # nothing is lost (the last commit stands); the job continues when it is back.
         where = plan.endpoint or "this host"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        lost = "lost" if getattr(watch, "reached", True) else "cannot reach"
         print(
-            f"mtcore train: stopped: lost the rendezvous at {where} ({first}); the last commit "
-            "is intact, and the same command continues from it once that node is back",
+            f"mtcore train: stopped: {lost} the rendezvous at {where} ({_network_cause(e)}); "
+            "the last commit is intact, and the same command continues from it once that "
+            "node is back",
             file=sys.stderr,
         )
         return PREEMPTED_EXIT
@@ -411,6 +434,24 @@ def launch(
         logging.disable(quiet)
         stop_rank_server()
     return 0
+
+
+def _network_cause(error: BaseException) -> str:
+    """What the socket said (``errno: 101 - Network is unreachable``) somewhere in the
+    chain of ``error`` (torch's outer message only says to see the inner one), else the
+    first line of the outermost message."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found = re.search(r"errno: \d+ - [^)]+", str(e))
+        if found:
+            return found.group(0)
+        todo += [e.__cause__, e.__context__]
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def start_rank_server() -> Callable[[], None]:

@@ -50,8 +50,17 @@ environment:
 """
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A usage error is one line, ``mtcore COMMAND: error: ...`` and where the usage is,
+    like every other bad input (argparse's own prints the usage first); exit 2. Its
+    subcommands' parsers are of this class too (argparse makes them of the parent's)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="mtcore",
         description="mtcore: hardware-neutral LLM training with accelerator plugins.",
         epilog=ENVIRONMENT_HELP,

@@ -14,8 +14,11 @@ files side by side. `--backend NAME|auto` builds that backend (as `mtcore doctor
 memory, the dtypes it computes in and any peak figures) over the `--hardware`
 description, which gives the rest. The software a layout is assumed to run on is
 set by `--zero 0-3`, `--flash-attention on|off`, `--comm-overlap tp,pp`,
-`--grad-reduce-dtype`, `--dp-overlap` and `--cross-node` (and per column in
-`--compare`: `zero=3,flash=off,overlap=tp+pp,grad_dtype=bf16`); every report says what
+`--grad-reduce-dtype`, `--dp-overlap`, `--cross-node`, what the stack keeps for backward
+(`--recompute-modules`, `--moe-dispatch`, `--moe-probs`), `--rank-order`, FSDP's
+switches (`--fsdp-reshard`, `--fsdp-reduce`, `--fsdp-prefetch`), `--fp8-experts` and
+`--moe-node-limit` (and per column in `--compare`:
+`zero=3,flash=off,overlap=tp+pp,grad_dtype=bf16,reshard=off`); every report says what
 it assumed. The model and its two fitted constants: docs/plan.md.
 """
 
@@ -38,10 +41,18 @@ _VALUED = (
     "--flash-attention",
     "--comm-overlap",
     "--grad-reduce-dtype",
+    "--recompute-modules",
+    "--moe-dispatch",
+    "--moe-probs",
+    "--rank-order",
+    "--fsdp-reshard",
+    "--fsdp-reduce",
+    "--fsdp-prefetch",
+    "--moe-node-limit",
 )
 DEFAULT_HARDWARE = "H100-SXM"
 DEFAULT_PLOT = "runs/plan/compare.png"
-_FLAGS = ("--json", "--search", "--cross-node")
+_FLAGS = ("--json", "--search", "--cross-node", "--fp8-experts")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +129,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gradient buffers and their reduction: fp32 (mtcore, default), bf16, fp16",
     )
     parser.add_argument(
+        "--recompute-modules",
+        metavar="NAMES",
+        default="none",
+        help="sub-modules rebuilt in backward, Megatron-Core's names: core_attn, layernorm, "
+        "mla_up_proj, moe_act (comma-separated; default none)",
+    )
+    parser.add_argument(
+        "--moe-dispatch",
+        metavar="compute|fp8",
+        default="compute",
+        help="dtype the experts' input is dispatched and kept in (default: the compute dtype)",
+    )
+    parser.add_argument(
+        "--moe-probs",
+        metavar="combine|expert",
+        default="combine",
+        help="where router probabilities weigh the experts' output: combine (mtcore, "
+        "default: the output is kept) or expert (at the activation, as Megatron-Core)",
+    )
+    parser.add_argument(
+        "--rank-order",
+        metavar="ORDER",
+        default="tp-cp-dp-pp",
+        help="how ranks are numbered, fastest first: tp-cp-dp-pp (mtcore, default) or "
+        "tp-cp-pp-dp (Llama 3's: each pipeline in a pod, dp across them)",
+    )
+    parser.add_argument(
+        "--fsdp-reshard",
+        metavar="on|off",
+        default="on",
+        help="ZeRO-3: reshard the parameters after forward (default on: FULL_SHARD)",
+    )
+    parser.add_argument(
+        "--fsdp-reduce",
+        metavar="microbatch|step",
+        default="microbatch",
+        help="ZeRO-3: reduce-scatter the gradients every micro-batch (default) or once a step",
+    )
+    parser.add_argument(
+        "--fsdp-prefetch",
+        metavar="N",
+        default="1",
+        help="ZeRO-3: units gathered ahead of the one in use (default 1; 0: none)",
+    )
+    parser.add_argument(
+        "--moe-node-limit",
+        metavar="M",
+        default=None,
+        help="each token's experts on at most M nodes, sent once per node (DeepSeek-V3: 4)",
+    )
+    parser.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="under precision.fp8, run the experts' products in FP8 too (DeepSeek-V3's recipe)",
+    )
+    parser.add_argument(
         "--cross-node",
         action="store_true",
         help="let tp (and ep x tp) groups span nodes, priced on the network",
@@ -131,7 +198,7 @@ def _parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     argv = list(sys.argv[2:] if argv is None else argv)
     ns, _ = argparse.ArgumentParser.parse_known_args(parser, ["--gpus", "0"])
     ns.gpus, ns.overrides, ns.compare = None, [], None
-    ns.cross_node = False
+    ns.cross_node = ns.fp8_experts = False
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -187,17 +254,29 @@ def options_from(args: argparse.Namespace):
     from mtcore.plan.layouts import option_value
     from mtcore.plan.options import DP_OVERLAP, GRAD_DTYPES, OptionsError
 
-    for flag, value, choices in (("--dp-overlap", args.dp_overlap, DP_OVERLAP),
-                                 ("--grad-reduce-dtype", args.grad_reduce_dtype, GRAD_DTYPES)):
+    for flag, value, choices in (
+        ("--dp-overlap", args.dp_overlap, DP_OVERLAP),
+        ("--grad-reduce-dtype", args.grad_reduce_dtype, GRAD_DTYPES),
+    ):
         if value not in choices:  # named by the flag, not by the planner's field
             raise OptionsError(f"{flag} needs one of {', '.join(choices)}, got {value!r}")
     fields = {"dp_overlap": args.dp_overlap, "cross_node": args.cross_node}
+    fields["fp8_experts"] = args.fp8_experts
     fields["grad_reduce_dtype"] = args.grad_reduce_dtype
     fields["overlapped"] = option_value("overlap", args.comm_overlap)
     if args.zero is not None:
         fields["zero"] = option_value("zero", args.zero)
     if args.flash_attention is not None:
         fields["fused_attention"] = option_value("flash", args.flash_attention)
+    fields["recompute_modules"] = option_value("recompute_modules", args.recompute_modules)
+    fields["moe_dispatch"] = option_value("moe_dispatch", args.moe_dispatch)
+    fields["moe_probs"] = option_value("moe_probs", args.moe_probs)
+    fields["rank_order"] = option_value("order", args.rank_order)
+    fields["fsdp_reshard"] = option_value("reshard", args.fsdp_reshard)
+    fields["fsdp_reduce"] = option_value("reduce", args.fsdp_reduce)
+    fields["fsdp_prefetch"] = option_value("prefetch", args.fsdp_prefetch)
+    if args.moe_node_limit is not None:
+        fields["moe_node_limit"] = option_value("node_limit", args.moe_node_limit)
     return Options(**fields)
 
 

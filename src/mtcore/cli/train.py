@@ -164,9 +164,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"mtcore train: error: {e}", file=sys.stderr)
         return 2
+    if not plan.in_process:  # the elastic agent runs here: its C++ logs stay out
+        from mtcore.cli.launch import quiet_agent_logs
+
+        quiet_agent_logs()
     from mtcore.backend import BackendError, PluginWarning, select_backend
     from mtcore.data.progress import report_to
     from mtcore.plan.memory_fit import check_memory
+    from mtcore.training.backend_check import local_device_index
     from mtcore.training.trainer import prepare
 
     try:
@@ -176,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():  # the trainer's first lines say it, once
             warnings.simplefilter("ignore", PluginWarning)
             backend = select_backend(config.training.backend)
+        if backend.device.type != "cpu":  # before the data: no device, no job
+            local_device_index(backend, 0)
         report_to(sys.stderr)  # a first run tokenizes the corpus: show how far it is
         try:
             prep = prepare(config, max(plan.world_sizes()))

@@ -165,12 +165,17 @@ class PipelineStage(Protocol):
 
     ``first`` / ``last``: whether it is virtual stage 0 / the last virtual stage;
     ``tp``: its tensor-parallel group (``mtcore.parallel.tensor.TPGroup``), over which
-    the engine unshards the chunk's weights (``full_state_dict``).
+    the engine unshards the chunk's weights (``full_state_dict``); ``layers``: its
+    transformer blocks, each global layer index (a string, as parameter names hold it)
+    to its module (an ``nn.ModuleDict``): the units ZeRO-3 shards and gathers one at a
+    time (the params outside them stay whole). These and the methods below are all the
+    engine reads of a chunk besides ``nn.Module``'s own.
     """
 
     first: bool
     last: bool
     tp: Any
+    layers: Any  # nn.ModuleDict: layer index -> block
 
     def stage(self, inputs: dict[str, Tensor], batch: Batch) -> dict[str, Tensor]:
         """``inputs``: the named tensors received from the previous stage (``{}`` on
@@ -204,7 +209,7 @@ class PipelineStage(Protocol):
 
 
 STAGE_MEMBERS = ("first", "last", "tp", "stage", "loss", "metrics", "tied_copies",
-                 "own_parameter_names")  # fmt: skip
+                 "own_parameter_names", "layers")  # fmt: skip
 """Every member of ``PipelineStage``, in the order a missing one is reported."""
 
 
@@ -338,6 +343,12 @@ class ModelFamily(ABC):
                 raise FamilyError(
                     f"model family {self.name!r}: chunk {index} ({type(chunk).__name__}) "
                     f"has no {missing!r} (mtcore.models.PipelineStage)"
+                )
+            if not callable(getattr(chunk.layers, "values", None)):  # nn.ModuleDict, a dict
+                raise FamilyError(
+                    f"model family {self.name!r}: chunk {index} ({type(chunk).__name__}) "
+                    f"has 'layers' of type {type(chunk.layers).__name__}, not a mapping of "
+                    "layer index to block (mtcore.models.PipelineStage)"
                 )
         return built
 

@@ -62,6 +62,10 @@ class Hardware:
     inter_pod_latency_us: float | None = None
     fused_attention: bool = True
     matmul_tflops: float | None = None  # measured max achievable dense bf16 matmul, if published
+    # the training software's fixed costs, beyond the work: each micro-batch's forward or
+    # backward through a chunk (launches, the engine's bookkeeping), and each pipeline send
+    microbatch_overhead_us: float = 0.0
+    p2p_overhead_us: float = 0.0
     gemm_efficiency: dict[str, dict[str, float]] | None = None
     sources: dict[str, str] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # other names a user may give for a shipped file (h100)
@@ -90,6 +94,7 @@ class Hardware:
 _POSITIVE = ("memory_gb", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs")
 _OPTIONAL_POSITIVE = ("matmul_tflops", "inter_pod_gbs")
 _LATENCIES = ("intra_node_latency_us", "inter_node_latency_us", "inter_pod_latency_us")
+_LATENCIES += ("microbatch_overhead_us", "p2p_overhead_us")
 _COUNTS = ("gpus_per_node", "nodes_per_pod")
 
 
@@ -286,6 +291,11 @@ def fill_from_backend(hardware: Hardware, backend) -> tuple[Hardware, BackendFil
     sources = dict(hardware.sources)
     if caps.name:
         changes["name"], filled["name"] = caps.name, repr(caps.name)
+    if caps.memory_bytes is not None and caps.memory_bytes <= 0:
+        raise HardwareError(
+            f"{where} reports {caps.memory_bytes} bytes of device memory; a device must have "
+            "memory (its plugin's capabilities().memory_bytes)"
+        )
     if caps.memory_bytes:
         changes["memory_gb"] = caps.memory_bytes / 1e9
         filled["memory_gb"] = f"{caps.memory_bytes / 1e9:.2f}"

@@ -6,13 +6,17 @@ layout is checked by exactly the validators ``mtcore train`` runs. ``mtcore plan
 --compare`` also takes the planner's software assumptions (``OPTION_KEYS``: the
 ``Options`` of ``mtcore.plan.options``), which no training run has: ``zero=3``,
 ``flash=off``, ``overlap=tp+pp``, ``grad_dtype=bf16``, ``dp_overlap=full``,
-``cross_node``. ``zero`` 0-2 is both: the stage ``mtcore train`` runs
+``cross_node``, ``recompute_modules=layernorm+moe_act``, ``moe_dispatch=fp8``,
+``moe_probs=expert``, ``order=tp-cp-pp-dp``, ``reshard=off``, ``reduce=step``,
+``prefetch=2``. ``zero`` 0-2 is both: the stage ``mtcore train`` runs
 (``parallel.zero``) and the planner's assumption for that column.
 """
 
 from __future__ import annotations
 
-from mtcore.plan.options import DP_OVERLAP, GRAD_DTYPES
+from mtcore.plan.data_parallel import FSDP_REDUCE
+from mtcore.plan.network import RANK_ORDERS
+from mtcore.plan.options import DP_OVERLAP, GRAD_DTYPES, MOE_DISPATCH, MOE_PROBS
 
 KEYS = {
     "tp": "parallel.tp",
@@ -39,11 +43,27 @@ OPTION_KEYS = {
     "grad_dtype": "grad_reduce_dtype",
     "dp_overlap": "dp_overlap",
     "cross_node": "cross_node",
+    "recompute_modules": "recompute_modules",
+    "moe_dispatch": "moe_dispatch",
+    "moe_probs": "moe_probs",
+    "order": "rank_order",
+    "reshard": "fsdp_reshard",
+    "reduce": "fsdp_reduce",
+    "prefetch": "fsdp_prefetch",
+    "fp8_experts": "fp8_experts",
+    "node_limit": "moe_node_limit",
 }
 TRAINED_ZERO = (0, 1, 2)  # the ZeRO stages mtcore train runs (parallel.zero)
-FLAGS = {"sp", "zero1", "cross_node"}  # given bare, they mean true
+FLAGS = {"sp", "zero1", "cross_node", "fp8_experts"}  # given bare, they mean true
 _ON = {"on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
-_CHOICES = {"dp_overlap": DP_OVERLAP, "grad_reduce_dtype": tuple(GRAD_DTYPES)}
+_CHOICES = {
+    "dp_overlap": DP_OVERLAP,
+    "grad_reduce_dtype": tuple(GRAD_DTYPES),
+    "moe_dispatch": MOE_DISPATCH,
+    "moe_probs": MOE_PROBS,
+    "rank_order": RANK_ORDERS,
+    "fsdp_reduce": FSDP_REDUCE,
+}
 
 
 class LayoutStringError(ValueError):
@@ -58,11 +78,15 @@ def option_value(key: str, value: str):
         if not (value.isascii() and value.isdigit()):
             raise LayoutStringError(f"zero={value!r}: give a ZeRO stage 0, 1, 2 or 3")
         return int(value)
-    if field in ("fused_attention", "cross_node"):
+    if field in ("fsdp_prefetch", "moe_node_limit"):
+        if not (value.isascii() and value.isdigit()):
+            raise LayoutStringError(f"{key}={value!r}: give a whole number >= 0")
+        return int(value)
+    if field in ("fused_attention", "cross_node", "fsdp_reshard", "fp8_experts"):
         if value.lower() not in _ON:
             raise LayoutStringError(f"{key}={value!r}: give on or off")
         return _ON[value.lower()]
-    if field == "overlapped":
+    if field in ("overlapped", "recompute_modules"):
         return () if value == "none" else tuple(filter(None, value.replace("+", ",").split(",")))
     choices = _CHOICES.get(field)
     if choices is not None and value not in choices:

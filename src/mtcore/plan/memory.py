@@ -30,9 +30,42 @@ rank's tensor peak falls at the start of a backward (docs/plan.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from mtcore.parallel.pipeline.table import schedule_entry
 from mtcore.plan.shapes import Block
 
 MASK_BYTES = 1  # a dropout mask element
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act")
+"""Sub-modules a selective recompute may rebuild in backward instead of keeping their
+outputs, by Megatron-Core's ``--recompute-modules`` names: ``core_attn`` the attention
+scores (mtcore's ``selective``), ``layernorm`` the norms' outputs (their inputs are
+kept), ``mla_up_proj`` latent attention's query/key/value up-projections (the kernel's
+Q, K, V), ``moe_act`` the experts' activation (its output, the down-projection's
+input). DeepSeek-V3 rebuilds the norms and the MLA up-projections (arXiv 2412.19437,
+sec. 3.3.2) and caches the SwiGLU input, recomputing its output (sec. 3.3.3)."""
+FP8_SCALED_BYTES = 1 + 4 / 128
+"""An fp8 element with its share of one fp32 scale per 1 x 128 tile (DeepSeek-V3's
+fine-grained activation quantization, arXiv 2412.19437 sec. 3.3.2)."""
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What the training software keeps for backward where stacks differ; the defaults
+    are mtcore's own (measured, docs/plan.md). ``modules``: ``RECOMPUTE_MODULES``
+    rebuilt in backward. ``dispatch_bytes``: bytes an element of the experts' dispatched
+    input, kept for their first product's weight gradient (None: the compute dtype;
+    ``FP8_SCALED_BYTES`` when dispatched in fp8). ``expert_output``: the experts' output
+    kept to weigh it by the router's probabilities in the combine (mtcore); off where
+    the probabilities are applied inside the expert, at its activation (Megatron-Core's
+    ``weighted_bias_swiglu``), so the combine is a plain sum."""
+
+    modules: frozenset[str] = frozenset()
+    dispatch_bytes: float | None = None
+    expert_output: bool = True
+
+
+MTCORE_KEPT = Kept()
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -69,8 +102,10 @@ def layer_activation_bytes(
     recompute: str = "none",
     fused_attention: bool = False,
     act_bytes: int = 2,
+    kept: Kept = MTCORE_KEPT,
 ) -> float:
-    """Bytes one layer keeps for its backward, for one micro-batch on one rank."""
+    """Bytes one layer keeps for its backward, for one micro-batch on one rank; ``kept``
+    says what the software rebuilds or narrows (``Kept``)."""
     cp = block.cp_share(cp)
     s = block.seq / cp
     b, h, e = micro_batch, block.hidden, act_bytes
@@ -78,28 +113,30 @@ def layer_activation_bytes(
     if recompute == "full":
         return e * s * b * h / outside_div
     masks = MASK_BYTES * 2 if block.dropout else 0
-    # Outside the tensor-parallel region: two norm inputs, the QKV and MLP inputs, masks.
-    outside = s * b * h * (4 * e + masks)
+    # Outside the tensor-parallel region: two norm inputs, the QKV and MLP inputs (the
+    # norms' outputs, rebuilt under the layernorm module), masks.
+    norm_tensors = 2 if "layernorm" in kept.modules else 4
+    outside = s * b * h * (norm_tensors * e + masks)
     # Inside it (sharded over tp): Q, K, V, the projection's input, the MLP intermediates.
     if block.latent is not None:
-        latent_outside, latent_whole, inside = _latent_bytes(block, s * b, e, recompute)
+        latent_outside, latent_whole, inside = _latent_bytes(block, s * b, e, recompute, kept)
         outside += latent_outside
         outside_whole = latent_whole
     else:
         inside, outside_whole = e * s * b * (2 * block.q_width + 2 * block.kv_width), 0.0
-    inside += _mlp_bytes(block, s * b, e)
+    inside += _mlp_bytes(block, s * b, e, kept)
     scores = 0.0
     if block.cross_seq:  # a second attention over the encoder tokens (T5's decoder)
         outside += e * s * b * h  # its norm's input
         inside += (
             e * s * b * 2 * block.q_width + e * (block.cross_seq / cp) * b * 2 * block.kv_width
         )
-    if recompute != "selective":
+    if recompute != "selective" and "core_attn" not in kept.modules:
         scores = _score_bytes(block, s, b, e, fused_attention)
     return outside / outside_div + outside_whole + (inside + scores) / tp
 
 
-def _latent_bytes(block: Block, tokens: float, e: int, recompute: str):
+def _latent_bytes(block: Block, tokens: float, e: int, recompute: str, kept: Kept = MTCORE_KEPT):
     """Multi-head latent attention's kept tensors (what mtcore's ``LatentAttention``
     saves, ``tests/unit/plan/test_latent_plan.py`` measures them): ``(outside,
     whole, inside)`` bytes. Outside the tp region (sharded by sequence parallel): each
@@ -108,11 +145,17 @@ def _latent_bytes(block: Block, tokens: float, e: int, recompute: str):
     rank: the up-projections' inputs (gathered under sequence parallel); inside (over
     tp): the attention kernel's Q, K, V and output, padded to its head size, and the
     output projection's input (the output and its fp32 log-sum-exp, ``scores``, are
-    recomputed under selective recompute)."""
+    recomputed under selective recompute). ``kept.modules``: ``layernorm`` keeps each
+    latent norm's input only; ``mla_up_proj`` rebuilds the kernel's Q, K and V from the
+    up-projections' inputs, keeping its output alone."""
     lat = block.latent
-    outside = e * tokens * (2 * lat.q_rank + 2 * lat.kv_rank + lat.rope) + 4 * tokens * lat.rope
+    norm_tensors = 1 if "layernorm" in kept.modules else 2
+    outside = e * tokens * (norm_tensors * (lat.q_rank + lat.kv_rank) + lat.rope)
+    outside += 4 * tokens * lat.rope
     whole = e * tokens * ((lat.q_rank or 0) + lat.kv_rank)
-    kernel = 3 if recompute == "selective" else 4
+    selective = recompute == "selective" or "core_attn" in kept.modules
+    kernel = 0 if selective else 1  # the kernel's output, which a score recompute rebuilds
+    kernel += 0 if "mla_up_proj" in kept.modules else 3  # its Q, K and V
     inside = e * tokens * (kernel * block.q_width + block.heads * lat.v_dim)
     return outside, whole, inside
 
@@ -124,19 +167,24 @@ def kv_cache_bytes_per_token(blocks, act_bytes: int) -> float:
     return act_bytes * sum(bl.cache_values_per_token() for bl in blocks)
 
 
-def _mlp_bytes(block: Block, tokens: float, e: int) -> float:
+def _mlp_bytes(block: Block, tokens: float, e: int, kept: Kept = MTCORE_KEPT) -> float:
     """The MLP's (or experts') kept intermediates of its width: fc1's output (the
     activation's input) and fc2's input; gated, also fc3's output and silu(fc1), which
-    the product's backward reads (mtcore's swiglu: ``silu(gate) * up``, unfused)."""
-    kept = 4 if block.gated else 2
-    dense = e * tokens * (block.ffn + block.shared_ffn) * kept
+    the product's backward reads (mtcore's swiglu: ``silu(gate) * up``, unfused). The
+    ``moe_act`` module keeps the experts' activation input alone (fc1's and fc3's
+    outputs, or fc1's)."""
+    widths = 4 if block.gated else 2
+    dense = e * tokens * (block.ffn + block.shared_ffn) * widths
     if not block.experts:
         return dense
+    if "moe_act" in kept.modules:
+        widths = 2 if block.gated else 1
     rows = tokens * block.top_k  # routed rows this rank computes (balanced routing)
-    experts = e * rows * block.expert_ffn * kept
+    experts = e * rows * block.expert_ffn * widths
     # the dispatched input and the expert output are outside the expert's tp split but
     # are counted here once per rank as the tp ranks each hold the same rows / tp share
-    experts += e * rows * block.hidden * 2
+    dispatched = e if kept.dispatch_bytes is None else kept.dispatch_bytes
+    experts += rows * block.hidden * (dispatched + (e if kept.expert_output else 0))
     router = 4 * tokens * block.experts  # fp32 router logits
     return dense + experts + router
 
@@ -156,44 +204,20 @@ def _score_bytes(block: Block, s: float, b: int, e: int, fused: bool) -> float:
 
 
 def in_flight(schedule: str, pp: int, vpp: int, rank: int, microbatches: int) -> float:
-    """Micro-batches' worth of this rank's layers whose activations are held at once.
-
-    1F1B: stage r holds ``p - r`` micro-batches after warm-up (stage 0 the most).
-    Interleaved (v chunks per rank): ``2 (p - r - 1) + (v - 1) p + 1`` chunks in
-    flight, each 1/v of the rank's layers: on stage 0, ``p (1 + (p - 1) / (p v))``
-    micro-batches' worth (Korthikanti et al. 2022, sec. 4.2.3). With as many
-    micro-batches as stages the interleaved schedule runs every forward before the
-    first backward (mtcore's ``interleaved_1f1b``, as Megatron-Core's), so every rank
-    holds all of them. GPipe: all of them. ZB-H1: stage r holds back r weight-gradient
-    passes (their inputs and output gradients), so every stage holds up to stage 0's
-    ``p``; counted as whole micro-batches, an upper bound. ``interleaved_zb`` likewise
-    holds up to interleaving's stage-0 count on every stage.
-    """
+    """Micro-batches' worth of this rank's layers whose activations are held at once: the
+    schedule table's closed form (``ScheduleEntry.in_flight``); one without pipelining."""
     if pp == 1:
         return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    if schedule == "zb_h1":
-        return float(min(pp, microbatches))
-    if vpp == 1:
-        return float(min(pp - rank, microbatches))
-    if microbatches == pp:
-        return float(microbatches)
-    if schedule == "interleaved_zb":  # rank r holds r chunks more: up to rank 0's count
-        rank = 0
-    chunks = min(2 * (pp - rank - 1) + (vpp - 1) * pp + 1, microbatches * vpp)
-    return chunks / vpp
+    return schedule_entry(schedule).in_flight(pp, vpp, rank, microbatches)
 
 
 def heads_in_flight(schedule: str, pp: int, vpp: int, microbatches: int) -> int:
     """Micro-batches whose loss the last stage has run forward but not yet backward, at
-    most: one under 1F1B (each last-stage forward is followed by its backward) and under
-    interleaving, except when it runs every forward first (as many micro-batches as
-    stages, ``in_flight``); GPipe: all of them. Each one beyond the first keeps its
-    ``head_saved_bytes`` until its backward."""
-    if pp > 1 and (schedule == "gpipe" or (vpp > 1 and microbatches == pp)):
-        return microbatches
-    return 1
+    most (``ScheduleEntry.heads_in_flight``: one under 1F1B, all of them under GPipe).
+    Each one beyond the first keeps its ``head_saved_bytes`` until its backward."""
+    if pp == 1:
+        return 1
+    return schedule_entry(schedule).heads_in_flight(pp, vpp, microbatches)
 
 
 def backward_transient_bytes(

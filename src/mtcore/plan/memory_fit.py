@@ -60,6 +60,13 @@ def planned_peak(config, world: int, backend) -> float | None:
 def check_memory(config, world: int, ranks_here: int, backend) -> None:
     """ConfigError, saying the bytes needed and available, when the job clearly does not
     fit: ``ranks_here`` ranks of a ``world``-rank job on this node."""
+    if backend.device.type != "cpu":
+        memory = backend.device.capabilities().memory_bytes
+        if memory is not None and memory <= 0:  # it holds nothing: not the job either
+            raise ConfigError(
+                f"backend {backend.name!r} reports {memory} bytes of {backend.device.type} "
+                "device memory (capabilities().memory_bytes); a device must have memory"
+            )
     peak = planned_peak(config, world, backend)
     if peak is None:
         return

@@ -12,8 +12,10 @@ A group of ``ranks`` ranks placed ``stride`` apart (the layout's order, tp faste
   port's bandwidth times that many, at most the intra-node link's; an all-to-all sends
   each rank's share for other nodes through its own port and the rest over the
   intra-node link, at once; a point-to-point send crossing nodes gets one port;
-* across pods (``nodes_per_pod``) the same with ``inter_pod_gbs``, the per-accelerator
-  share of the oversubscribed layer above the pods.
+* across pods (``nodes_per_pod``) with ``inter_pod_gbs``, the per-accelerator share of
+  the oversubscribed layer above the pods: an all-to-all and a send pay it per rank (each
+  rank's share crosses); a ring leaves each pod once, so the pod layer gives a group's
+  rings the share of all its members in the pod (the fewest-populated pod's).
 
 Every bandwidth is credited ``LINK_EFFICIENCY`` of its published figure; every ring
 step, all-to-all peer or send pays the latency of the slowest level crossed.
@@ -27,6 +29,25 @@ from functools import cache
 
 from mtcore.plan import constants
 from mtcore.plan.hardware import Hardware
+
+RANK_ORDERS = ("tp-cp-dp-pp", "tp-cp-pp-dp")
+"""How ranks are numbered, fastest axis first: mtcore's (and Megatron-Core's default
+without ep) nests dp inside pp, so a pipeline's stages sit farthest apart; Llama 3's
+[TP, CP, PP, DP] (arXiv 2407.21783 sec. 3.3.2) nests pp inside dp, keeping each
+pipeline within a pod and the data-parallel reduction across pods."""
+
+
+def dp_stride(spec, order: str) -> int:
+    """Ranks between neighbours of a dp x cp group: tp under ``tp-cp-dp-pp``; under
+    ``tp-cp-pp-dp`` the group (cp ranks tp apart, their dp copies tp cp pp apart) is
+    priced as its dp cp members spread evenly over its span, tp pp apart."""
+    return spec.tp if order == "tp-cp-dp-pp" else spec.tp * spec.pp
+
+
+def pp_stride(spec, order: str) -> int:
+    """Ranks between a pipeline's neighbouring stages."""
+    inner = spec.tp * spec.cp
+    return inner * spec.dp if order == "tp-cp-dp-pp" else inner
 
 
 @dataclass(frozen=True)
@@ -103,7 +124,10 @@ def ring_bandwidth(hardware: Hardware, ranks: int, stride: int) -> float:
     if where.reach >= 1:
         bandwidth = min(bandwidth, hardware.inter_node_gbs * where.per_node)
     if where.reach == 2:
-        bandwidth = min(bandwidth, hardware.inter_pod_gbs * min(where.per_node, where.per_pod))
+        # the pod layer is the pod's accelerators' shared uplink (inter_pod_gbs each); a
+        # ring leaves a pod once per pod it visits, so a group's rings together get the
+        # uplink share of its members in the pod, not of one port per ring
+        bandwidth = min(bandwidth, hardware.inter_pod_gbs * where.per_pod)
     return bandwidth * 1e9
 
 
@@ -149,6 +173,37 @@ def all_to_all(hardware: Hardware, size_bytes: float, ranks: int, stride: int) -
         off_pod = share * (ranks - where.per_pod)
         seconds = max(seconds, off_pod / (hardware.inter_pod_gbs * 1e9 * efficiency))
     return seconds + (ranks - 1) * _latency(hardware, where.reach)
+
+
+def node_limited_all_to_all(
+    hardware: Hardware,
+    token_bytes: float,
+    tokens: float,
+    top_k: int,
+    node_limit: int,
+    ranks: int,
+    stride: int,
+) -> float:
+    """An expert dispatch (or combine) of ``tokens`` tokens of ``token_bytes`` each, every
+    one routed to ``top_k`` experts on at most ``node_limit`` of the nodes the group spans
+    (DeepSeek-V3's node-limited routing, arXiv 2412.19437 sec. 2.1.2 and 3.2.2): a token
+    crosses the network once per other node it goes to, through its rank's port, and is
+    forwarded to that node's experts over the intra-node link. With the nodes chosen
+    evenly, a token reaches ``min(node_limit, top_k, nodes) (nodes - 1) / nodes`` other
+    nodes; each of its ``top_k`` rows crosses the link ``(per_node - 1) / per_node`` of
+    the time. A group in one node is the plain ``all_to_all``; across pods the network
+    part goes at the pod layer's share."""
+    where = _place(hardware, ranks, stride)
+    if ranks <= 1 or where.reach == 0:
+        return all_to_all(hardware, token_bytes * tokens * top_k, ranks, stride)
+    efficiency = constants.LINK_EFFICIENCY
+    nodes = ranks / where.per_node
+    remote = min(node_limit, top_k, nodes) * (nodes - 1) / nodes
+    port = hardware.inter_node_gbs if where.reach == 1 else hardware.inter_pod_gbs
+    network_s = token_bytes * tokens * remote / (port * 1e9 * efficiency)
+    forwarded = token_bytes * tokens * top_k * (where.per_node - 1) / where.per_node
+    node_s = forwarded / (hardware.intra_node_gbs * 1e9 * efficiency)
+    return max(network_s, node_s) + (ranks - 1) * _latency(hardware, where.reach)
 
 
 def p2p(hardware: Hardware, size_bytes: float, ranks: int, stride: int) -> float:

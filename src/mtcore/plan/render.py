@@ -65,6 +65,8 @@ def describe(p: Plan) -> str:
         ("tied embedding grad", t.tied_comm),
         ("optimizer step", t.optimizer),
     ]
+    if t.overhead:  # named only where the hardware file gives the software's fixed cost
+        rows.append(("software overhead", t.overhead))
     for name, seconds in rows:
         lines.append(f"  {name:34s} {seconds * 1e3:12.2f} ms  {seconds / t.total:6.1%}")
     lines += [

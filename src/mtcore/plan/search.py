@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from mtcore.parallel.pipeline.table import form_for
 from mtcore.plan.hardware import Hardware
 from mtcore.plan.network import fits
 from mtcore.plan.planner import Options, Plan, _plan, with_data_vocab
@@ -95,15 +96,6 @@ def candidates(config, gpus: int, hardware: Hardware, max_micro_batch: int = 16,
                     )
 
 
-def _schedule(asked: str, vpp: int) -> str:
-    """The asked schedule, in the form the layout's vpp runs (zero bubble stays zero
-    bubble; GPipe has no interleaved form)."""
-    zero_bubble = asked in ("zb_h1", "interleaved_zb")
-    if vpp > 1:
-        return "interleaved_zb" if zero_bubble else "1f1b"
-    return "zb_h1" if zero_bubble else "1f1b" if asked == "interleaved_1f1b" else asked
-
-
 def _with_layout(config, c: dict):
     from mtcore.training.config import ParallelConfig
 
@@ -119,7 +111,7 @@ def _with_layout(config, c: dict):
         zero1=c["zero1"],
         first_stage_layers=c["first"],
         last_stage_layers=c["last"],
-        schedule=_schedule(parallel["schedule"], c["vpp"]),
+        schedule=form_for(parallel["schedule"], c["vpp"]),
     )
     update = {
         "parallel": ParallelConfig(**parallel),

@@ -7,10 +7,12 @@ many), ...)``, and whether it holds the embedding (first) and the head (last).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mtcore.plan import network, timing
 from mtcore.plan.memory import (
+    MTCORE_KEPT,
+    Kept,
     backward_transient_bytes,
     head_saved_bytes,
     head_transient_bytes,
@@ -72,41 +74,81 @@ def transient(shape, stage: Stage, b, spec, recompute, fused, e, heads=1) -> flo
     return out
 
 
-def recompute_flops(shape: ModelShape, recompute: str) -> float:
+def recompute_flops(shape: ModelShape, recompute: str, kept: Kept = MTCORE_KEPT) -> float:
     """Extra FLOPs of one sequence that recompute spends (a forward of each block for
-    full; the attention products for selective)."""
+    full; the attention products for selective or the ``core_attn`` module; latent
+    attention's up-projections for ``mla_up_proj``)."""
     blocks = shape.blocks + shape.last_blocks
     if recompute == "full":
         return sum(bl.forward_flops() for bl in blocks)
-    if recompute == "selective":
-        return sum(bl.attention_product_flops() for bl in blocks)
-    return 0.0
+    flops = 0.0
+    if recompute == "selective" or "core_attn" in kept.modules:
+        flops += sum(bl.attention_product_flops() for bl in blocks)
+    if "mla_up_proj" in kept.modules:
+        for bl in blocks:
+            if bl.latent is not None:
+                flops += sum(2.0 * m * k * n for (m, k, n), _ in _up_projections(bl, bl.seq, 1))
+    return flops
 
 
 def weight_products(bl: Block, tokens: float, tp: int, ep: int):
     """``((M, K, N), calls)`` of one block's weight products, forward, on one tp rank for
     ``tokens`` tokens: their FLOPs sum to ``2 tokens active_weights / tp`` (latent
     attention's down-projections whole on each rank, its norms no product)."""
+    return [(shape, calls) for shape, calls, _ in precision_products(bl, tokens, tp, ep)]
+
+
+def precision_products(bl: Block, tokens: float, tp: int, ep: int, fp8_experts: bool = False):
+    """``weight_products`` as ``((M, K, N), calls, fp8)``: ``fp8`` marks the products an
+    FP8 recipe runs in FP8, mtcore's (docs/fp8.md): the blocks' column- and row-parallel
+    linears (attention's, latent attention's up-projections and output, the dense MLP),
+    not latent attention's replicated down-projections, the router, the routed or the
+    shared experts; ``fp8_experts`` puts the experts in FP8 too (DeepSeek-V3's recipe,
+    arXiv 2412.19437 sec. 3.3: every GEMM but the embedding, head, gating, norms and
+    attention)."""
     h, q, kv = bl.hidden, bl.q_width, bl.kv_width
     gate = 2 if bl.gated else 1
     if bl.latent is not None:
-        out = _latent_products(bl, tokens, tp)
+        down, *linears = _latent_products(bl, tokens, tp)
+        out = [(*down, False), *((*item, True) for item in linears)]
     else:
-        out = [((tokens, h, (q + 2 * kv) / tp), 1), ((tokens, q / tp, h), 1)]
+        out = [((tokens, h, (q + 2 * kv) / tp), 1, True), ((tokens, q / tp, h), 1, True)]
     if bl.cross_seq:  # a cross-attention over the encoder tokens, costed at the query count
-        out += [((tokens, h, (q + 2 * kv) / tp), 1), ((tokens, q / tp, h), 1)]
-    for inner in (bl.ffn, bl.shared_ffn):
+        out += [((tokens, h, (q + 2 * kv) / tp), 1, True), ((tokens, q / tp, h), 1, True)]
+    for inner, fp8 in ((bl.ffn, True), (bl.shared_ffn, fp8_experts)):
         if inner:
-            out += [((tokens, h, gate * inner / tp), 1), ((tokens, inner / tp, h), 1)]
+            out += [((tokens, h, gate * inner / tp), 1, fp8), ((tokens, inner / tp, h), 1, fp8)]
     if bl.experts:
-        out.append(((tokens, h, bl.experts / tp), 1))  # the router
+        out.append(((tokens, h, bl.experts / tp), 1, False))  # the router
         local = bl.experts / ep
         rows = tokens * bl.top_k / local  # balanced: every expert gets top_k / E of the rows
         out += [
-            ((rows, h, gate * bl.expert_ffn / tp), local),
-            ((rows, bl.expert_ffn / tp, h), local),
+            ((rows, h, gate * bl.expert_ffn / tp), local, fp8_experts),
+            ((rows, bl.expert_ffn / tp, h), local, fp8_experts),
         ]
     return out
+
+
+def _weight_seconds(products: timing.Products, bl: Block, rows: float, tp: int, ep: int) -> float:
+    """One forward pass of ``bl``'s weight products, each in its precision."""
+    items = precision_products(bl, rows, tp, ep, products.fp8_experts)
+    return sum(products.seconds(shape, calls, fp8) for shape, calls, fp8 in items)
+
+
+def _quantize_seconds(products: timing.Products, bl: Block, rows: float, spec, hw, e) -> float:
+    """The FP8 products' quantization for one micro-batch (``timing.fp8_quantize_bytes``):
+    forward the input and the weight, backward the output's gradient."""
+    if products.block_dtype != "fp8":
+        return 0.0
+    items = precision_products(bl, rows, spec.tp, spec.ep, products.fp8_experts)
+    elements = sum(calls * (m * k + k * n + m * n) for (m, k, n), calls, fp8 in items if fp8)
+    return timing.memory_bound(hw, elements * timing.fp8_quantize_bytes(e, products.fp8_recipe))
+
+
+def _up_projections(bl: Block, tokens: float, tp: int):
+    """Latent attention's query and key/value up-projections (what ``mla_up_proj``
+    recomputes)."""
+    return _latent_products(bl, tokens, tp)[1:3]
 
 
 def _latent_products(bl: Block, tokens: float, tp: int):
@@ -136,16 +178,32 @@ def _forward_seconds(products: timing.Products, items, block: bool) -> float:
     return sum(products.seconds(shape, calls, block) for shape, calls in items)
 
 
-def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, products) -> dict:
+def microbatch_time(
+    shape,
+    stage: Stage,
+    b,
+    spec,
+    hw,
+    recompute,
+    fused,
+    e,
+    products,
+    kept: Kept = MTCORE_KEPT,
+    order: str = network.RANK_ORDERS[0],
+    node_limit: int | None = None,
+) -> dict:
     """Seconds of one micro-batch through ``stage`` by cause: products (forward and the
     backward's passes, ``Block.passes``), recompute, memory-bound work, and tp/cp/ep/pp
-    communication as mtcore runs it (exposed)."""
+    communication as mtcore runs it (exposed); ``order``: the rank order
+    (``network.RANK_ORDERS``), which places the pipeline's sends; ``node_limit``: the
+    most nodes a token's experts lie on (``network.node_limited_all_to_all``)."""
     tp, cp, ep = spec.tp, spec.cp, spec.ep
     tokens = b * shape.seq_len / cp  # per rank; T5's decoder uses its own length below
-    fwd = back = live_w = live_s = kernel_s = 0.0
+    fwd = back = live_w = live_s = kernel_s = quantize = 0.0
     for bl, n in stage.blocks:
         rows = b * bl.seq / bl.cp_share(cp)
-        weights = _forward_seconds(products, weight_products(bl, rows, tp, ep), True)
+        weights = _weight_seconds(products, bl, rows, tp, ep)
+        quantize += n * _quantize_seconds(products, bl, rows, spec, hw, e)
         scores = _forward_seconds(products, score_products(bl, b, tp, cp), False)
         fwd += n * (weights + scores)
         # the backward's passes after the forward (Block.passes - 1: 2 with weight
@@ -168,7 +226,11 @@ def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, produ
         flops = 6.0 * b * shape.seq_len / cp * shape.last_stage_params
         compute += products.flops_seconds(flops, flops / 3)
     redo = {"full": live_w + live_s, "selective": live_s}.get(recompute, 0.0)
-    kept = sum(
+    if recompute == "none" and "core_attn" in kept.modules:
+        redo += live_s
+    if recompute != "full" and kept.modules:
+        redo += _module_recompute_seconds(stage, b, spec, hw, fused, e, products, kept)
+    kept_bytes = sum(
         n * layer_activation_bytes(bl, b, tp, cp, spec.sequence_parallel, "none", fused, e)
         for bl, n in stage.blocks
     )
@@ -177,13 +239,38 @@ def microbatch_time(shape, stage: Stage, b, spec, hw, recompute, fused, e, produ
     if stage.last:  # the loss over the vocabulary shard, in fp32 (timing.cross_entropy_bytes)
         loss_traffic = b * shape.head_seq / cp * shape.vocab / tp * timing.cross_entropy_bytes(e)
         loss_traffic *= shape.head_passes
-    memory_bound = timing.memory_bound(hw, passes * kept + loss_traffic)
+    memory_bound = timing.memory_bound(hw, passes * kept_bytes + loss_traffic) + quantize
     return {
         "compute": compute,
         "recompute": redo,
         "memory_bound": memory_bound,
-        **_communication(shape, stage, b, spec, hw, recompute, e, tokens),
+        **_communication(shape, stage, b, spec, hw, recompute, e, tokens, kept, order, node_limit),
+        # the software's fixed cost: a forward and a backward through each chunk
+        "overhead": 2 * spec.vpp * hw.microbatch_overhead_us * 1e-6,
     }
+
+
+def _module_recompute_seconds(stage: Stage, b, spec, hw, fused, e, products, kept: Kept) -> float:
+    """What rebuilding ``kept.modules`` costs one micro-batch's backward: the MLA
+    up-projections' products again (``mla_up_proj``), and for the norms and the experts'
+    activation (``layernorm``, ``moe_act``) memory traffic of twice the bytes they rebuild
+    (reading what they are rebuilt from, writing them)."""
+    tp, cp, sp = spec.tp, spec.cp, spec.sequence_parallel
+    elementwise = kept.modules & {"layernorm", "moe_act"}
+    keeping = replace(kept, modules=kept.modules - elementwise)
+    seconds = rebuilt = 0.0
+    for bl, n in stage.blocks:
+        if not bl.keeps_activations:
+            continue
+        if "mla_up_proj" in kept.modules and bl.latent is not None:
+            rows = b * bl.seq / bl.cp_share(cp)
+            seconds += n * _forward_seconds(products, _up_projections(bl, rows, tp), True)
+        if elementwise:
+            whole = layer_activation_bytes(bl, b, tp, cp, sp, "none", fused, e, keeping)
+            rebuilt += n * (
+                whole - layer_activation_bytes(bl, b, tp, cp, sp, "none", fused, e, kept)
+            )
+    return seconds + timing.memory_bound(hw, 2 * rebuilt)
 
 
 def weight_grad_seconds(shape, stage: Stage, b, spec, products) -> float:
@@ -193,8 +280,7 @@ def weight_grad_seconds(shape, stage: Stage, b, spec, products) -> float:
     for bl, n in stage.blocks:
         if bl.passes == 3:  # weights with gradients (Block.passes)
             rows = b * bl.seq / bl.cp_share(spec.cp)
-            products_of = weight_products(bl, rows, spec.tp, spec.ep)
-            seconds += n * _forward_seconds(products, products_of, True)
+            seconds += n * _weight_seconds(products, bl, rows, spec.tp, spec.ep)
     if not shape.embed_frozen:
         seconds += _head_seconds(shape, stage, b, spec, products) * shape.head_passes
     return seconds
@@ -211,7 +297,20 @@ def _head_seconds(shape, stage: Stage, b, spec, products) -> float:
     return head
 
 
-def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens) -> dict:
+def _communication(
+    shape,
+    stage: Stage,
+    b,
+    spec,
+    hw,
+    recompute,
+    e,
+    tokens,
+    kept=MTCORE_KEPT,
+    order=None,
+    node_limit=None,
+) -> dict:
+    order = order or network.RANK_ORDERS[0]
     tp, cp, ep = spec.tp, spec.cp, spec.ep
     tp_comm = cp_comm = ep_comm = 0.0
     calls = 4 + (2 if recompute == "full" else 0)
@@ -232,14 +331,39 @@ def _communication(shape, stage: Stage, b, spec, hw, recompute, e, tokens) -> di
                 qkvo = e * b * bl.seq / cp * (2 * bl.q_width + 2 * bl.kv_width) / tp
                 cp_comm += count * sends * network.all_to_all(hw, qkvo, cp, tp)
         if bl.experts and ep > 1:
-            rows = e * b * bl.seq / cp * bl.top_k * bl.hidden
-            ep_comm += count * calls * network.all_to_all(hw, rows, ep, tp)
+            ep_comm += count * _expert_all_to_alls(
+                hw, bl, b, cp, ep, tp, e, calls, kept, node_limit
+            )
     pp_comm = 0.0
     if spec.pp > 1:
         boundary = e * tokens * shape.hidden / (tp if spec.sequence_parallel else 1)
         sends = 2 * spec.vpp  # every chunk: its activation forward, its gradient back
-        pp_comm = sends * network.p2p(hw, boundary, spec.pp, tp * cp * spec.dp)
+        send = network.p2p(hw, boundary, spec.pp, network.pp_stride(spec, order))
+        pp_comm = sends * (send + hw.p2p_overhead_us * 1e-6)
     return {"tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm}
+
+
+def _expert_all_to_alls(
+    hw, bl: Block, b, cp, ep, tp, e, calls: int, kept: Kept, node_limit: int | None = None
+) -> float:
+    """One micro-batch's expert all-to-alls through ``bl``: the dispatch and the combine
+    forward, their gradients backward (and the forward's again under full recompute).
+    The forward dispatch and the backward's gradient dispatch (the combine's backward)
+    move ``kept.dispatch_bytes`` an element (fp8 with its scales under an fp8 dispatch,
+    DeepSeek-V3 sec. 3.3.2), the combines ``e``."""
+    tokens = b * bl.seq / cp
+
+    def one(element_bytes: float) -> float:
+        if node_limit is None:
+            return network.all_to_all(hw, element_bytes * tokens * bl.top_k * bl.hidden, ep, tp)
+        return network.node_limited_all_to_all(
+            hw, element_bytes * bl.hidden, tokens, bl.top_k, node_limit, ep, tp
+        )
+
+    if kept.dispatch_bytes is None:
+        return calls * one(e)
+    dispatches = calls // 2  # fwd dispatch, bwd gradient dispatch (and a recomputed one)
+    return dispatches * one(kept.dispatch_bytes) + (calls - dispatches) * one(e)
 
 
 def replicated_grad_seconds(shape, stage: Stage, spec, hw, grad_bytes: int) -> float:

@@ -48,9 +48,20 @@ class Products:
     transformer blocks' weight products in ``block_dtype`` (fp8 when ``precision.fp8``
     is set and the file has an fp8 peak, else ``dtype``)."""
 
-    def __init__(self, hardware: Hardware, dtype: str, block_dtype: str | None = None):
+    def __init__(
+        self,
+        hardware: Hardware,
+        dtype: str,
+        block_dtype: str | None = None,
+        fp8_recipe: str = "delayed",
+        fp8_experts: bool = False,
+    ):
         self.hardware = hardware
         self.dtype, self.block_dtype = dtype, block_dtype or dtype
+        self.fp8_recipe = fp8_recipe  # precision.fp8_recipe: its quantization's traffic
+        self.fp8_experts = (
+            fp8_experts  # the experts' products in fp8 too (stage.precision_products)
+        )
 
     def seconds(self, shape: tuple[float, float, float], calls: float = 1.0, block=False) -> float:
         """``calls`` products ``[M, K] @ [K, N]`` (``shape``), forward."""
@@ -109,6 +120,16 @@ def cross_entropy_bytes(e: int) -> float:
     forward = e + (e + 4) + 4 + 8 + 8 + 4 + 8
     backward = 8 + (4 + e)
     return forward + backward
+
+
+def fp8_quantize_bytes(e: int, recipe: str) -> float:
+    """Memory traffic per element of a tensor quantized to FP8 for a product (its input,
+    its weight, or backward its output's gradient), from ``e``-byte values: read them (e),
+    write the FP8 bytes (1); ``current`` scaling first reads them for the amax (e);
+    ``blockwise`` also writes the transposed copy its other product reads (1, the fused
+    quantize-and-transpose, docs/fp8.md). Delayed scaling's amax rides on the quantize.
+    Counted, not fitted."""
+    return e + 1 + (e if recipe == "current" else 0) + (1 if recipe == "blockwise" else 0)
 
 
 def memory_bound(hardware: Hardware, size_bytes: float) -> float:

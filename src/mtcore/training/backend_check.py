@@ -134,3 +134,17 @@ def _save_collectives(backend, dtype, uses, world: int, found: dict, seconds: fl
         kind="collectives",
     )
     save(result)
+
+
+def local_device_index(backend, local_rank: int) -> int:
+    """The accelerator of this node's ``local_rank`` (ranks take the node's devices in
+    turn), or a BackendError when the backend's device module sees none (a driver that
+    lost its devices, ``CUDA_VISIBLE_DEVICES=``): one line, not a division by zero."""
+    count = backend.device.device_count()
+    if not isinstance(count, int) or count < 1:
+        raise BackendError(
+            f"backend {backend.name!r} sees {count!r} {backend.device.type} devices on this "
+            "node (device_count()); check the driver and the visible-devices variable, or "
+            "choose another backend (training.backend, MTCORE_BACKEND)"
+        )
+    return local_rank % count

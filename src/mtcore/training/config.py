@@ -27,6 +27,7 @@ from mtcore.models import FamilyConfig, FamilyError, LoRAConfig, check_targets, 
 from mtcore.parallel.data import DEFAULT_BUCKET_SIZE
 from mtcore.parallel.layout import LayoutSpec
 from mtcore.parallel.pipeline import validate_pipeline
+from mtcore.parallel.pipeline.table import check_virtual_stages, configurable_schedules
 from mtcore.parallel.settings import reject_bool_numbers
 from mtcore.training.schedules import Schedule, lr_at
 
@@ -64,10 +65,12 @@ class ParallelConfig(LayoutSpec):
     """The layout (``LayoutSpec``: tp, dp, pp, vpp, sequence_parallel; ``dp=None`` takes
     what the world leaves) and how the trainer runs it."""
 
-    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "interleaved_zb"] = Field(
+    schedule: str = Field(
         "1f1b",
-        description="pipeline schedule; 1f1b with vpp > 1 is the interleaved one; zb_h1 "
-        "(vpp 1) and interleaved_zb (vpp > 1): zero bubble (weight gradients fill the drain)",
+        description="pipeline schedule, a name in the schedule table "
+        "(mtcore.parallel.pipeline.table): 1f1b (with vpp > 1 the interleaved one), gpipe, "
+        "interleaved_1f1b, zb_h1 (vpp 1) and interleaved_zb (vpp > 1): zero bubble (weight "
+        "gradients fill the drain)",
     )
     zero: int = Field(
         0,
@@ -96,14 +99,10 @@ class ParallelConfig(LayoutSpec):
     def _check_schedule(self) -> ParallelConfig:
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(f"vpp={self.vpp} (interleaving) needs pp > 1")
-        if self.schedule == "interleaved_1f1b" and self.vpp == 1:
-            raise ValueError("schedule interleaved_1f1b needs vpp > 1 (chunks per pipeline rank)")
-        if self.schedule == "zb_h1" and self.vpp > 1:
-            raise ValueError("schedule zb_h1 runs one chunk per rank (vpp=1); use interleaved_zb")
-        if self.schedule == "interleaved_zb" and self.vpp == 1:
-            raise ValueError("schedule interleaved_zb needs vpp > 1 (chunks per pipeline rank)")
-        if self.schedule == "gpipe" and self.vpp > 1:
-            raise ValueError("schedule gpipe has no interleaved form; use 1f1b with vpp > 1")
+        if self.schedule not in configurable_schedules():
+            known = ", ".join(configurable_schedules())
+            raise ValueError(f"unknown schedule {self.schedule!r}; known: {known}")
+        check_virtual_stages(self.schedule, self.vpp)
         return self
 
     def layout_spec(self) -> LayoutSpec:

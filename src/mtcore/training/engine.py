@@ -5,9 +5,10 @@ family builds this rank's chunks, names the tensors that cross each pipeline
 boundary, and gives its loss as (sum, count) terms. The same path serves every
 family and layout. The rank's model chunks sit in
 one ``DataParallel`` (fp32 gradient buckets, all-reduce or ZeRO-1/2
-reduce-scatter over dp; ZeRO-2 keeps only the owned gradient shard, ZeRO-3 the
+reduce-scatter over dp x cp; ZeRO-2 keeps only the owned gradient shard, ZeRO-3 the
 owned shard of each transformer block's params too, gathered a block at a time) with one
-mtcore ``AdamW``/``DistributedAdamW``, and a ``PipelineRunner`` runs the
+mtcore ``AdamW``/``DistributedAdamW``/``OneBitAdam``, both picked by one entry of the
+strategy table (``mtcore.parallel.data.strategies``), and a ``PipelineRunner`` runs the
 micro-batches: ``no_pipelining`` (gradient accumulation) at pp=1, 1F1B /
 interleaved / GPipe otherwise. A step:
 
@@ -53,9 +54,8 @@ from mtcore.backend.collective import P2P
 from mtcore.backend.tracing import phase
 from mtcore.models import Batch, FamilyConfig, LoRAConfig, add_lora, family_of
 from mtcore.parallel.clip import clip_by_total_norm_
-from mtcore.parallel.data import DataParallel, DataParallelConfig, dp_overlap
+from mtcore.parallel.data import DataParallel, dp_overlap, strategy_for
 from mtcore.parallel.layout import Axis
-from mtcore.parallel.optimizer import AdamW, DistributedAdamW, OneBitAdam
 from mtcore.parallel.pipeline import (
     PipelineGroups,
     PipelineRunner,
@@ -119,13 +119,12 @@ class Engine:
         self.fp8 = FP8StepBookkeeping(self.chunks)  # amaxes reduced, weights cast once a step
         self.dtype = precision.param_dtype
         module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
-        if zero not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage {zero} does not exist (0, 1, 2 or 3)")
+        # the ZeRO stage and the optimizer: one entry of the strategy table
+        strategy = strategy_for(zero, optimizer.name)
         sizes = {} if bucket_size is None else {"bucket_size": bucket_size}
-        dp_config = DataParallelConfig(
-            **sizes, shard_optimizer=zero >= 1, shard_gradients=zero >= 2, shard_params=zero >= 3,
-            overlap_grad_reduce=dp_overlap(backend)[0],
-        )  # fmt: skip
+        dp_config = strategy.data_parallel_config(
+            **sizes, overlap_grad_reduce=dp_overlap(backend)[0]
+        )
         # Tied halves on other stages are summed over the stages before their dp reduction.
         self.tied = [p for chunk in self.chunks for p in chunk.tied_copies() if p.requires_grad]
         # ZeRO-3 gathers the params of one transformer block at a time; the rest stay whole.
@@ -134,13 +133,9 @@ class Engine:
                                 deferred=self.tied, units=blocks)  # fmt: skip
         scaler = precision.make_loss_scaler()
         self.max_grad_norm = optimizer.max_grad_norm
-        kind, extra = DistributedAdamW if zero >= 1 else AdamW, {}
-        if optimizer.name == "onebit_adam":
-            kind = OneBitAdam
-            extra = {"freeze_step": optimizer.freeze_step, "block_size": optimizer.block_size}
-        self.optimizer = kind(
+        self.optimizer = strategy.build_optimizer(
             self.ddp,
-            **extra,
+            optimizer,
             lr=optimizer.lr,
             betas=tuple(optimizer.betas),
             eps=optimizer.eps,

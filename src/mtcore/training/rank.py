@@ -88,6 +88,27 @@ def tell_launcher_bad_input() -> None:
             pass
 
 
+def nodes_disagree(environ) -> str | None:
+    """What is wrong when the nodes of a job started different numbers of ranks (``--nproc``
+    differs): torch's agent numbers them all the same, so each node finds it alone from
+    the sizes it sets (``WORLD_SIZE`` against ``LOCAL_WORLD_SIZE`` x ``GROUP_WORLD_SIZE``),
+    before any process group; None when they agree, or outside an agent."""
+    try:
+        world, local, nodes = (int(environ[k]) for k in
+                               ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"))  # fmt: skip
+    except (KeyError, ValueError):
+        return None
+    if local * nodes == world:
+        return None
+    import socket
+
+    return (
+        f"--nproc differs across the nodes: this node ({socket.gethostname()}) starts {local} "
+        f"rank(s), but the {nodes} nodes start {world} in all; give every node the same "
+        "--nproc (torchrun's --nproc-per-node)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from mtcore.training.overrides import load_config
 
@@ -110,6 +131,15 @@ def run_rank(make_config) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     loud = rank == 0
+    unequal = nodes_disagree(os.environ)
+    if unequal is not None:  # every node finds it: each node's first rank says it
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing to save: end when told
+            time.sleep(BAD_INPUT_GRACE_S)
+            return 2
+        print(f"mtcore train: error: {unequal}", file=sys.stderr, flush=True)
+        tell_launcher_bad_input()
+        return 2
     try:
         train(make_config())
     except CheckpointWriteError as e:  # a save failed (disk full): training ran, the input was fine

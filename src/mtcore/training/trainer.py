@@ -33,7 +33,7 @@ from mtcore.parallel.layout import Axis, LayoutError, LayoutSpec, ParallelLayout
 from mtcore.parallel.pipeline import SplitError
 from mtcore.precision import DynamicLossScaler
 from mtcore.training import stragglers
-from mtcore.training.backend_check import verify_backend
+from mtcore.training.backend_check import local_device_index, verify_backend
 from mtcore.training.checkpoint import CheckpointError
 from mtcore.training.checkpoint.lineage import fingerprint
 from mtcore.training.checkpoint.manifest import has_checkpoint, resolve_checkpoint, step_dir_name
@@ -200,9 +200,7 @@ def train(config: TrainConfig, stream: TextIO | None = None) -> TrainResult:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if backend.device.type != "cpu":
-        backend.device.set_device(
-            int(os.environ.get("LOCAL_RANK", 0)) % backend.device.device_count()
-        )
+        backend.device.set_device(local_device_index(backend, int(os.environ.get("LOCAL_RANK", 0))))
     if world > 1:
         backend.collective.init_process_group(timeout_s=config.training.collective_timeout_s)
         layout = ParallelLayout.build(prep.spec, backend.collective, rank, world)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import resource
+import socket
 import time
 
 import pytest
@@ -33,6 +34,7 @@ def _absent_peer(path: str, ready, release) -> None:
 
 
 def test_a_peer_that_hangs_then_exits_is_named_and_the_segment_leaves_nothing():
+    """Named by its global rank, pid and host, not by its rank inside the group."""
     path = shared_memory.create_segment(2)
     assert path is not None and os.path.exists(path)
     context = mp.get_context("spawn")
@@ -45,14 +47,17 @@ def test_a_peer_that_hangs_then_exits_is_named_and_the_segment_leaves_nothing():
     finally:
         shared_memory.unlink_segment(path)  # as the collective does once all have mapped
     assert not os.path.exists(path)
+    channel.global_ranks = (6, 7)  # what the collective sets: the members' global ranks
+    host = socket.gethostname()
     start = time.perf_counter()
-    with pytest.raises(PeerGone, match=r"rank\(s\) \[1\] did not arrive within 0.2 s"):
+    hung_peer = rf"rank\(s\) 7 \(pid {peer.pid} on host {host}\) did not arrive within 0.2 s"
+    with pytest.raises(PeerGone, match=hung_peer):
         channel.all_reduce(torch.ones(4))
     hung = time.perf_counter() - start
     release.set()
     peer.join(30)
     start = time.perf_counter()
-    with pytest.raises(PeerGone, match=rf"rank\(s\) \[1\] \(pid {peer.pid}\) exited"):
+    with pytest.raises(PeerGone, match=rf"rank\(s\) 7 \(pid {peer.pid} on host {host}\) exited"):
         channel.all_reduce(torch.ones(4))
     gone = time.perf_counter() - start
     channel.close()

@@ -273,3 +273,40 @@ def test_the_progress_line_has_the_rate_and_the_time_left(monkeypatch):
     assert ", 5,000 tokens/s | 10 s, ETA 30 s" in line, line  # 3 MB left at 0.1 MB/s
     unsized = Progress("prepare y")
     assert "%" not in unsized.line() and "ETA" not in unsized.line()
+
+
+def test_without_a_tokenizer_the_configs_own_is_used_said_and_written_beside(
+    tmp_path, trained, capsys
+):
+    """A new user has no tokenizer.json: `data prepare` takes the tokenizer `mtcore train`
+    trains for the config (the same cached file), says where it came from and where its
+    copy went, and the printed train command names that copy."""
+    import yaml
+
+    from mtcore.data.tokenizer import load_tokenizer
+
+    docs, cache = trained[1], tmp_path / "cache"
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"data": {"paths": [str(docs)], "vocab_size": 300,
+                                               "cache_dir": str(cache)}}))  # fmt: skip
+    out = tmp_path / "corpus"
+    assert main(["data", "prepare", str(docs), "--output", str(out), "--config", str(config)]) == 0
+    captured = capsys.readouterr()
+    written = tmp_path / "corpus.tokenizer.json"
+    cached = build_datasets(DataConfig(paths=[str(docs)], vocab_size=300, cache_dir=str(cache)))
+    assert f"tokenizer: the 300-token BPE `mtcore train` trains for {config}" in captured.err
+    assert f"cached at {cached.tokenizer.path}" in captured.err  # what training itself uses
+    assert f"tokenizer written to {written}" in captured.err
+    assert f"--data.paths {out} --data.tokenizer {written}" in captured.out
+    assert load_tokenizer(written).fingerprint == cached.tokenizer.fingerprint
+    tokens = np.asarray(IndexedDataset(out).tokens)
+    assert tokens.size > 0 and int(tokens.max()) < 300
+    # Bad input stays one line and writes nothing: a config that is not there, both flags.
+    for extra in (
+        ["--config", str(tmp_path / "nope.yaml")],
+        ["--config", str(config), "--tokenizer", str(written)],
+    ):
+        assert main(["data", "prepare", str(docs), "--output", str(tmp_path / "x"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "error:" in err, err
+    assert not list(tmp_path.glob("x*"))

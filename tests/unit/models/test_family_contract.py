@@ -10,6 +10,7 @@ from typing import Literal
 import pytest
 from torch import nn
 
+from mtcore.backend import select_backend
 from mtcore.models import (
     BuiltModel,
     Capabilities,
@@ -114,6 +115,38 @@ def test_build_checks_every_chunk_and_the_declared_moe():
     with pytest.raises(FamilyError, match=r"capabilities\.mixture_of_experts") as e:
         Dense().build(moe, ParallelLayout.single(), None)
     _one_line(e)
+
+
+def test_a_chunk_without_its_layers_fails_the_build_check_in_one_line():
+    """The engine hands ``chunk.layers`` to ZeRO-3 as its units: a chunk that keeps every
+    other member but not its blocks by layer index is refused at build, not in the engine."""
+
+    class NoLayers(_Tiny):
+        def build_chunks(self, config, layout, backend, seed=0, fp8=None):
+            built = super().build_chunks(config, layout, backend, seed, fp8)
+            for chunk in built.chunks:
+                chunk.blocks = chunk.layers  # under another name
+                del chunk.layers
+            return built
+
+    class ListedLayers(_Tiny):
+        def build_chunks(self, config, layout, backend, seed=0, fp8=None):
+            built = super().build_chunks(config, layout, backend, seed, fp8)
+            for chunk in built.chunks:
+                chunk.layers = nn.ModuleList(chunk.layers.values())
+            return built
+
+    config = _TinyConfig(**SMALL)
+    layout, backend = ParallelLayout.single(), select_backend("cpu")
+    assert all(hasattr(c, "layers") for c in _Tiny().build(config, layout, backend).chunks)
+    with pytest.raises(FamilyError) as e:
+        NoLayers().build(config, layout, backend)
+    assert _one_line(e) == (
+        "model family 'tiny': chunk 0 (GPT) has no 'layers' (mtcore.models.PipelineStage)"
+    )
+    with pytest.raises(FamilyError) as e:
+        ListedLayers().build(config, layout, backend)
+    assert "chunk 0 (GPT) has 'layers' of type ModuleList, not a mapping" in _one_line(e)
 
 
 def test_a_family_config_must_answer_the_abstract_questions():

@@ -284,3 +284,35 @@ def test_mla_defers_every_projection_weight_gradient_under_zero_bubble():
         weight.grad = grad
     for (name, got), want in zip(split.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(got.grad, want.grad), name
+
+
+def test_only_the_mtp_layers_the_config_declares_are_skipped(saved, tmp_path):
+    """DeepSeek-V3 checkpoints carry ``num_nextn_predict_layers`` multi-token-prediction
+    layers after the last one: skipped. Any other layer past the last is refused, for
+    every decoder (it was dropped without a word)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source = saved["plain_q"][0]
+    tensors = load_file(source / "model.safetensors")
+    last = SIZES["num_hidden_layers"] - 1
+    mtp = {k.replace(f"layers.{last}.", "layers.3.", 1): v.clone()
+           for k, v in tensors.items() if k.startswith(f"model.layers.{last}.")}  # fmt: skip
+
+    def variant(name, extra, declared):
+        directory = tmp_path / name
+        directory.mkdir()
+        config = json.loads((source / "config.json").read_text())
+        config["num_nextn_predict_layers"] = declared
+        (directory / "config.json").write_text(json.dumps(config))
+        save_file({**tensors, **extra}, directory / "model.safetensors")
+        return directory
+
+    config, weights = import_hf(variant("declared", mtp, 1))
+    assert config.num_layers == 3 and not any(k.startswith("layers.3.") for k in weights)
+    with pytest.raises(HFInteropError, match=r"layer\(s\) 3 past the 3 layers"):
+        import_hf(variant("undeclared", mtp, 0))
+    beyond = {k.replace("layers.3.", "layers.4.", 1): v.clone() for k, v in mtp.items()}
+    with pytest.raises(HFInteropError, match=r"layer\(s\) 4 past the 3 layers .* and 1 "):
+        import_hf(variant("past_the_mtp", {**mtp, **beyond}, 1))

@@ -16,7 +16,7 @@ from mtcore.parallel.pipeline import (
     one_f_one_b,
     simulate,
 )
-from mtcore.parallel.pipeline.schedules import FORWARD, Action, _with_comm, counterpart, peer
+from mtcore.parallel.pipeline.schedules import FORWARD, Action, counterpart, peer, with_transfers
 from mtcore.parallel.pipeline.simulate import MODES
 
 
@@ -42,7 +42,7 @@ def test_no_pipelining_is_gradient_accumulation():
     assert full(s, 0) == "F0 B0 F1 B1 F2 B2"
 
 
-def test_1f1b_pp2_m4_with_transfers():
+def test_1f1b_pp2_m4_with_comm():
     s = one_f_one_b(2, 4)
     assert full(s, 0) == "F0 [sF0] F1 [sF1 rB0] B0 F2 [sF2 rB1] B1 F3 [sF3 rB2] B2 [rB3] B3"
     assert full(s, 1) == "[rF0] F0 B0 [sB0 rF1] F1 B1 [sB1 rF2] F2 B2 [sB2 rF3] F3 B3 [sB3]"
@@ -149,7 +149,7 @@ def test_sending_between_f_and_b_would_deadlock_interleaving():
     """Why interleaving posts its transfers after each (F, B) unit, as Megatron does."""
     s = interleaved_1f1b(2, 2, 4)
     units = [[(a,) for a in s.compute_order(r)] for r in range(2)]
-    eager = _with_comm("eager", units, 2, 2, 4)
+    eager = with_transfers("eager", units, 2, 2, 4)
     simulate(eager, mode="async")  # gloo would survive it ...
     with pytest.raises(ScheduleError, match="deadlocks"):
         simulate(eager, mode="strict", split_directions=False)  # ... NCCL would not

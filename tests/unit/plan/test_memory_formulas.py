@@ -9,7 +9,8 @@ import pytest
 import torch
 from published import MEGATRON_CORE_2024, NARAYANAN_2021, megatron_core_config, narayanan_config
 
-from mtcore.parallel.pipeline.schedules import BACKWARD, FORWARD, build_schedule
+from mtcore.parallel.pipeline import build_schedule
+from mtcore.parallel.pipeline.schedules import BACKWARD, FORWARD
 from mtcore.plan import Options, load_hardware, plan
 from mtcore.plan.layouts import layout_overrides
 from mtcore.plan.memory import (

@@ -39,13 +39,16 @@ def test_ring_bandwidth_by_level():
     assert network.ring_bandwidth(A100, 5, 1) == 25e9  # spans nodes through one port
     assert network.ring_bandwidth(A100, 16, 1) == 200e9  # 8 rings over 8 ports
     assert network.ring_bandwidth(PODS, 16, 1) == 200e9  # one pod: no pod layer
-    # 32 ranks over two pods: 8 rings, each crossing the pod layer at 2.5 GB/s
-    assert network.ring_bandwidth(PODS, 32, 1) == pytest.approx(20e9)
+    # 32 ranks over two pods: the rings leave each pod once, sharing the uplink of the
+    # pod's 16 members at 2.5 GB/s each (40 GB/s; a one-port-per-ring count said 20)
+    assert network.ring_bandwidth(PODS, 32, 1) == pytest.approx(40e9)
+    # one rank a node (stride 8) over four pods of 16 ranks: 2 members a pod, 5 GB/s
+    assert network.ring_bandwidth(PODS, 8, 8) == pytest.approx(5e9)
 
 
 def test_each_collective_kind_by_hand():
     size, n = 1e9, 32  # over two pods, 8 a node, 16 a pod
-    ring = size * (n - 1) / n / (20e9 * EFF)
+    ring = size * (n - 1) / n / (40e9 * EFF)
     latency = 20e-6  # the pod layer's
     assert network.all_gather(PODS, size, n, 1) == pytest.approx(ring + (n - 1) * latency)
     assert network.reduce_scatter(PODS, size, n, 1) == network.all_gather(PODS, size, n, 1)
@@ -98,3 +101,22 @@ def test_the_cli_refuses_in_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--cross-node" in err
     assert main([*args, "--parallel.tp", "5", "--cross-node"]) == 0
+
+
+def test_node_limited_all_to_all_by_hand():
+    """ep 64 over 8 A100 nodes, 4096 tokens of 7168 bf16 values, top 8 on at most 4
+    nodes: a token crosses the network to 4 x 7/8 other nodes on average (3.5 sends of
+    its bytes through its port), its 8 rows cross NVLink 7/8 of the time."""
+    token, tokens = 2 * 7168, 4096
+    network_s = token * tokens * 4 * 7 / 8 / (25e9 * EFF)
+    node_s = token * tokens * 8 * 7 / 8 / (300e9 * EFF)
+    assert network.node_limited_all_to_all(A100, token, tokens, 8, 4, 64, 1) == pytest.approx(
+        max(network_s, node_s) + 63 * 5e-6
+    )
+    # unlimited is every routed row at its expert's rank: 56 of 64 shares off the node
+    plain = network.all_to_all(A100, token * tokens * 8, 64, 1)
+    assert plain == pytest.approx(token * tokens * 8 * 56 / 64 / (25e9 * EFF) + 63 * 5e-6)
+    # one node: the plain all-to-all
+    assert network.node_limited_all_to_all(A100, token, tokens, 8, 4, 8, 1) == (
+        network.all_to_all(A100, token * tokens * 8, 8, 1)
+    )

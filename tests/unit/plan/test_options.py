@@ -58,6 +58,11 @@ def test_zero_stages_shard_what_they_say():
     three = plan(config(), 8, A100, Options(zero=3)).ranks[0].transient
     assert three == pytest.approx(one + bucket + 2 * 2 * EMBED)
     assert plan(config(), 8, A100, Options(zero=None)).assumed["zero"] == "0 (parallel.zero)"
+    # the notes say what mtcore trains (0-3), not that 2 and 3 are the planner's alone
+    for zero in (0, 1, 2, 3):
+        notes = " ".join(plan(config(), 8, A100, Options(zero=zero)).notes)
+        assert "ZeRO-0 or 1" not in notes
+        assert ("parallel.zero 3 shards the blocks'" in notes) == (zero == 3), zero
 
 
 def test_zero_traffic_by_hand():

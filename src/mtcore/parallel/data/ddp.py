@@ -6,29 +6,21 @@ bucket's reduction asynchronously, so communication runs while backward
 computes the earlier layers. ``finish_grad_sync()`` launches what is left and
 waits. Under ``no_sync()`` (gradient accumulation) hooks only accumulate.
 
-The reduction is an fp32 average over the data-parallel group (``dp_cp``:
-replicas across data and context parallel ranks hold the same params): each
-gradient enters the buffer already divided by dp, and the buckets are summed.
-With
-``shard_optimizer`` (ZeRO-1) it is a reduce-scatter instead: each rank ends up
-with the reduced gradient of the shard of every bucket that it owns.
-
-With ``shard_gradients`` (ZeRO-2) the buffers keep only those shards: a bucket's
-whole fp32 gradient is allocated when its first gradient of a backward arrives
-and freed once its reduce-scatter has landed, so every micro-batch's backward
-reduces (``no_sync`` does not apply: there is nowhere to accumulate a whole
-gradient). The rank adds the shard it already holds into its own input before the
-reduce-scatter, so the shard accumulates over micro-batches at no extra buffer.
-At most two buckets' whole gradients are alive from backward at once (the one
-filling and the one in flight). Tied halves split over pipeline stages (deferred
-buffers) keep whole gradients: they are summed over stages after backward.
+The reduction is an fp32 average over the data-parallel group ``dp_cp`` (replicas
+across data and context parallel ranks hold the same params): each gradient enters the
+buffer already divided by dp x cp, and the buckets are summed. This module is the
+reducer: buckets, hooks, overlap, launches and waits. What a ZeRO stage changes (the
+collective, the buffer layout, what lives between reductions) is its strategy
+(``zero.py``: ``Replicated``, ``ShardedOptimizer``, ``ShardedGradients``,
+``ShardedParameters``), picked from the strategy table (``strategies.py``) by the
+``DataParallelConfig`` flags.
 
 Mixture-of-experts expert params (``param.expert_parallel = True``) live in
 buffers of their own, reduced over the expert-data-parallel group ``edp``
 only (the ranks holding the same experts). They are still divided by the whole
 ``dp_cp`` size: the all-to-all backward already summed into each expert the
 gradients of the tokens of every rank of its expert-parallel group, so the sum
-over ``edp`` covers every data-parallel rank once, and 1/dp makes it the mean.
+over ``edp`` covers every data-parallel rank once, and 1/(dp x cp) makes it the mean.
 """
 
 from __future__ import annotations
@@ -44,7 +36,7 @@ from mtcore.backend import tracing
 from mtcore.parallel.clip import is_expert_parallel
 from mtcore.parallel.data.buffer import Bucket, GradBuffer
 from mtcore.parallel.data.config import DataParallelConfig
-from mtcore.parallel.data.zero3 import ShardedParams
+from mtcore.parallel.data.strategies import stage_of
 from mtcore.parallel.layout import Axis
 
 
@@ -67,7 +59,7 @@ class DataParallel(torch.nn.Module):
 
     Every trainable param becomes a view into a flat buffer of its dtype and gets
     ``param.main_grad``, a view into the fp32 gradient buffer; ``param.grad`` is
-    left None after backward (the gradient lives in ``main_grad``, divided by dp
+    left None after backward (the gradient lives in ``main_grad``, divided by dp x cp
     until ``finish_grad_sync()`` has summed it). Cast the module to its final
     dtype and device before wrapping it: a later ``.to()`` would detach the
     params from the buffers.
@@ -100,17 +92,17 @@ class DataParallel(torch.nn.Module):
         self.layout = layout
         self.backend = backend
         self.collective = backend.collective
+        self.stage = stage_of(self.config)  # the ZeRO stage's strategy
         self.group = layout.dp_cp.group
-        self.dp_size = layout.dp_cp.size
-        self.dp_rank = layout.dp_cp.rank
-        # The average's 1/dp is applied as gradients enter the buffer (free inside
+        self.dp_cp_size, self.dp_cp_rank = layout.dp_cp.size, layout.dp_cp.rank
+        # The average's 1/(dp x cp) is applied as gradients enter the buffer (free inside
         # the accumulating add) so the reduction is a plain sum: no extra pass
         # over the bucket where a backend lacks a native average (gloo).
-        self._grad_scale = 1.0 / self.dp_size if self.config.average else 1.0
+        self._grad_scale = 1.0 / self.dp_cp_size if self.config.average else 1.0
 
         # (group, size, this rank's index) of each reduction group a buffer may use.
         self.reductions: dict[Axis, tuple[object, int, int]] = {
-            Axis.DP_CP: (self.group, self.dp_size, self.dp_rank)
+            Axis.DP_CP: (self.group, self.dp_cp_size, self.dp_cp_rank)
         }
         params = [p for p in module.parameters() if p.requires_grad]
         chunk_of = {id(p): c for c, ch in enumerate(chunks or [module]) for p in ch.parameters()}
@@ -138,9 +130,9 @@ class DataParallel(torch.nn.Module):
         order = sorted(by_kind.items(), key=lambda item: (item[0][0] is Axis.EDP, *item[0][1:3]))
         for (kind, chunk, later, sharded, _), group in order:
             _, size, rank = self.reductions[kind]
-            pad_to = size if self.config.shard_optimizer else 1
+            pad_to = self.stage.pad_to(size)
             first = sum(len(b.buckets) for b in self.grad_buffers)
-            shard = (rank, size) if self.config.shard_gradients and not later else None
+            shard = self.stage.gradient_shard(rank, size, deferred=later)
             groups = None
             if sharded:  # one bucket per unit
                 by_unit: dict[int, list] = {}
@@ -173,11 +165,14 @@ class DataParallel(torch.nn.Module):
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._handles: dict[int, object] = {}
         self._in_trace: dict[int, object] = {}  # bucket index -> its reduction's trace range
-        self._in_flight: list[Bucket] = []  # ZeRO-2 buckets whose whole gradient is alive
-        self._reduced: set[int] = set()  # ZeRO-2 buckets reduced at least once this step
         self.launch_log: list[LaunchRecord] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self.sharded_params = ShardedParams(self, units) if self.config.shard_params else None
+        self.stage.attach(self, units)
+
+    @property
+    def sharded_params(self):
+        """ZeRO-3's gather and free of the units' params (None below ZeRO-3)."""
+        return self.stage.sharded_params
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -198,10 +193,7 @@ class DataParallel(torch.nn.Module):
         if param.grad is None:
             return
         bucket = self._bucket_of[id(param)]
-        if bucket.buffer.shard is not None:
-            if bucket.index in self._handles:  # an earlier micro-batch's reduction
-                self._settle(bucket)
-            bucket.buffer.open_bucket(bucket)
+        self.stage.before_grad(self, bucket)
         param.main_grad.add_(param.grad, alpha=self._grad_scale)
         param.grad = None
         self._synced = False
@@ -215,12 +207,11 @@ class DataParallel(torch.nn.Module):
         ready.add(id(param))
         if len(ready) == len(bucket.params):
             ready.clear()
-            sharded = bucket.buffer.shard is not None  # ZeRO-2 reduces every micro-batch
-            launch = (self._sync and self.config.overlap_grad_reduce) or sharded
+            every = self.stage.reduces_every_microbatch(bucket)  # ZeRO-2, 3
+            launch = (self._sync and self.config.overlap_grad_reduce) or every
             if launch and self.reduce_gradients and not bucket.buffer.deferred:
                 self._launch(bucket, pending, from_backward=True)
-            if bucket.buffer.shard_params:  # its backward is done: the whole params go
-                self.sharded_params.release(bucket)
+            self.stage.after_backward(bucket)
 
     def _launch(self, bucket: Bucket, pending: int, from_backward: bool) -> None:
         if bucket.index in self._handles:
@@ -230,7 +221,6 @@ class DataParallel(torch.nn.Module):
                 bucket.index, pending, from_backward, bucket.buffer.chunk, time.perf_counter()
             )
         )
-        handle = None
         group, size, rank = self.reduction_of(bucket)
         scatter = bucket.buffer.shard is not None or self.config.shard_optimizer
         how = "reduce-scatter" if scatter else "all-reduce"
@@ -239,46 +229,18 @@ class DataParallel(torch.nn.Module):
         self._in_trace[bucket.index] = tracing.begin(
             f"dp {how} bucket {bucket.index}", "comm", bucket=bucket.index, chunk=bucket.buffer.chunk
         )
-        if bucket.buffer.shard is not None:
-            handle = self._reduce_into_shard(bucket, group, size, rank)
-        elif size > 1:
-            if self.config.shard_optimizer:
-                lo, hi = bucket.shard(rank, size)
-                shard = bucket.buffer.grad[lo:hi]
-                handle = self.collective.reduce_scatter(
-                    shard, bucket.grad, op="sum", group=group, async_op=True
-                )
-            else:
-                handle = self.collective.all_reduce(
-                    bucket.grad, op="sum", group=group, async_op=True
-                )
-        self._handles[bucket.index] = handle
+        self._handles[bucket.index] = self.stage.reduce(self, bucket, group, size, rank)
 
-    def _reduce_into_shard(self, bucket: Bucket, group, size: int, rank: int):
-        """ZeRO-2: reduce-scatter the bucket's whole gradient into the owned shard, which
-        keeps what earlier micro-batches reduced (added into this rank's own input)."""
-        self._reduced.add(bucket.index)
-        lo, hi = bucket.shard(rank, size)
-        shard = bucket.buffer.grad_range(lo, hi)
-        whole = bucket.grad
-        whole[lo - bucket.start : hi - bucket.start].add_(shard)
-        for earlier in self._in_flight:  # bound the live whole gradients to two
-            self._settle(earlier)
-        self._in_flight.append(bucket)
-        if size == 1:
-            shard.copy_(whole)
-            return None
-        return self.collective.reduce_scatter(shard, whole, op="sum", group=group, async_op=True)
+    def in_flight(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s reduction was launched and not waited for."""
+        return bucket.index in self._handles
 
-    def _settle(self, bucket: Bucket) -> None:
-        """ZeRO-2: wait for ``bucket``'s reduction and free its whole gradient."""
-        handle = self._handles.pop(bucket.index, None)
+    def wait_for(self, index: int) -> None:
+        """Wait for bucket ``index``'s reduction, if one is in flight."""
+        handle = self._handles.pop(index, None)
         if handle is not None:
             handle.wait()
-        tracing.end(self._in_trace.pop(bucket.index, None))
-        bucket.buffer.close_bucket(bucket)
-        if bucket in self._in_flight:
-            self._in_flight.remove(bucket)
+        tracing.end(self._in_trace.pop(index, None))
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
@@ -287,28 +249,16 @@ class DataParallel(torch.nn.Module):
         Idempotent until the next backward. Buckets are launched in the same order
         on every rank as long as every rank's backward reaches the same params.
         With ``reduce_gradients`` False the buckets keep this rank's own gradients
-        (divided by dp); only the sequence-parallel sums over tp run.
+        (divided by dp x cp); only the sequence-parallel sums over tp run.
         """
         if self._synced:
             return
         for bucket in self.buckets if self.reduce_gradients else ():
-            if bucket.index in self._handles:
-                continue
-            if bucket.buffer.shard is not None and bucket.full_grad is None:
-                if bucket.index in self._reduced:  # nothing arrived since its reduction
-                    continue
-                bucket.buffer.open_bucket(bucket)  # no gradient this step: reduce zeros
-            self._launch(bucket, 0, from_backward=False)
-        for index, handle in self._handles.items():
-            if handle is not None:
-                handle.wait()
-            tracing.end(self._in_trace.pop(index, None))
-        self._handles.clear()
-        for bucket in list(self._in_flight):
-            self._settle(bucket)
-        self._reduced.clear()
-        if self.sharded_params is not None:
-            self.sharded_params.release_all()
+            if bucket.index not in self._handles and self.stage.launches_at_finish(bucket):
+                self._launch(bucket, 0, from_backward=False)
+        for index in list(self._handles):  # in launch order
+            self.wait_for(index)
+        self.stage.finish(self)
         self._sum_sequence_parallel_grads()
         for seen in self._seen:
             seen.clear()
@@ -350,11 +300,7 @@ class DataParallel(torch.nn.Module):
             buf.grad.zero_()
             for p in buf.params:
                 p.grad = None
-            if buf.shard is not None:
-                for bucket in buf.buckets:
-                    buf.close_bucket(bucket)
-        self._in_flight.clear()
-        self._reduced.clear()
+        self.stage.zero_grad(self)
         for seen in self._seen:
             seen.clear()
         for ready in self._ready:
@@ -365,9 +311,7 @@ class DataParallel(torch.nn.Module):
     def gathered_params(self, write_back: bool = False) -> contextlib.AbstractContextManager:
         """Every param whole inside the ``with`` (ZeRO-3 gathers its units; a no-op
         otherwise); ``write_back``: what is written into them is kept."""
-        if self.sharded_params is None:
-            return contextlib.nullcontext()
-        return self.sharded_params.gathered(write_back)
+        return self.stage.gathered(write_back)
 
     # -- queries ------------------------------------------------------------------
     def buffer_of(self, param: torch.nn.Parameter) -> GradBuffer:
@@ -383,7 +327,5 @@ class DataParallel(torch.nn.Module):
 
     def owned_ranges(self, bucket: Bucket) -> tuple[int, int]:
         """The ``[start, end)`` of ``bucket`` whose reduced gradient this rank holds."""
-        if self.config.shard_optimizer:
-            _, size, rank = self.reduction_of(bucket)
-            return bucket.shard(rank, size)
-        return bucket.start, bucket.end
+        _, size, rank = self.reduction_of(bucket)
+        return self.stage.owned_range(bucket, size, rank)

@@ -1,7 +1,9 @@
 """Pipeline parallelism: schedules as data, one runner, model splitting, tied weights.
 
 ``schedules`` builds per-rank action lists (no pipelining, GPipe, 1F1B,
-interleaved 1F1B, zero-bubble ZB-H1 and its interleaved form); ``simulate`` checks and times them on paper; ``runner``
+interleaved 1F1B, zero-bubble ZB-H1 and its interleaved form); ``table`` holds one entry
+per schedule (builder, virtual-stage rule, memory and bubble formulas) that the config,
+the engine and the planner read; ``simulate`` checks and times them on paper; ``runner``
 executes one rank's list over ``Collective.batch_send_recv``; ``split`` says
 which layers each (rank, chunk) owns and validates batch sizes; ``groups``
 holds the pipeline and tied-embedding groups.
@@ -13,16 +15,15 @@ planner and config checks use them without torch); the runner, the groups and
 
 from mtcore import lazy_exports
 from mtcore.parallel.pipeline.schedules import (
-    SCHEDULES,
     Action,
     Schedule,
     ScheduleError,
-    build_schedule,
     gpipe,
     interleaved_1f1b,
     interleaved_zb,
     no_pipelining,
     one_f_one_b,
+    with_transfers,
     zb_h1,
 )
 from mtcore.parallel.pipeline.simulate import Timeline, simulate
@@ -34,6 +35,13 @@ from mtcore.parallel.pipeline.split import (
     stage_plan,
     stage_plans,
     validate_pipeline,
+)
+from mtcore.parallel.pipeline.table import (
+    SCHEDULE_TABLE,
+    ScheduleEntry,
+    build_schedule,
+    register_schedule,
+    schedule_entry,
 )
 
 _WITH_TORCH = {
@@ -51,11 +59,12 @@ __getattr__ = lazy_exports(__name__, _WITH_TORCH)
 
 
 __all__ = [
-    "SCHEDULES",
+    "SCHEDULE_TABLE",
     "Action",
     "PipelineGroups",
     "PipelineRunner",
     "Schedule",
+    "ScheduleEntry",
     "ScheduleError",
     "SplitError",
     "StageModule",
@@ -72,10 +81,13 @@ __all__ = [
     "no_pipelining",
     "num_microbatches",
     "one_f_one_b",
+    "register_schedule",
+    "schedule_entry",
     "simulate",
     "stage_plan",
     "stage_plans",
     "sync_tied_weights",
     "validate_pipeline",
+    "with_transfers",
     "zb_h1",
 ]

@@ -37,7 +37,6 @@ _CODE = {
     SEND_BWD: "sB",
     RECV_BWD: "rB",
 }
-SCHEDULES = ("no_pipelining", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
 
 
 class ScheduleError(ValueError):
@@ -186,7 +185,7 @@ def no_pipelining(microbatches: int) -> Schedule:
     """One stage, gradient accumulation: F0 B0 F1 B1 ..."""
     _check(1, microbatches)
     order = [(Action(FORWARD, i), Action(BACKWARD, i)) for i in range(microbatches)]
-    return _with_comm("no_pipelining", [order], 1, 1, microbatches)
+    return with_transfers("no_pipelining", [order], 1, 1, microbatches)
 
 
 def gpipe(pp: int, microbatches: int) -> Schedule:
@@ -194,7 +193,7 @@ def gpipe(pp: int, microbatches: int) -> Schedule:
     _check(pp, microbatches)
     order = [(Action(FORWARD, i),) for i in range(microbatches)]
     order += [(Action(BACKWARD, i),) for i in range(microbatches)]
-    return _with_comm("gpipe", [list(order) for _ in range(pp)], pp, 1, microbatches)
+    return with_transfers("gpipe", [list(order) for _ in range(pp)], pp, 1, microbatches)
 
 
 def one_f_one_b(pp: int, microbatches: int) -> Schedule:
@@ -210,7 +209,7 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
             order += [(Action(FORWARD, warmup + i),), (Action(BACKWARD, i),)]
         order += [(Action(BACKWARD, i),) for i in range(microbatches - warmup, microbatches)]
         orders.append(order)
-    return _with_comm("1f1b", orders, pp, 1, microbatches)
+    return with_transfers("1f1b", orders, pp, 1, microbatches)
 
 
 def interleaved_1f1b(pp: int, vpp: int, microbatches: int) -> Schedule:
@@ -221,7 +220,7 @@ def interleaved_1f1b(pp: int, vpp: int, microbatches: int) -> Schedule:
     Warmup: ``2 (pp - r - 1) + (v - 1) pp`` forwards (all of them when m == pp).
     """
     units = _interleaved_units(pp, vpp, microbatches)
-    return _with_comm("interleaved_1f1b", units, pp, vpp, microbatches)
+    return with_transfers("interleaved_1f1b", units, pp, vpp, microbatches)
 
 
 def interleaved_zb(pp: int, vpp: int, microbatches: int) -> Schedule:
@@ -241,7 +240,7 @@ def interleaved_zb(pp: int, vpp: int, microbatches: int) -> Schedule:
         if due or held:
             out.append(due + tuple(held))
         orders.append(out)
-    return _with_comm("interleaved_zb", orders, pp, vpp, microbatches)
+    return with_transfers("interleaved_zb", orders, pp, vpp, microbatches)
 
 
 def _interleaved_units(pp: int, vpp: int, microbatches: int) -> list[list[tuple[Action, ...]]]:
@@ -301,30 +300,7 @@ def zb_h1(pp: int, microbatches: int) -> Schedule:
                 order.append((Action(WEIGHT, next(weights)),))
         order += [(Action(WEIGHT, i),) for i in weights]
         orders.append(order)
-    return _with_comm("zb_h1", orders, pp, 1, microbatches)
-
-
-def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
-    """``name`` in SCHEDULES; "1f1b" with vpp > 1 means the interleaved one."""
-    if name == "no_pipelining":
-        if pp != 1 or vpp != 1:
-            raise ScheduleError(f"no_pipelining runs one stage; got pp={pp}, vpp={vpp}")
-        return no_pipelining(microbatches)
-    if name == "gpipe" and vpp == 1:
-        return gpipe(pp, microbatches)
-    if name == "1f1b" and vpp == 1:
-        return one_f_one_b(pp, microbatches)
-    if name in ("1f1b", "interleaved_1f1b"):
-        return interleaved_1f1b(pp, vpp, microbatches)
-    if name == "zb_h1":
-        if vpp != 1:
-            raise ScheduleError(f"zb_h1 runs one chunk per rank; got vpp={vpp}; use interleaved_zb")
-        return zb_h1(pp, microbatches)
-    if name == "interleaved_zb":
-        if vpp < 2:
-            raise ScheduleError(f"interleaved_zb needs vpp > 1 chunks per rank; got vpp={vpp}")
-        return interleaved_zb(pp, vpp, microbatches)
-    raise ScheduleError(f"unknown schedule {name!r} (vpp={vpp}); known: {', '.join(SCHEDULES)}")
+    return with_transfers("zb_h1", orders, pp, 1, microbatches)
 
 
 # -- transfers -------------------------------------------------------------------------
@@ -336,7 +312,9 @@ def is_last_stage(rank: int, chunk: int, pp: int, vpp: int) -> bool:
     return rank == pp - 1 and chunk == vpp - 1
 
 
-def _with_comm(name: str, orders: Sequence[Sequence[tuple[Action, ...]]], pp: int, vpp: int, m: int) -> Schedule:
+def with_transfers(name: str, orders: Sequence[Sequence[tuple[Action, ...]]], pp: int, vpp: int, m: int) -> Schedule:
+    """The schedule whose ranks run ``orders`` (each rank's compute units), with the
+    transfers derived from them by the rule above: what a new schedule's builder returns."""
     lists = []
     for r, order in enumerate(orders):
 

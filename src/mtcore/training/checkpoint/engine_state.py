@@ -203,7 +203,7 @@ class EngineState:
                     if t is None:
                         continue
                     for bucket in buf.buckets:
-                        group, size, rank = _reduction(ddp, bucket)
+                        group, size, rank = ddp.reduction_of(bucket)  # dp_cp; edp for experts
                         if size == 1:
                             continue
                         lo, hi = bucket.shard(rank, size)
@@ -337,9 +337,3 @@ def _check_shape(piece: Piece, tp: int, ep: int, saved: torch.Size) -> None:
             f"{shape} (a different model config?)"
         )
 
-
-def _reduction(ddp, bucket) -> tuple[object, int, int]:
-    """(group, size, rank) a ZeRO-1 bucket is sharded over (``dp_cp``; ``edp`` for experts)."""
-    if hasattr(ddp, "reduction_of"):
-        return ddp.reduction_of(bucket)
-    return ddp.group, ddp.dp_size, ddp.dp_rank

@@ -48,28 +48,71 @@ def iteration_dir(path: str | Path) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
     latest = path / LATEST
-    if latest.is_file():
-        text = latest.read_text().strip()
-        name = (
-            "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+    if latest.exists():
+        directory = path / _iteration_named(latest)
+        if not directory.is_dir():
+            what = "is a file, not a directory" if directory.exists() else "does not exist"
+            raise CheckpointError(f"{latest} names {directory.name}, but {directory} {what}")
+    elif (path / "metadata.json").exists() or any(path.glob("mp_rank_*")):
+        directory = path
+    else:
+        raise CheckpointError(
+            f"{path} is not a Megatron checkpoint: no {LATEST}, metadata.json or "
+            f"mp_rank_*/{LEGACY_FILE}"
         )
-        if name is None or not (path / name).is_dir():
-            raise CheckpointError(f"{latest} names {text!r}, which is not a directory here")
-        return path / name
-    if (path / "metadata.json").is_file() or any(path.glob(f"mp_rank_*/{LEGACY_FILE}")):
-        return path
-    raise CheckpointError(
-        f"{path} is not a Megatron checkpoint: no {LATEST}, metadata.json or "
-        f"mp_rank_*/{LEGACY_FILE}"
-    )
+    if not (directory / "metadata.json").exists() and not any(directory.glob("mp_rank_*")):
+        raise CheckpointError(
+            f"{directory} holds no checkpoint (no metadata.json or mp_rank_*/{LEGACY_FILE}): "
+            "an empty or unfinished iteration"
+        )
+    return directory
+
+
+def _iteration_named(latest: Path) -> str:
+    """The iteration directory's name ``latest_checkpointed_iteration.txt`` holds: what
+    Megatron-LM writes there is an iteration number or ``release``."""
+    raw = regular_file(latest).read_bytes()
+    try:
+        text = raw.decode("utf-8").strip()
+        if "\x00" in text:
+            raise UnicodeDecodeError("utf-8", raw, 0, 1, "a NUL byte")
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{latest} is not text (a binary or non-UTF-8 file): it should hold an iteration "
+            "number or 'release'"
+        ) from None
+    if text == "release":
+        return text
+    if not re.fullmatch(r"[0-9]{1,12}", text):
+        raise CheckpointError(f"{latest} holds {text[:40]!r}, not an iteration number or 'release'")
+    return f"iter_{int(text):07d}"
+
+
+def regular_file(path: Path) -> Path:
+    """``path``, or a CheckpointError when it is missing or not a file (a directory)."""
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory where a file should be")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    return path
 
 
 def read_megatron(path: str | Path) -> tuple[FamilyConfig, dict[str, Tensor], int]:
     """``(config, full weights, iteration)`` of a Megatron checkpoint (root or
-    iteration directory, torch_dist or legacy)."""
+    iteration directory, torch_dist or legacy). Saved arguments of the wrong kind (text
+    where a number belongs) are a CheckpointError naming the directory."""
     directory = iteration_dir(path)
+    try:
+        return _read(directory)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{directory}: its saved arguments do not fit: {e}") from None
+
+
+def _read(directory: Path) -> tuple[FamilyConfig, dict[str, Tensor], int]:
     adapter = _adapter()
-    if (directory / "metadata.json").is_file():
+    if (directory / "metadata.json").exists():
         args, stacked = _read_torch_dist(directory)
         vocab = stacked.get("embedding.word_embeddings.weight")
         config = adapter.config_from_args(args, None if vocab is None else vocab.shape[0])
@@ -90,21 +133,28 @@ def _args_of(saved: object, where: Path) -> dict:
             f"{where} holds no Megatron-LM arguments ('args'): cannot tell the model"
         )
     found = dict(vars(args))
-    found["iteration"] = saved.get("iteration")
+    iteration = saved.get("iteration")
+    if iteration is not None and (type(iteration) is not int or iteration < 0):
+        raise CheckpointError(f"{where}: its iteration is {iteration!r:.40}, not a number >= 0")
+    found["iteration"] = iteration
     return found
 
 
 def _read_torch_dist(directory: Path) -> tuple[dict, dict[str, Tensor]]:
+    path = regular_file(directory / "metadata.json")
     try:
-        backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
+        backend = json.loads(path.read_bytes().decode("utf-8")).get("sharded_backend")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not text (a binary or non-UTF-8 file)") from None
     except (json.JSONDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{directory / 'metadata.json'} is not a JSON object: {e}") from None
+        raise CheckpointError(f"{path} is not a JSON object: {e}") from None
     if backend != "torch_dist":
         raise CheckpointError(
             f"{directory}: sharded_backend {backend!r} is not supported (torch_dist)"
         )
-    args = _args_of(torch_file(directory / "common.pt"), directory / "common.pt")
-    metadata = load_metadata(directory / ".metadata", skip_bytes=True)
+    common = regular_file(directory / "common.pt")
+    args = _args_of(torch_file(common), common)
+    metadata = load_metadata(regular_file(directory / ".metadata"), skip_bytes=True)
     stacked = {
         key: torch.zeros(entry.size, dtype=entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
@@ -123,8 +173,14 @@ def _read_legacy(directory: Path) -> tuple[dict, dict[tuple[int, int, int], list
     numbered: dict[tuple[int, ...], Path] = {}
     for sub in sorted(directory.iterdir()):
         match = _RANK_DIR.match(sub.name)
-        if match and (sub / LEGACY_FILE).is_file():
-            numbered[tuple(int(g) for g in match.groups() if g is not None)] = sub / LEGACY_FILE
+        if match:
+            if not sub.is_dir():
+                raise CheckpointError(f"{sub} is a file where a directory should be")
+            numbered[tuple(int(g) for g in match.groups() if g is not None)] = regular_file(
+                sub / LEGACY_FILE
+            )
+    if not numbered:
+        raise CheckpointError(f"{directory} holds no mp_rank_TT[_PPP[_EEE]]/{LEGACY_FILE}")
     first = min(numbered)
     args = _args_of(torch_file(numbered[first]), numbered[first])
     pipeline = int(args.get("pipeline_model_parallel_size") or 1) > 1

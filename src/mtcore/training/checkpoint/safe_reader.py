@@ -13,10 +13,12 @@ is a one-line error naming it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import inspect
 import io
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -86,7 +88,53 @@ def load_metadata(path: Path, skip_bytes: bool = False) -> Metadata:
         elif not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"{path}: entry {key!r} is not a tensor; refusing to load it")
     _check_storage(metadata, path)
+    for key, entry in metadata.state_dict_metadata.items():
+        _check_coverage(key, entry, path)
     return metadata
+
+
+def _check_coverage(key: str, entry: TensorStorageMetadata, path: Path) -> None:
+    """The chunks of ``key`` lie inside its shape and hold each element exactly once: DCP
+    fills what no chunk covers with whatever the target held (zeros), without a word.
+    Exact and cheap: the chunks' edges cut each axis into intervals, and every cell of
+    that grid is counted (a regular split gives one cell per chunk)."""
+    size = tuple(entry.size)
+    chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+    for offsets, sizes in chunks:
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(
+                o < 0 or n < 0 or o + n > whole
+                for o, n, whole in zip(offsets, sizes, size, strict=True)
+            )
+        ):
+            raise CheckpointError(
+                f"{path}: a chunk of {key!r} (offsets {list(offsets)}, sizes {list(sizes)}) "
+                f"lies outside its shape {list(size)}"
+            )
+    if math.prod(size) == 0:
+        return
+    edges = []
+    for axis, whole in enumerate(size):
+        cuts = {0, whole}
+        for offsets, sizes in chunks:
+            cuts.update((offsets[axis], offsets[axis] + sizes[axis]))
+        edges.append(sorted(cuts))
+    counts = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
+    for offsets, sizes in chunks:
+        cells = tuple(
+            slice(bisect.bisect_left(e, o), bisect.bisect_left(e, o + n))
+            for e, o, n in zip(edges, offsets, sizes, strict=True)
+        )
+        counts[cells] += 1
+    if not bool((counts == 1).all()):
+        covered = sum(math.prod(sizes) for _, sizes in chunks)
+        raise CheckpointError(
+            f"{path}: the chunks of {key!r} do not cover its shape {list(size)} once "
+            f"({covered:,} of {math.prod(size):,} elements stored, overlaps counted): a "
+            "partial or corrupt checkpoint"
+        )
 
 
 def _check_storage(metadata: Metadata, path: Path) -> None:

@@ -177,11 +177,14 @@ def _experts_to_hf(config: DecoderConfig, weights, mine: str, theirs: str) -> di
 
 
 def from_hf_tensors(
-    config: DecoderConfig, tensors: dict[str, Tensor], architecture: str | None = None
-) -> dict[str, Tensor]:
+    config: DecoderConfig, tensors: dict[str, Tensor], architecture: str | None = None,
+    mtp_layers: int = 0,
+) -> dict[str, Tensor]:  # fmt: skip
     """mtcore full weights (fp32) from HuggingFace tensors of ``architecture`` (None:
     ``default_architecture``); refuses missing, unexpected or misshapen tensors, naming
-    them."""
+    them. ``mtp_layers``: the multi-token-prediction layers after the last layer that
+    the config declares (DeepSeek's ``num_nextn_predict_layers``), skipped; a tensor of
+    any other layer past the last is refused like any unexpected tensor."""
     architecture = architecture or default_architecture(config)
     source = TensorTaker(tensors)
     weights = {"embed.tok.weight": source.take("model.embed_tokens.weight")}
@@ -221,8 +224,17 @@ def from_hf_tensors(
         )
     # DeepSeek's multi-token-prediction layers follow the last layer; they are not loaded.
     for name in list(source.tensors):
-        if _layer_index(name) >= config.num_layers:
+        if config.num_layers <= _layer_index(name) < config.num_layers + mtp_layers:
             source.used.add(name)
+    past = sorted({_layer_index(n) for n in set(source.tensors) - source.used} - {-1})
+    past = [layer for layer in past if layer >= config.num_layers]
+    if past:
+        declared = f"{config.num_layers} layers (num_hidden_layers)"
+        declared += f" and {mtp_layers} num_nextn_predict_layers" if mtp_layers else ""
+        raise HFInteropError(
+            f"the tensors hold layer(s) {', '.join(map(str, past[:5]))} past the {declared} "
+            "the config declares: refusing to drop them"
+        )
     # Old checkpoints carry the RoPE frequencies as a buffer; mtcore recomputes them.
     source.refuse_untaken("a llama-style GPT", ignored_suffix="rotary_emb.inv_freq")
     with as_interop_error():
@@ -303,4 +315,11 @@ def import_hf(
     directory = Path(hf_dir)
     hf = read_config(directory)
     config = model_config_from_hf(hf, seq_len, config_class)
-    return config, from_hf_tensors(config, read_safetensors(directory), hf["model_type"])
+    mtp_layers = hf.get("num_nextn_predict_layers") or 0
+    if type(mtp_layers) is not int or mtp_layers < 0:
+        raise HFInteropError(
+            f"{directory / 'config.json'}: num_nextn_predict_layers is {mtp_layers!r}, not a "
+            "whole number >= 0"
+        )
+    tensors = read_safetensors(directory)
+    return config, from_hf_tensors(config, tensors, hf["model_type"], mtp_layers)
