@@ -80,31 +80,6 @@ def _timed_backward(fn):
     return call
 
 
-def _timed_start(fn):
-    """``SharedMemoryChannel.all_reduce_start``: the post and the returned finish (the
-    split-phase all-reduce's wait) both count as collective time, as one call."""
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if not CLOCK.on:
-            return fn(*args, **kwargs)
-        t0 = time.perf_counter()
-        finish = fn(*args, **kwargs)
-        CLOCK.comm += time.perf_counter() - t0
-        CLOCK.calls += 1
-
-        def timed_finish():
-            start = time.perf_counter()
-            try:
-                return finish()
-            finally:
-                CLOCK.comm += time.perf_counter() - start
-
-        return timed_finish
-
-    return call
-
-
 def instrument() -> None:
     """Wrap the collectives both sides call and ``torch.autograd.backward``; before
     Megatron is imported (it binds ``all_gather_into_tensor`` at import)."""
@@ -118,8 +93,6 @@ def instrument() -> None:
 
     for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         setattr(SharedMemoryChannel, name, _timed_collective(getattr(SharedMemoryChannel, name)))
-    if hasattr(SharedMemoryChannel, "all_reduce_start"):  # split-phase (this branch on)
-        SharedMemoryChannel.all_reduce_start = _timed_start(SharedMemoryChannel.all_reduce_start)
 
 
 def timed_phases(step, batch) -> dict[str, float]:

@@ -423,8 +423,6 @@ class Collective:
     def _all_reduce_native(self, tensor, op, group, async_op):
         channel = self._channel_for(group, tensor, op=op)
         if channel is not None:
-            if async_op:  # published now, reduced at wait(): the wait hides behind compute
-                return _ChannelWork(channel.all_reduce_start(tensor, op))
             channel.all_reduce(tensor, op)
             return None
         if op == "avg" and not self.capabilities.avg_supported:
@@ -627,20 +625,6 @@ class Collective:
     def _sync(self, op: str, group):
         """Wraps a blocking call: a timeout becomes a CollectiveTimeout naming it."""
         return _named(self._describe(op, group), self.timeout_s)
-
-
-class _ChannelWork:
-    """A shared-memory all-reduce posted and not yet reduced, with Work's interface."""
-
-    def __init__(self, finish: Callable[[], None]):
-        self._finish, self._done = finish, False
-
-    def wait(self):
-        self._finish()
-        self._done = True
-
-    def is_completed(self):
-        return self._done
 
 
 class _Chained:

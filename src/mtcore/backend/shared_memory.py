@@ -35,13 +35,6 @@ with it: issue 33). A peer that exits is noticed within a second (the sleep time
 to check its pid) and a peer that hangs after the group's timeout: both raise
 ``CollectiveTimeout`` naming the call, as gloo would.
 
-An async all-reduce that fits one slot is split in two (``all_reduce_start``): the
-rank publishes its part at the call and waits for the others' and reduces when the
-caller waits on the handle, so a peer that arrives late is waited for behind the
-caller's next computation (the column-parallel backward's weight-gradient matmul)
-rather than before it. The channel's next call finishes a pending one first, so the
-reading of round ``k`` still precedes the publication of ``k + 1``.
-
 The segment lives in ``/dev/shm`` only until every member has mapped it; it is
 unlinked then, so nothing is left behind when a rank dies.
 """
@@ -57,7 +50,7 @@ import os
 import platform
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -200,7 +193,6 @@ class SharedMemoryChannel:
         base = self._bytes.data_ptr()
         self._flag_addresses = [base + slot * 8 for slot in self._flag_slots]
         self._round = 0
-        self._pending = None  # the finish of a posted, not yet reduced all-reduce
         self._whole_slot = torch.empty(slot_bytes, dtype=torch.uint8, device="meta")
 
     # -- the three operations ----------------------------------------------------------
@@ -226,32 +218,6 @@ class SharedMemoryChannel:
             piece = flat[lo : lo + per_round]
             slots = self._exchange(lambda mine, piece=piece: mine.copy_(piece), piece)
             _reduce(slots, piece, op, self.members)
-
-    def all_reduce_start(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], None]:
-        """Post this rank's ``tensor`` now, reduce into it at the returned ``finish()``:
-        the wait for the other members falls where ``finish`` is called (after the
-        caller's next computation), not here. ``tensor`` must stay untouched until then.
-        The channel's next call finishes it first, so rounds stay in order; a tensor
-        larger than a slot is reduced at once (``finish`` is then a no-op)."""
-        if tensor.numel() * tensor.element_size() > self.slot_bytes:
-            self.all_reduce(tensor, op)
-            return _done
-        flat = tensor.view(-1)
-        slots = self._post(lambda mine: mine.copy_(flat), flat)
-        round_, finished = self._round, []
-
-        @torch.no_grad()
-        def finish() -> None:
-            if finished:
-                return
-            finished.append(True)
-            if self._pending is finish:
-                self._pending = None
-            self._wait_for(round_)
-            _reduce(slots, flat, op, self.members)
-
-        self._pending = finish
-        return finish
 
     @torch.no_grad()
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -350,16 +316,6 @@ class SharedMemoryChannel:
     def _exchange(self, fill, like: torch.Tensor) -> list[torch.Tensor]:
         """Write this rank's part (``fill`` gets the slot, typed and shaped flat like
         ``like``), publish it, wait for every member's, and return all slots typed alike."""
-        slots = self._post(fill, like)
-        self._wait_for(self._round)
-        return slots
-
-    def _post(self, fill, like: torch.Tensor) -> list[torch.Tensor]:
-        """``_exchange`` up to the publication: a pending all-reduce is finished first
-        (its slots are read before this rank publishes the next round, which is what
-        lets two slot sets serve every round)."""
-        if self._pending is not None:
-            self._pending()
         self._round += 1
         slot_set = self._round % 2
         nbytes = like.numel() * like.element_size()
@@ -370,6 +326,7 @@ class SharedMemoryChannel:
         fill(slots[self.rank])
         self._flags[self._flag_slots[self.rank]] = self._round
         futex_wake(self._flag_addresses[self.rank])
+        self._wait_for(self._round)
         return slots
 
     def _arrived(self, round_: int) -> bool:
@@ -418,10 +375,6 @@ def name_members(segment, members: Sequence[int]) -> str:
     ranks = ", ".join(str(segment.global_ranks[r]) for r in members)
     pids = ", ".join(str(segment.pids[r]) for r in members)
     return f"rank(s) {ranks} (pid {pids} on host {socket.gethostname()})"
-
-
-def _done() -> None:
-    """The finish of an all-reduce that completed when it started."""
 
 
 def _row_bytes(tensor: torch.Tensor) -> int:
