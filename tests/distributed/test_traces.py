@@ -114,7 +114,7 @@ def test_four_ranks_trace_merge_and_summary(tmp_path, write_code_corpus, capsys)
 
     sent, received = ranges(0, "forward"), ranges(2, "forward")
     for mb in range(MICROBATCHES):  # stage 0 rank 0 feeds stage 1 rank 2 (same dp index)
-        assert sent[mb]["ts"] + sent[mb]["dur"] <= received[mb]["ts"] + 1e3  # 1 ms: barrier skew
+        assert sent[mb]["ts"] + sent[mb]["dur"] <= received[mb]["ts"] + 100  # one host, one clock: 0.1 ms for the clock reads
 
     for trace in loaded:
         s = summarize(trace)

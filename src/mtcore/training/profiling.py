@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -103,6 +104,10 @@ class StepProfiler:
                 "device": self.backend.device.type,
                 "steps": self._steps,
                 "sync_us": _us(recorder.marks["sync"], recorder, base_ns),
+                # The same mark on perf_counter's clock: CLOCK_MONOTONIC on Linux, one
+                # clock for every process of a host, so merge places a host's ranks exactly.
+                "sync_clock_ns": recorder.marks["sync"],
+                "clock": time.get_clock_info("perf_counter").implementation,
                 "torch_profiler": used,
             },
         }

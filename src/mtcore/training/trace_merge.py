@@ -1,9 +1,14 @@
 """One timeline from the ranks' traces, and where each rank's step time went.
 
 ``merge`` reads every ``rank<r>.json.gz`` that ``logging.profile`` wrote, gives each rank
-one process row (pid = rank, named "rank r (host)"), and shifts each rank's clock so
-that the barrier every rank left at the first traced step (its ``mtcore sync`` mark) is
-the same instant; the result loads in Perfetto (ui.perfetto.dev) and chrome://tracing.
+one process row (pid = rank, named "rank r (host)"), and shifts each rank's clock onto
+one timeline: the ranks of one host keep the host's own clock (Linux's CLOCK_MONOTONIC,
+which every process of a host reads alike: exact), and the hosts are aligned where their
+first rank left the barrier of the first traced step (its ``mtcore sync`` mark), which is
+as good as the barrier's exit skew. Traces without the host clock (written before it
+was recorded, or on a system where perf_counter is not CLOCK_MONOTONIC) are aligned at
+the barrier rank by rank. The result loads in Perfetto (ui.perfetto.dev) and
+chrome://tracing.
 
 ``summarize`` splits each traced step of each rank into the planner's categories
 (``mtcore.plan``: compute, exposed communication, bubble, optimizer, data) from
@@ -66,10 +71,12 @@ def merge(traces: list[dict]) -> dict:
     """One Trace Event Format object: every rank's events on its own process row, the
     clocks aligned at the ranks' sync marks (time 0 is the earliest event)."""
     shifted: list[dict] = []
+    after_host_sync = _after_host_sync_us(traces)
     for trace in traces:
         info = trace[TRACE_KEY]
         rank = info["rank"]
-        offset = -info["sync_us"]  # the sync mark at 0, every rank alike
+        # the host's first sync mark at 0; the rank's own this long after it
+        offset = -info["sync_us"] + after_host_sync.get(rank, 0.0)
         shifted.append({"ph": "M", "name": "process_name", "pid": rank,
                         "args": {"name": f"rank {rank} ({info['host']})"}})  # fmt: skip
         shifted.append({"ph": "M", "name": "process_sort_index", "pid": rank,
@@ -89,8 +96,27 @@ def merge(traces: list[dict]) -> dict:
     return {
         "traceEvents": shifted,
         "displayTimeUnit": "ms",
-        TRACE_KEY: {"ranks": ranks, "aligned_at": "the barrier of the first traced step"},
+        TRACE_KEY: {
+            "ranks": ranks,
+            "aligned_at": "one clock per host; hosts at the barrier of the first traced step",
+        },
     }
+
+
+def _after_host_sync_us(traces: list[dict]) -> dict[int, float]:
+    """{rank: microseconds from its host's first sync mark to its own}, read on the
+    host's CLOCK_MONOTONIC; hosts where some trace lacks that clock are left out (their
+    ranks align at the barrier itself: 0)."""
+    by_host: dict[str, list[dict]] = {}
+    for trace in traces:
+        by_host.setdefault(trace[TRACE_KEY]["host"], []).append(trace[TRACE_KEY])
+    after: dict[int, float] = {}
+    for infos in by_host.values():
+        if not all("CLOCK_MONOTONIC" in str(i.get("clock")) and "sync_clock_ns" in i for i in infos):
+            continue
+        first = min(i["sync_clock_ns"] for i in infos)
+        after.update({i["rank"]: (i["sync_clock_ns"] - first) / 1e3 for i in infos})
+    return after
 
 
 @dataclass
