@@ -22,21 +22,18 @@ LAYERS = {
     "backend": {"ops"},
     "ops": set(),  # the spec depends on torch alone
     "data": set(),  # tokenizer, indexed documents, samplers: torch, numpy, tokenizers
-    "distributed": {"backend", "ops"},
     "precision": {"backend", "ops"},
-    "parallel": {"backend", "ops", "distributed", "precision"},
-    "models": {"backend", "ops", "data", "distributed", "precision", "parallel"},
-    "training": {"backend", "ops", "data", "distributed", "precision", "parallel", "models"},
+    "parallel": {"backend", "ops", "precision"},
+    "models": {"backend", "ops", "data", "precision", "parallel"},
+    "training": {"backend", "ops", "data", "precision", "parallel", "models"},
     "plan": {
         "backend",
         "ops",
         "data",
-        "distributed",
         "precision",
         "parallel",
         "models",
         "training",
-        "train",
     },
 }
 # What training/, cli/ and plan/ may import from mtcore.models: the seam, never a family
